@@ -1,0 +1,179 @@
+"""Quality of the weight schemes on SmolLM2: WikiText-2 perplexity per mode and the teacher-forced
+draft/verifier agreement on GSM8K (the paper's Figure 2), with simulated tokens per QSPEC round.
+
+    python -m bench.quality --wikitext ../shared/data/wikitext2_test.raw \
+        --gsm8k ../shared/data/gsm8k_test_dev.jsonl --calibration ../shared/data/gsm8k_train.jsonl
+
+Perplexity windowing: the raw file (CRLF -> LF) is tokenized as one string; the first
+``--ppl-tokens`` tokens are cut into non-overlapping windows of ``--window`` tokens, each scored
+from its own start (no context carried across windows). Agreement: W4A16 answers the first
+``--answers`` dev questions greedily (chat template, up to ``--max-answer-tokens``); along each
+answer, the W4A4 / W4A8 top-1 next token is compared with W4A16's (teacher-forced, same weights).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from convert.pipeline import convert
+from convert.quantize import QuantScheme
+from qspec_jax.checkpoint import Checkpoint, load_checkpoint
+from qspec_jax.decode import greedy_generate, pad_prompts
+from qspec_jax.embedded import cache_dir, embedded_gguf
+from qspec_jax.evaluate import perplexity, token_scores, simulate_rounds
+from qspec_jax.tokenizer import chat_prompt, load_tokenizer
+
+GAMMAS = range(1, 7)
+DRAFTS = ("w4a4", "w4a8")
+
+
+def wikitext_ids(path: Path, tokenizer, n_tokens: int) -> np.ndarray:
+    text = Path(path).read_text(encoding="utf-8").replace("\r\n", "\n")
+    ids = np.asarray(tokenizer.encode(text, add_special_tokens=False), np.int32)
+    if len(ids) < n_tokens:
+        raise ValueError(f"{path} has {len(ids)} tokens, fewer than the {n_tokens} asked for")
+    return ids[:n_tokens]
+
+
+def agreement(ck: Checkpoint, prompts: list[list[int]], answers: list[list[int]]) -> dict:
+    """Teacher-forced top-1 agreement of each draft mode with W4A16 along the W4A16 answers."""
+    seqs = [p + a for p, a in zip(prompts, answers)]
+    tokens, _ = pad_prompts(seqs)
+    kw = dict(online_rotation_seed=ck.online_rotation_seed)
+    tops = {m: np.concatenate([token_scores(ck.params, ck.config, tokens[i:i + 10], mode=m, **kw)[1]
+                               for i in range(0, len(tokens), 10)]) for m in ("w4a16", *DRAFTS)}
+    out = {}
+    for draft in DRAFTS:
+        agree = [tops[draft][i, len(p) - 1: len(p) + len(a) - 1] == tops["w4a16"][i, len(p) - 1: len(p) + len(a) - 1]
+                 for i, (p, a) in enumerate(zip(prompts, answers))]
+        flat = np.concatenate(agree)
+        tpr = {g: flat.size / sum(simulate_rounds(a, g) for a in agree) for g in GAMMAS}
+        out[draft] = {"alpha": float(flat.mean()), "tokens": int(flat.size), "tokens_per_round": tpr}
+    return out
+
+
+def evaluate_checkpoint(ck: Checkpoint, tok, wiki: np.ndarray, window: int, questions: list[str],
+                        max_answer_tokens: int, modes: tuple[str, ...]) -> dict:
+    kw = dict(online_rotation_seed=ck.online_rotation_seed)
+    res: dict = {"ppl": {}}
+    for mode in modes:
+        t = time.time()
+        res["ppl"][mode] = perplexity(ck.params, ck.config, wiki, window=window, mode=mode, **kw)
+        print(f"  ppl {mode}: {res['ppl'][mode]:.3f} ({time.time() - t:.0f} s)", flush=True)
+    if questions:
+        t = time.time()
+        prompts = [chat_prompt(tok, q) for q in questions]
+        answers = []
+        for i in range(0, len(prompts), 25):
+            answers += greedy_generate(ck.params, ck.config, prompts[i:i + 25], max_answer_tokens, mode="w4a16",
+                                       eos_id=tok.eos_token_id, **kw)
+        res["agreement"] = agreement(ck, prompts, answers)
+        res["answer_tokens"] = int(sum(len(a) for a in answers))
+        print(f"  agreement: { {d: round(v['alpha'], 4) for d, v in res['agreement'].items()} } "
+              f"({time.time() - t:.0f} s)", flush=True)
+    return res
+
+
+def recommend(results: dict) -> tuple[str, str, str]:
+    """Verifier quality first (W4A16 ppl within 5% of the best), then tokens per round at gamma=3."""
+    best_ppl = min(r["ppl"]["w4a16"] for r in results.values())
+    ok = {n: r for n, r in results.items() if r["ppl"]["w4a16"] <= 1.05 * best_ppl and "agreement" in r}
+    name, draft = max(((n, d) for n in ok for d in DRAFTS),
+                      key=lambda nd: ok[nd[0]]["agreement"][nd[1]]["tokens_per_round"][3])
+    r = ok[name]
+    why = (f"W4A16 perplexity {r['ppl']['w4a16']:.2f} is within 5% of the best W4A16 perplexity "
+           f"({best_ppl:.2f}), and among such checkpoints its {draft} draft has the highest simulated "
+           f"tokens per round at gamma=3 ({r['agreement'][draft]['tokens_per_round'][3]:.2f}, "
+           f"alpha={r['agreement'][draft]['alpha']:.3f}).")
+    return name, draft, why
+
+
+def write_report(path: Path, results: dict, float_ppl: float, args: argparse.Namespace) -> None:
+    lines = ["# SmolLM2-135M-Instruct: weight schemes, perplexity and draft agreement", "",
+             f"Made by `{' '.join(['python -m bench.quality', *sys.argv[1:]])}` (CPU).", "",
+             f"WikiText-2 test, first {args.ppl_tokens} tokens, non-overlapping windows of {args.window} "
+             "tokens each scored from its own start. Checkpoints converted from the GGUF (Q4_1) by "
+             f"`qspec-convert`; group size {args.group_size or 'per-channel'}, "
+             f"{'symmetric' if args.symmetric else 'asymmetric'}; GPTQ calibrated on "
+             f"{args.n_samples} x {args.seq_len} tokens of GSM8K train.", ""]
+    lines += [f"W16A16 (the GGUF's weights dequantized to float32, no rotation): **ppl {float_ppl:.3f}**", "",
+              "| checkpoint | W4A16 ppl | W4A8 ppl | W4A4 ppl |", "|---|---|---|---|"]
+    for name, r in results.items():
+        lines.append(f"| {name} | " + " | ".join(f"{r['ppl'][m]:.3f}" for m in ("w4a16", "w4a8", "w4a4")) + " |")
+    if any("agreement" in r for r in results.values()):
+        lines += ["", f"Teacher-forced top-1 agreement with W4A16 (alpha) along {args.answers} GSM8K-dev answers "
+                  "generated greedily by W4A16, and simulated tokens per round for gamma = 1..6:", "",
+                  "| checkpoint | draft | alpha | " + " | ".join(f"g={g}" for g in GAMMAS) + " |",
+                  "|---|---|---|" + "---|" * len(GAMMAS)]
+        for name, r in results.items():
+            for d, a in r.get("agreement", {}).items():
+                lines.append(f"| {name} | {d} | {a['alpha']:.4f} | " +
+                             " | ".join(f"{a['tokens_per_round'][g]:.2f}" for g in GAMMAS) + " |")
+        name, draft, why = recommend(results)
+        lines += ["", f"**Recommended default for the embedded model: `{name}` with a {draft} draft.** {why}"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    path.with_suffix(".json").write_text(json.dumps({"float_ppl": float_ppl, "results": results}, indent=1))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--wikitext", type=Path, required=True)
+    ap.add_argument("--gsm8k", type=Path, help="GSM8K dev JSONL for the agreement experiment")
+    ap.add_argument("--calibration", type=Path, required=True, help="GSM8K train JSONL for GPTQ")
+    ap.add_argument("--gguf", type=Path, default=None, help="source model (default: the embedded SmolLM2)")
+    ap.add_argument("--workdir", type=Path, default=None, help="where converted checkpoints are kept")
+    ap.add_argument("--ppl-tokens", type=int, default=40960)
+    ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--answers", type=int, default=100)
+    ap.add_argument("--max-answer-tokens", type=int, default=256)
+    ap.add_argument("--group-size", type=int, default=32, help="0 = per channel")
+    ap.add_argument("--symmetric", action="store_true")
+    ap.add_argument("--n-samples", type=int, default=64)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--methods", default="rtn,gptq")
+    ap.add_argument("--out", type=Path, default=Path("bench/results/quality.md"))
+    args = ap.parse_args(argv)
+
+    src = args.gguf or embedded_gguf()
+    work = args.workdir or cache_dir() / "bench"
+    questions = []
+    if args.gsm8k:
+        questions = [json.loads(line)["question"] for line in args.gsm8k.read_text().splitlines()
+                     if line.strip()][: args.answers]
+    results: dict = {}
+    float_dir = work / "float-norot"
+    if not (float_dir / "manifest.json").is_file():
+        convert(src, float_dir, None, None)
+    fl = load_checkpoint(float_dir)
+    float_ppl = perplexity(fl.params, fl.config, wikitext_ids(args.wikitext, load_tokenizer(float_dir), args.ppl_tokens),
+                           window=args.window, mode="w16a16")
+    print(f"W16A16 float: ppl {float_ppl:.3f}", flush=True)
+    del fl
+    scheme_tag = f"{'sym' if args.symmetric else 'asym'}-g{args.group_size or 'ch'}"
+    for method in args.methods.split(","):
+        for rotate in (False, True):
+            name = f"{method}-{scheme_tag}-{'rot' if rotate else 'norot'}"
+            out = work / name
+            if not (out / "manifest.json").is_file():
+                print(f"converting {name}", flush=True)
+                convert(src, out, QuantScheme(args.group_size or None, args.symmetric, method),
+                        0 if rotate else None, args.calibration, args.n_samples, args.seq_len)
+            ck = load_checkpoint(out)
+            tok = load_tokenizer(out)
+            wiki = wikitext_ids(args.wikitext, tok, args.ppl_tokens)
+            print(f"{name}:", flush=True)
+            results[name] = evaluate_checkpoint(ck, tok, wiki, args.window, questions, args.max_answer_tokens,
+                                                ("w4a16", "w4a8", "w4a4"))
+            write_report(args.out, results, float_ppl, args)
+    print(args.out.read_text())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""``qspec-convert SRC OUT``: HF safetensors directory or GGUF file -> qspec-jax checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from convert.quantize import METHODS, QuantScheme
+
+
+def _group(value: str) -> int | None:
+    if value in ("channel", "per-channel", "0"):
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"group size must be an integer or 'channel', got {value!r}") from None
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="qspec-convert", description=__doc__)
+    ap.add_argument("src", type=Path, help="HF checkpoint directory (config.json + safetensors) or .gguf file")
+    ap.add_argument("out", type=Path, help="output checkpoint directory")
+    ap.add_argument("--quant", choices=(*METHODS, "none"), default="rtn",
+                    help="rtn (round to nearest), gptq (calibrated), none (keep float weights)")
+    ap.add_argument("--group-size", type=_group, default=32, help="32, 64, 128, ... or 'channel'")
+    sym = ap.add_mutually_exclusive_group()
+    sym.add_argument("--symmetric", dest="symmetric", action="store_true", help="s*q, q in [-8, 7]")
+    sym.add_argument("--asymmetric", dest="symmetric", action="store_false", help="s*u + m (GGUF Q4_1), the default")
+    ap.set_defaults(symmetric=False)
+    ap.add_argument("--rotate", action="store_true", help="fold a QuaRot-style rotation into the weights")
+    ap.add_argument("--seed", type=int, default=0, help="rotation seed")
+    ap.add_argument("--calibration", type=Path, help="GSM8K-style JSONL for GPTQ (e.g. ../shared/data/gsm8k_train.jsonl)")
+    ap.add_argument("--n-samples", type=int, default=64, help="GPTQ calibration sequences")
+    ap.add_argument("--seq-len", type=int, default=512, help="GPTQ calibration sequence length")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    from convert.pipeline import convert
+
+    args = parser().parse_args(argv)
+    try:
+        scheme = None if args.quant == "none" else QuantScheme(args.group_size, args.symmetric, args.quant)
+        out = convert(args.src, args.out, scheme, args.seed if args.rotate else None,
+                      args.calibration, args.n_samples, args.seq_len)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"qspec-convert: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

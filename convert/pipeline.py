@@ -1,0 +1,170 @@
+"""The conversion pipeline: source tensors -> (rotation) -> fused, quantized, stacked params pytree."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from convert.gptq import gptq_quantize
+from convert.quantize import QuantScheme, quantize_rtn
+from convert.rotate import rotate
+from convert.sources import SourceModel, Tensor, as_float, read_source
+from pallas_kernels.layout import QuantizedWeight
+from qspec_jax.checkpoint import save_checkpoint
+from qspec_jax.config import LlamaConfig
+from qspec_jax.model import DecoderLayer, Linear
+
+LINEAR_PATHS = (("attn", "qkv"), ("attn", "o"), ("mlp", "gate_up"), ("mlp", "down"))
+
+
+def _fuse(parts: list[Tensor]) -> Tensor:
+    """Concatenate linears along their outputs (packed ones stay packed when schemes agree)."""
+    if all(isinstance(p, QuantizedWeight) for p in parts) and len(
+            {(p.group_size, p.symmetric) for p in parts}) == 1:
+        mins = None if parts[0].mins is None else np.concatenate([p.mins for p in parts])
+        return QuantizedWeight(np.concatenate([p.packed for p in parts]),
+                               np.concatenate([p.scales for p in parts]), mins, parts[0].group_size)
+    return np.concatenate([as_float(p) for p in parts])
+
+
+def layer_tree(layer: dict[str, Tensor]) -> dict[str, Any]:
+    """One decoder layer in the model's params layout (q/k/v and gate/up fused)."""
+    qkv: dict[str, Any] = {"w": _fuse([layer["q"], layer["k"], layer["v"]])}
+    if "q_bias" in layer:
+        qkv["b"] = np.concatenate([as_float(layer[b]) for b in ("q_bias", "k_bias", "v_bias")])
+    return {
+        "attn_norm": {"scale": as_float(layer["attn_norm"])},
+        "attn": {"qkv": qkv, "o": {"w": layer["o"]}},
+        "mlp_norm": {"scale": as_float(layer["mlp_norm"])},
+        "mlp": {"gate_up": {"w": _fuse([layer["gate"], layer["up"]])}, "down": {"w": layer["down"]}},
+    }
+
+
+def _map_linears(tree: dict[str, Any], fn) -> dict[str, Any]:
+    out = jax.tree.map(lambda x: x, tree, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    for a, b in LINEAR_PATHS:
+        out[a][b] = dict(out[a][b], w=fn((a, b), tree[a][b]["w"]))
+    return out
+
+
+def _rtn(scheme: QuantScheme):
+    def fn(_path, w: Tensor) -> QuantizedWeight:
+        if isinstance(w, QuantizedWeight) and scheme.matches(w):
+            return w  # already in this scheme: keep the source's codes bit for bit
+        return quantize_rtn(as_float(w), scheme)
+    return fn
+
+
+def _linear_inputs_hessians(layer_params, x, positions, config, seed):
+    """Run one layer (w16a16) and return its output and ``X^T X`` of each linear's input."""
+    captured: dict[tuple[str, ...], jax.Array] = {}
+
+    def intercept(next_fun, args, kwargs, context):
+        if isinstance(context.module, Linear) and context.method_name == "__call__":
+            captured[tuple(context.module.path)] = args[0]
+        return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(intercept):
+        y, _ = DecoderLayer(config, "w16a16", seed).apply({"params": layer_params}, x, None, positions)
+    hess = {p: jnp.einsum("...k,...l->kl", a, a, precision=jax.lax.Precision.HIGHEST)
+            for p, a in captured.items()}
+    return y, hess
+
+
+def calibration_tokens(path: Path, tokenizer_json: str, n_samples: int, seq_len: int, seed: int) -> np.ndarray:
+    """``int32[n_samples, seq_len]`` windows drawn from GSM8K-style JSONL (question + answer) text."""
+    from tokenizers import Tokenizer
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"calibration data {path} not found")
+    texts = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            texts.append(f"Question: {row['question']}\nAnswer: {row['answer']}")
+    rng = np.random.default_rng(seed)
+    rng.shuffle(texts)
+    tok = Tokenizer.from_str(tokenizer_json)
+    ids: list[int] = []
+    for t in texts:
+        ids.extend(tok.encode(t + "\n\n", add_special_tokens=False).ids)
+        if len(ids) >= n_samples * seq_len * 2:
+            break
+    ids_arr = np.asarray(ids, np.int32)
+    if len(ids_arr) < seq_len + 1:
+        raise ValueError(f"calibration data {path} has only {len(ids_arr)} tokens")
+    starts = rng.integers(0, len(ids_arr) - seq_len, n_samples)
+    return np.stack([ids_arr[s:s + seq_len] for s in starts])
+
+
+def _gptq_layers(layers: list[dict], embed: np.ndarray, config: LlamaConfig, seed: int | None,
+                 scheme: QuantScheme, tokens: np.ndarray, batch: int = 8) -> list[dict]:
+    """Quantize layer by layer; each layer's inputs come from the already-quantized layers before it."""
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), (min(batch, len(tokens)), tokens.shape[1]))
+    step = jax.jit(lambda p, x: _linear_inputs_hessians(p, x, positions[: x.shape[0]], config, seed))
+    xs = [jnp.asarray(embed)[jnp.asarray(tokens[i:i + batch])] for i in range(0, len(tokens), batch)]
+    out = []
+    for tree in tqdm(layers, desc="GPTQ layers", unit="layer"):
+        float_tree = _map_linears(tree, lambda _p, w: as_float(w))
+        hess = {p: np.zeros((float_tree[p[0]][p[1]]["w"].shape[1],) * 2) for p in LINEAR_PATHS}
+        for x in xs:
+            _, h = step(float_tree, x)
+            for p in LINEAR_PATHS:
+                hess[p] += np.asarray(h[p], np.float64)
+        qtree = _map_linears(float_tree, lambda p, w: gptq_quantize(w, hess[p], scheme))
+        xs = [step(qtree, x)[0] for x in xs]
+        out.append(qtree)
+    return out
+
+
+def _stack(trees: list[dict]) -> dict:
+    return jax.tree.map(lambda *xs: np.stack(xs), *trees)
+
+
+def convert_model(src: SourceModel, scheme: QuantScheme | None, rotation_seed: int | None,
+                  calibration: Path | None = None, n_samples: int = 64, seq_len: int = 512,
+                  ) -> tuple[dict[str, Any], LlamaConfig, dict[str, Any]]:
+    """``(params, config, manifest fields)`` of a converted model; ``scheme=None`` keeps float weights."""
+    manifest: dict[str, Any] = {"rotation": None, "quantization": None}
+    if rotation_seed is not None:
+        src = rotate(src, rotation_seed)
+        manifest["rotation"] = {"seed": rotation_seed, "online": True, "kind": "randomized-hadamard"}
+    layers = [layer_tree(layer) for layer in src.layers]
+    if scheme is None:
+        layers = [_map_linears(t, lambda _p, w: as_float(w)) for t in layers]
+    elif scheme.method == "rtn":
+        layers = [_map_linears(t, _rtn(scheme)) for t in tqdm(layers, desc="RTN layers", unit="layer")]
+    else:
+        if calibration is None:
+            raise ValueError("GPTQ needs calibration data (--calibration PATH to a GSM8K-style JSONL)")
+        tokens = calibration_tokens(calibration, src.tokenizer_files["tokenizer.json"], n_samples, seq_len, 0)
+        layers = _gptq_layers(layers, src.embed, src.config, rotation_seed, scheme, tokens)
+    if scheme is not None:
+        manifest["quantization"] = {
+            "bits": 4, "group_size": scheme.group_size, "symmetric": scheme.symmetric,
+            "method": scheme.method,
+            **({"calibration": {"path": str(calibration), "n_samples": n_samples, "seq_len": seq_len}}
+               if scheme.method == "gptq" else {}),
+        }
+    params: dict[str, Any] = {"embed": src.embed, "layers": _stack(layers),
+                              "final_norm": {"scale": src.final_norm}}
+    if src.lm_head is not None:
+        params["lm_head"] = src.lm_head
+    return params, src.config, manifest
+
+
+def convert(source: str | Path, out: str | Path, scheme: QuantScheme | None, rotation_seed: int | None,
+            calibration: Path | None = None, n_samples: int = 64, seq_len: int = 512) -> Path:
+    """Read ``source`` (HF directory or GGUF), convert, and write a checkpoint directory at ``out``."""
+    src = read_source(source)
+    params, config, manifest = convert_model(src, scheme, rotation_seed, calibration, n_samples, seq_len)
+    manifest["source"] = {"path": str(Path(source).resolve()), "kind": src.kind}
+    return save_checkpoint(out, params, config, src.tokenizer_files, **manifest)

@@ -1,0 +1,88 @@
+"""Reference numerics of the quantized matmuls, in plain ``jnp``.
+
+These functions define what every mode computes; the Pallas GPU kernels must reproduce them
+(the W4A4/W4A8 int32 accumulations bitwise, the float results to tolerance).
+
+* ``w16a16``: float weights (dequantized in float32) times activations in their own dtype.
+* ``w4a16``: weights dequantized to bfloat16, activations cast to bfloat16, float32 accumulation.
+* ``w4a8`` / ``w4a4``: activations quantized per token (row) to symmetric INT8 / INT4
+  (scale = absmax * f32(1/127) or f32(1/7), q = round_half_even(x / scale) with IEEE division, clamp), int8 x int8 -> int32 products
+  summed within each weight group, then ``y = s_act * sum_g(s_w[g] * acc[g] + m_w[g] * sum(q_act[g]))``
+  in float32 (the minimum term only for asymmetric weights).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.layout import QuantizedWeight, dequantize, signed_codes
+
+ACT_BITS = {"w4a8": 8, "w4a4": 4}
+MODES = ("w16a16", "w4a16", "w4a8", "w4a4")
+
+
+def quantize_activations(x: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]:
+    """Per-row symmetric quantization: ``(int8 codes [..., K], float32 scales [..., 1])``."""
+    qmax = 2 ** (bits - 1) - 1
+    xf = x.astype(jnp.float32)
+    absmax = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)
+    # absmax * f32(1/qmax), not absmax / qmax: compilers turn division by a constant into this
+    # multiplication anyway (XLA on CPU does), so spelling it out makes every backend agree.
+    scale = jnp.where(absmax > 0, absmax * np.float32(1 / qmax), 1.0)
+    q = jnp.clip(jnp.round(xf / scale), -qmax - 1, qmax).astype(jnp.int8)
+    return q, scale
+
+
+def group_accumulate(qa: jax.Array, qw: jax.Array, group_size: int) -> jax.Array:
+    """Integer products summed per weight group: ``int32[M, G, N]`` from ``int8[M, K]``, ``int8[N, K]``."""
+    k = qa.shape[-1]
+    dims = (((1,), (1,)), ((), ()))
+    parts = [
+        jax.lax.dot_general(
+            qa[:, g : g + group_size], qw[:, g : g + group_size], dims,
+            preferred_element_type=jnp.int32,
+        )
+        for g in range(0, k, group_size)
+    ]
+    return jnp.stack(parts, axis=1)
+
+
+def w4ax_matmul(x: jax.Array, w: QuantizedWeight, bits: int) -> jax.Array:
+    """W4A4 (bits=4) or W4A8 (bits=8) matmul of ``x[..., K]`` with ``w`` -> float32 ``[..., N]``."""
+    lead = x.shape[:-1]
+    qa, sa = quantize_activations(x.reshape(-1, x.shape[-1]), bits)
+    acc = group_accumulate(qa, signed_codes(w), w.group_size)  # [M, G, N]
+    scales = jnp.asarray(w.scales).astype(jnp.float32).T  # [G, N]
+    y = acc.astype(jnp.float32) * scales
+    if not w.symmetric:
+        qsum = qa.astype(jnp.int32).reshape(qa.shape[0], -1, w.group_size).sum(-1)  # [M, G]
+        y = y + qsum.astype(jnp.float32)[:, :, None] * jnp.asarray(w.mins).astype(jnp.float32).T
+    y = sa * jnp.sum(y, axis=1)
+    return y.reshape(*lead, -1)
+
+
+def w4a16_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
+    """W4A16 matmul: bf16 dequantized weights, bf16 activations, float32 accumulation."""
+    wd = dequantize(w, jnp.bfloat16)
+    return jnp.einsum("...k,nk->...n", x.astype(jnp.bfloat16), wd, preferred_element_type=jnp.float32)
+
+
+def dense_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """Float matmul ``x @ w.T`` in the activations' dtype at full precision, float32 result."""
+    return jnp.einsum(
+        "...k,nk->...n", x, w.astype(x.dtype),
+        precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32,
+    )
+
+
+def quantized_matmul(x: jax.Array, w: QuantizedWeight, mode: str) -> jax.Array:
+    """The reference matmul of ``x[..., K]`` with packed weights in one of :data:`MODES`."""
+    if mode == "w16a16":
+        return dense_matmul(x, dequantize(w, jnp.float32))
+    if mode == "w4a16":
+        return w4a16_matmul(x, w)
+    if mode in ACT_BITS:
+        return w4ax_matmul(x, w, ACT_BITS[mode])
+    raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")

@@ -1,0 +1,183 @@
+"""Converted checkpoints: a safetensors file of the params pytree, a JSON manifest, the tokenizer.
+
+Layout of a checkpoint directory::
+
+    manifest.json        format + version, model config, quantization scheme, rotation seed,
+                         which params are packed INT4 (and their group size), sha256 of every file
+    model.safetensors    params, flattened with '.'-joined paths; a packed weight ``p`` is stored
+                         as ``p.packed``, ``p.scales`` and (asymmetric) ``p.mins``
+    tokenizer.json, tokenizer_config.json, ...   loadable without torch
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.layout import QuantizedWeight
+from qspec_jax.config import LlamaConfig
+
+FORMAT = "qspec-jax"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+WEIGHTS = "model.safetensors"
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """A loaded checkpoint: config, params pytree (``{'embed': ..., 'layers': ...}``), manifest."""
+
+    path: Path
+    config: LlamaConfig
+    params: dict[str, Any]
+    manifest: dict[str, Any]
+
+    @property
+    def online_rotation_seed(self) -> int | None:
+        rot = self.manifest.get("rotation")
+        return None if not rot or not rot.get("online") else int(rot["seed"])
+
+    @property
+    def quantized(self) -> bool:
+        return self.manifest.get("quantization") is not None
+
+
+def flatten_params(tree: dict[str, Any], prefix: str = "") -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    """``(tensors by dotted name, {packed weight name: group size})`` of a params pytree."""
+    tensors: dict[str, np.ndarray] = {}
+    packed: dict[str, int] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            sub_t, sub_p = flatten_params(value, name + ".")
+            tensors.update(sub_t)
+            packed.update(sub_p)
+        elif isinstance(value, QuantizedWeight):
+            value.validate()
+            packed[name] = value.group_size
+            tensors[name + ".packed"] = np.asarray(value.packed)
+            tensors[name + ".scales"] = np.asarray(value.scales)
+            if value.mins is not None:
+                tensors[name + ".mins"] = np.asarray(value.mins)
+        else:
+            tensors[name] = np.asarray(value)
+    return tensors, packed
+
+
+def unflatten_params(tensors: dict[str, np.ndarray], packed: dict[str, int]) -> dict[str, Any]:
+    """Inverse of :func:`flatten_params`."""
+    tree: dict[str, Any] = {}
+
+    def put(name: str, value: Any) -> None:
+        *parents, leaf = name.split(".")
+        node = tree
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+
+    parts = {n + s for n in packed for s in (".packed", ".scales", ".mins")}
+    for name, group in packed.items():
+        if name + ".packed" not in tensors or name + ".scales" not in tensors:
+            raise ValueError(f"checkpoint lacks the arrays of packed weight {name!r}")
+        w = QuantizedWeight(tensors[name + ".packed"], tensors[name + ".scales"],
+                            tensors.get(name + ".mins"), int(group))
+        w.validate()
+        put(name, w)
+    for name, value in tensors.items():
+        if name not in parts:
+            put(name, value)
+    return tree
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def save_checkpoint(out: str | Path, params: dict[str, Any], config: LlamaConfig,
+                    tokenizer_files: dict[str, str], **manifest_fields: Any) -> Path:
+    """Write a checkpoint directory; ``manifest_fields`` (quantization, rotation, source) go in the manifest."""
+    from safetensors.numpy import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors, packed = flatten_params(params)
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(out / WEIGHTS))
+    for name, text in tokenizer_files.items():
+        (out / name).write_text(text)
+    files = [WEIGHTS, *sorted(tokenizer_files)]
+    manifest = {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "config": config.to_hf(),
+        **manifest_fields, "packed_weights": packed,
+        "files": {name: sha256(out / name) for name in files},
+    }
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    return out
+
+
+def expected_param_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Logical shape of every param (packed weights by their unpacked ``[..., N, K]``)."""
+    from qspec_jax.model import Llama
+
+    tok = jnp.zeros((1, 1), jnp.int32)
+    shapes = jax.eval_shape(Llama(config, "w16a16").init, jax.random.key(0), tok, tok)["params"]
+    return {_path_name(path): tuple(s.shape) for path, s in jax.tree_util.tree_leaves_with_path(shapes)}
+
+
+def _path_name(path) -> str:
+    return ".".join(str(getattr(k, "key", k)) for k in path)
+
+
+def check_params(params: dict[str, Any], config: LlamaConfig) -> None:
+    """Raise ``ValueError`` naming any param missing, unexpected, or of the wrong shape."""
+    want = expected_param_shapes(config)
+    got: dict[str, tuple[int, ...]] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(
+            params, is_leaf=lambda x: isinstance(x, QuantizedWeight))[0]:
+        got[_path_name(path)] = ((*leaf.packed.shape[:-1], leaf.packed.shape[-1] * 2)
+                     if isinstance(leaf, QuantizedWeight) else tuple(np.shape(leaf)))
+    for name in want.keys() - got.keys():
+        raise ValueError(f"param {name!r} missing from checkpoint")
+    for name in got.keys() - want.keys():
+        raise ValueError(f"unexpected param {name!r} in checkpoint (config mismatch?)")
+    for name, shape in want.items():
+        if got[name] != shape:
+            raise ValueError(f"param {name!r} has shape {got[name]}, config expects {shape}")
+
+
+def load_checkpoint(path: str | Path) -> Checkpoint:
+    """Load and verify a converted checkpoint (existence, checksums, format, shapes)."""
+    from safetensors.numpy import load_file
+
+    path = Path(path)
+    mpath = path / MANIFEST
+    if not mpath.is_file():
+        raise FileNotFoundError(f"{mpath} not found: {path} is not a qspec-jax checkpoint "
+                                "(create one with qspec-convert)")
+    try:
+        manifest = json.loads(mpath.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{mpath} is corrupt: {e}") from e
+    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{mpath}: format {manifest.get('format')!r} v{manifest.get('format_version')} "
+                         f"is not {FORMAT!r} v{FORMAT_VERSION}")
+    for name, digest in manifest["files"].items():
+        f = path / name
+        if not f.is_file():
+            raise FileNotFoundError(f"checkpoint file {f} is missing")
+        if sha256(f) != digest:
+            raise ValueError(f"checksum mismatch for {f}: the file is corrupt or was modified")
+    config = LlamaConfig.from_hf(manifest["config"])
+    params = unflatten_params(load_file(str(path / WEIGHTS)), manifest["packed_weights"])
+    check_params(params, config)
+    return Checkpoint(path, config, params, manifest)

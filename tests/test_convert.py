@@ -1,0 +1,247 @@
+"""Conversion: exact Q4_1 passthrough, rotation invariance, checkpoint round trips, and bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from convert import cli
+from convert.pipeline import convert, convert_model
+from convert.quantize import QuantScheme
+from convert.sources import read_source
+from pallas_kernels.layout import QuantizedWeight, dequantize
+from qspec_jax.checkpoint import MANIFEST, WEIGHTS, load_checkpoint, save_checkpoint
+from qspec_jax.config import LlamaConfig
+from qspec_jax.model import forward
+from tests.conftest import TINY, random_source, tiny_variant, write_gguf, write_hf_dir
+
+
+def _logits(params, config, tokens, mode="w16a16", seed=None):
+    pos = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    return np.asarray(forward(params, config, jnp.asarray(tokens), pos, mode=mode,
+                              online_rotation_seed=seed)[0])
+
+
+def _transformers_reverse_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    # transformers' GGUF loader: reshape(heads, dim, 2, ...) then swap -> HF rotate-half row order
+    dim = w.shape[0] // heads // 2
+    return w.reshape(heads, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def test_q4_1_layers_reproduced_exactly(smollm2_ckpt, gguf_path):
+    """Asymmetric group-32 INT4 of every Q4_1 layer dequantizes bit for bit to GGUF's own dequantization."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    tensors = {t.name: t for t in reader.tensors}
+    ck = load_checkpoint(smollm2_ckpt)
+    c = ck.config
+    lay = ck.params["layers"]
+    hq, hk = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    f = c.intermediate_size
+
+    def gguf_float(name):
+        t = tensors[name]
+        assert t.tensor_type.name == "Q4_1"
+        return gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+
+    def ours(w: QuantizedWeight, i):
+        assert w.group_size == 32 and not w.symmetric
+        return np.asarray(dequantize(jax.tree.map(lambda a: a[i], w), jnp.float32))
+
+    checked = 0
+    for i in range(c.num_layers):
+        qkv, gate_up = ours(lay["attn"]["qkv"]["w"], i), ours(lay["mlp"]["gate_up"]["w"], i)
+        pairs = [
+            (qkv[:hq], _transformers_reverse_permute(gguf_float(f"blk.{i}.attn_q.weight"), c.num_heads)),
+            (qkv[hq:hq + hk], _transformers_reverse_permute(gguf_float(f"blk.{i}.attn_k.weight"), c.num_kv_heads)),
+            (qkv[hq + hk:], gguf_float(f"blk.{i}.attn_v.weight")),
+            (ours(lay["attn"]["o"]["w"], i), gguf_float(f"blk.{i}.attn_output.weight")),
+            (gate_up[:f], gguf_float(f"blk.{i}.ffn_gate.weight")),
+            (gate_up[f:], gguf_float(f"blk.{i}.ffn_up.weight")),
+            (ours(lay["mlp"]["down"]["w"], i), gguf_float(f"blk.{i}.ffn_down.weight")),
+        ]
+        for mine, theirs in pairs:
+            assert mine.shape == theirs.shape
+            assert np.array_equal(mine.view(np.uint32), theirs.astype(np.float32).view(np.uint32))
+            checked += 1
+    assert checked == 7 * c.num_layers == sum(t.tensor_type.name == "Q4_1" for t in reader.tensors)
+
+
+def test_rotation_preserves_smollm2_float_logits(smollm2_source, rng):
+    tokens = rng.integers(0, smollm2_source.config.vocab_size, (2, 12))
+    plain, cfg, _ = convert_model(smollm2_source, None, None)
+    seed = int(rng.integers(0, 2**31))
+    rotated, rcfg, manifest = convert_model(smollm2_source, None, seed)
+    assert manifest["rotation"]["seed"] == seed and not rcfg.tie_word_embeddings
+    a = _logits(plain, cfg, tokens)
+    b = _logits(rotated, rcfg, tokens, seed=seed)
+    assert np.abs(a - b).max() < 2e-3 * np.abs(a).max()
+    assert np.array_equal(a.argmax(-1), b.argmax(-1))
+    # the rotation really changed the weights (not an identity)
+    assert not np.allclose(plain["embed"], rotated["embed"])
+
+
+@pytest.mark.parametrize("changes", [dict(), dict(attention_bias=True, tie_word_embeddings=True),
+                                     dict(intermediate_size=86, num_kv_heads=4)])  # 86 = 2*43: no Hadamard
+def test_rotation_preserves_tiny_float_logits(rng, changes):
+    src = random_source(tiny_variant(**changes), rng)
+    tokens = rng.integers(0, src.config.vocab_size, (2, 9))
+    plain, cfg, _ = convert_model(src, None, None)
+    rotated, rcfg, _ = convert_model(src, None, 7)
+    a, b = _logits(plain, cfg, tokens), _logits(rotated, rcfg, tokens, seed=7)
+    np.testing.assert_allclose(a, b, atol=1e-4 * np.abs(a).max())
+
+
+@pytest.mark.parametrize("rotate", [False, True])
+def test_checkpoint_roundtrip_is_bitwise(tmp_path, rng, rotate):
+    src = random_source(tiny_variant(attention_bias=bool(rng.integers(2))), rng, '{"stub": 1}')
+    scheme = QuantScheme(int(rng.choice([8, 16])) if rng.integers(2) else None, bool(rng.integers(2)), "rtn")
+    params, config, manifest = convert_model(src, scheme, 3 if rotate else None)
+    out = save_checkpoint(tmp_path / "ck", params, config, src.tokenizer_files, **manifest)
+    ck = load_checkpoint(out)
+    assert ck.config == config
+    is_q = lambda x: isinstance(x, QuantizedWeight)  # noqa: E731
+    a, ta = jax.tree.flatten(params, is_leaf=is_q)
+    b, tb = jax.tree.flatten(ck.params, is_leaf=is_q)
+    assert ta == tb
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert x.tobytes() == y.tobytes()
+    tokens = rng.integers(0, config.vocab_size, (1, 5))
+    for mode in ("w4a16", "w4a4"):
+        assert np.array_equal(_logits(params, config, tokens, mode, ck.online_rotation_seed),
+                              _logits(ck.params, ck.config, tokens, mode, ck.online_rotation_seed))
+
+
+@pytest.fixture
+def tiny_ckpt(tmp_path, rng):
+    src = random_source(TINY, rng, '{"stub": 1}')
+    params, config, manifest = convert_model(src, QuantScheme(16, False, "rtn"), None)
+    return save_checkpoint(tmp_path / "ck", params, config, src.tokenizer_files, **manifest)
+
+
+def test_corrupt_weights_fail_checksum(tiny_ckpt):
+    data = bytearray((tiny_ckpt / WEIGHTS).read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (tiny_ckpt / WEIGHTS).write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="checksum mismatch for .*model.safetensors"):
+        load_checkpoint(tiny_ckpt)
+
+
+def test_missing_files_are_named(tiny_ckpt, tmp_path):
+    (tiny_ckpt / "tokenizer.json").unlink()
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        load_checkpoint(tiny_ckpt)
+    with pytest.raises(FileNotFoundError, match="not a qspec-jax checkpoint"):
+        load_checkpoint(tmp_path / "nowhere")
+
+
+def test_manifest_config_mismatch_is_a_shape_error(tiny_ckpt):
+    m = json.loads((tiny_ckpt / MANIFEST).read_text())
+    m["config"]["intermediate_size"] = 96
+    (tiny_ckpt / MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(ValueError, match=r"param 'layers\.mlp\..*' has shape"):
+        load_checkpoint(tiny_ckpt)
+
+
+def test_unknown_format_version(tiny_ckpt):
+    m = json.loads((tiny_ckpt / MANIFEST).read_text())
+    m["format_version"] = 999
+    (tiny_ckpt / MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(ValueError, match="v999"):
+        load_checkpoint(tiny_ckpt)
+
+
+def test_unknown_architecture_rejected(tmp_path, rng):
+    d = write_hf_dir(tmp_path / "hf", random_source(TINY, rng), "{}")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="unsupported architecture.*GPT2LMHeadModel"):
+        read_source(d)
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        LlamaConfig.from_hf({"architectures": ["LlamaForCausalLM"], "hidden_size": 8})
+
+
+def test_hf_tensor_shape_mismatch_named(tmp_path, rng):
+    src = random_source(TINY, rng)
+    src.layers[1]["down"] = src.layers[1]["down"][:, :-4]
+    with pytest.raises(ValueError, match=r"layers\.1\.down: shape"):
+        read_source(write_hf_dir(tmp_path / "hf", src, "{}"))
+
+
+def test_hf_missing_shard_named(tmp_path, rng):
+    d = write_hf_dir(tmp_path / "hf", random_source(TINY, rng), "{}")
+    (d / "model.safetensors").rename(d / "model-00001-of-00002.safetensors")
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(FileNotFoundError, match="model-00002-of-00002"):
+        read_source(d)
+
+
+def test_hf_and_gguf_sources_give_the_same_model(tmp_path, rng):
+    """The GGUF path (llama.cpp's q/k row order undone) and the HF path give identical logits."""
+    src = random_source(TINY, rng)
+    hf = read_source(write_hf_dir(tmp_path / "hf", src, "{}"))
+    gg = read_source(write_gguf(tmp_path / "m.gguf", src))
+    tokens = rng.integers(0, src.config.vocab_size, (2, 7))
+    a = _logits(*convert_model(hf, None, None)[:2], tokens)
+    b = _logits(*convert_model(gg, None, None)[:2], tokens)
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("kind,symmetric", [("Q4_0", True), ("Q4_1", False)])
+def test_gguf_int4_blocks_kept_without_rerounding(tmp_path, rng, kind, symmetric):
+    import gguf
+
+    src = random_source(tiny_variant(hidden_size=64, intermediate_size=96, head_dim=16), rng)  # K % 32 == 0
+    path = write_gguf(tmp_path / "m.gguf", src, linear_type=kind)
+    reader = gguf.GGUFReader(str(path))
+    t = next(t for t in reader.tensors if t.name == "blk.1.ffn_down.weight")
+    theirs = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(src.layers[1]["down"].shape)
+    params, _, _ = convert_model(read_source(path), QuantScheme(32, symmetric, "rtn"), None)
+    w = jax.tree.map(lambda a: a[1], params["layers"]["mlp"]["down"]["w"])
+    assert w.symmetric == symmetric
+    assert np.array_equal(np.asarray(dequantize(w, jnp.float32)), theirs.astype(np.float32))
+
+
+def test_unsupported_gguf_type_named(tmp_path, rng):
+    src = random_source(tiny_variant(hidden_size=64, intermediate_size=96, head_dim=16), rng)
+    path = write_gguf(tmp_path / "m.gguf", src, linear_type="Q5_0")
+    with pytest.raises(ValueError, match="GGUF type Q5_0"):
+        read_source(path)
+
+
+def test_unsupported_gguf_architecture(tmp_path, rng):
+    path = write_gguf(tmp_path / "m.gguf", random_source(TINY, rng), arch="gpt2")
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'gpt2'"):
+        read_source(path)
+
+
+def test_truncated_gguf_is_a_clear_error(tmp_path, rng):
+    path = write_gguf(tmp_path / "m.gguf", random_source(TINY, rng))
+    path.write_bytes(path.read_bytes()[:1000])
+    with pytest.raises(ValueError, match="not a readable GGUF"):
+        read_source(path)
+
+
+def test_cli_converts_and_reports_errors(tmp_path, rng, capsys):
+    src_dir = write_hf_dir(tmp_path / "hf", random_source(TINY, rng), '{"stub": 1}')
+    out = tmp_path / "out"
+    assert cli.main([str(src_dir), str(out), "--group-size", "16", "--symmetric", "--rotate", "--seed", "5"]) == 0
+    ck = load_checkpoint(out)
+    assert ck.manifest["quantization"] == {"bits": 4, "group_size": 16, "symmetric": True, "method": "rtn"}
+    assert ck.online_rotation_seed == 5
+    assert cli.main([str(tmp_path / "missing"), str(out)]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert cli.main([str(src_dir), str(out), "--group-size", "7"]) == 2
+    assert "group size" in capsys.readouterr().err
+    assert cli.main([str(src_dir), str(out), "--quant", "gptq"]) == 2
+    assert "calibration" in capsys.readouterr().err

@@ -1,0 +1,124 @@
+"""Reference numerics of the quantized matmuls against independent integer / float64 numpy math."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import jax.numpy as jnp
+
+from pallas_kernels import reference
+from pallas_kernels.layout import QuantizedWeight, dequantize, pack_codes, unpack_codes
+
+
+def random_weight(rng, n: int, k: int, group: int, symmetric: bool) -> tuple[QuantizedWeight, np.ndarray]:
+    codes = rng.integers(0, 16, (n, k), dtype=np.uint8)
+    scales = (rng.uniform(0.5, 2.0, (n, k // group)) * 10.0 ** rng.uniform(-3, -1)).astype(np.float16)
+    mins = None if symmetric else rng.uniform(-0.1, 0.0, (n, k // group)).astype(np.float16)
+    return QuantizedWeight(pack_codes(codes), scales, mins, group), codes
+
+
+def test_pack_unpack_roundtrip(rng):
+    codes = rng.integers(0, 16, (3, 5, 64), dtype=np.uint8)
+    packed = pack_codes(codes)
+    assert packed.shape == (3, 5, 32) and packed.dtype == np.uint8
+    # independent nibble extraction: element 2j is the low nibble of byte j, 2j+1 the high one
+    assert np.array_equal(packed & 0xF, codes[..., 0::2]) and np.array_equal(packed >> 4, codes[..., 1::2])
+    assert np.array_equal(np.asarray(unpack_codes(jnp.asarray(packed))), codes)
+
+
+def test_pack_rejects_bad_codes():
+    with pytest.raises(ValueError, match=r"\[0, 15\]"):
+        pack_codes(np.array([[0, 16]]))
+    with pytest.raises(ValueError, match="even"):
+        pack_codes(np.zeros((2, 3), np.uint8))
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_dequantize_matches_definition(rng, symmetric):
+    w, codes = random_weight(rng, 24, 64, 16, symmetric)
+    s = np.repeat(w.scales.astype(np.float32), 16, axis=1)
+    expect = s * (codes.astype(np.float32) - 8) if symmetric else \
+        s * codes.astype(np.float32) + np.repeat(w.mins.astype(np.float32), 16, axis=1)
+    assert np.array_equal(np.asarray(dequantize(w, jnp.float32)), expect)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_activation_quantization_matches_numpy(rng, bits):
+    qmax = 2 ** (bits - 1) - 1
+    x = (rng.standard_normal((7, 96)) * rng.uniform(0.01, 30, (7, 1))).astype(np.float32)
+    x[0] = 0.0  # an all-zero row must not divide by zero
+    x[1, :4] = [qmax, 2.5, -1.5, 0.5]  # scale 1 exactly: ties must round half to even
+    x[1, 4:] = 0.0
+    q, s = reference.quantize_activations(jnp.asarray(x), bits)
+    absmax = np.abs(x).max(-1, keepdims=True)
+    s_np = np.where(absmax > 0, absmax * np.float32(1 / qmax), np.float32(1.0)).astype(np.float32)
+    q_np = np.clip(np.rint(x / s_np), -qmax - 1, qmax).astype(np.int8)
+    assert np.array_equal(np.asarray(s), s_np)
+    assert np.array_equal(np.asarray(q), q_np)
+    assert list(np.asarray(q)[1, :4]) == [qmax, 2, -2, 0]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_w4ax_int32_accumulation_exact(rng, bits, symmetric):
+    group = int(rng.choice([16, 32, 64]))
+    m, n, k = int(rng.integers(1, 9)), int(rng.integers(1, 40)), group * int(rng.integers(1, 5))
+    w, codes = random_weight(rng, n, k, group, symmetric)
+    x = (rng.standard_normal((m, k)) * 3).astype(np.float32)
+    qa, sa = reference.quantize_activations(jnp.asarray(x), bits)
+    qw = codes.astype(np.int64) - (8 if symmetric else 0)
+    qa64 = np.asarray(qa).astype(np.int64)
+    acc_np = np.einsum("mgk,ngk->mgn", qa64.reshape(m, -1, group), qw.reshape(n, -1, group))
+    acc = reference.group_accumulate(qa, jnp.asarray(qw.astype(np.int8)), group)
+    assert acc.dtype == jnp.int32
+    assert np.array_equal(np.asarray(acc), acc_np)
+
+    # the scaled result against the same formula in float64
+    s = w.scales.astype(np.float64).T[None]
+    y64 = (acc_np * s).sum(1)
+    if not symmetric:
+        qsum = qa64.reshape(m, -1, group).sum(-1)
+        y64 = y64 + qsum @ w.mins.astype(np.float64).T
+    y64 *= np.asarray(sa, np.float64)
+    y = np.asarray(reference.quantized_matmul(jnp.asarray(x), w, f"w4a{bits}"))
+    np.testing.assert_allclose(y, y64, rtol=1e-5, atol=1e-6 * np.abs(y64).max())
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_w4a16_within_bf16_tolerance_of_float64(rng, symmetric):
+    m, n, k, group = 5, 48, 256, 32
+    w, codes = random_weight(rng, n, k, group, symmetric)
+    x = rng.standard_normal((2, m, k)).astype(np.float32)
+    s = np.repeat(w.scales.astype(np.float64), group, axis=1)
+    w64 = s * (codes - 8.0) if symmetric else s * codes + np.repeat(w.mins.astype(np.float64), group, axis=1)
+    y64 = x.astype(np.float64) @ w64.T
+    y = np.asarray(reference.quantized_matmul(jnp.asarray(x), w, "w4a16"))
+    assert y.shape == (2, m, n) and y.dtype == np.float32
+    # bf16 keeps 8 significant bits of x and w: a few 2^-8 relative errors, averaged over k terms
+    err = np.abs(y - y64) / (np.abs(x).astype(np.float64) @ np.abs(w64).T)
+    assert err.max() < 1e-2
+    assert np.linalg.norm(y - y64) / np.linalg.norm(y64) < 1e-2
+
+
+def test_w16a16_is_float_exact_on_dequantized_weights(rng):
+    w, codes = random_weight(rng, 16, 64, 32, False)
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    w64 = np.asarray(dequantize(w, jnp.float32), np.float64)
+    y = np.asarray(reference.quantized_matmul(jnp.asarray(x), w, "w16a16"))
+    np.testing.assert_allclose(y, x @ w64.T, rtol=1e-5, atol=1e-6)
+
+
+def test_unknown_mode_rejected(rng):
+    w, _ = random_weight(rng, 4, 32, 32, True)
+    with pytest.raises(ValueError, match="unknown mode"):
+        reference.quantized_matmul(jnp.zeros((1, 32)), w, "w2a2")
+
+
+def test_validate_catches_inconsistent_arrays(rng):
+    w, _ = random_weight(rng, 4, 64, 32, False)
+    with pytest.raises(ValueError, match="scales shape"):
+        QuantizedWeight(w.packed, w.scales[:, :1], w.mins, 32).validate()
+    with pytest.raises(ValueError, match="float16"):
+        QuantizedWeight(w.packed, w.scales.astype(np.float32), None, 32).validate()
+    with pytest.raises(ValueError, match="does not divide"):
+        QuantizedWeight(w.packed, w.scales, w.mins, 48).validate()
