@@ -37,16 +37,12 @@ def quantize_activations(x: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]
 
 def group_accumulate(qa: jax.Array, qw: jax.Array, group_size: int) -> jax.Array:
     """Integer products summed per weight group: ``int32[M, G, N]`` from ``int8[M, K]``, ``int8[N, K]``."""
-    k = qa.shape[-1]
-    dims = (((1,), (1,)), ((), ()))
-    parts = [
-        jax.lax.dot_general(
-            qa[:, g : g + group_size], qw[:, g : g + group_size], dims,
-            preferred_element_type=jnp.int32,
-        )
-        for g in range(0, k, group_size)
-    ]
-    return jnp.stack(parts, axis=1)
+    (m, k), n = qa.shape, qw.shape[0]
+    g = k // group_size
+    a = qa.reshape(m, g, group_size).transpose(1, 0, 2)  # [G, M, g]
+    b = qw.reshape(n, g, group_size).transpose(1, 0, 2)  # [G, N, g]
+    acc = jax.lax.dot_general(a, b, (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.int32)
+    return acc.transpose(1, 0, 2)
 
 
 def w4ax_matmul(x: jax.Array, w: QuantizedWeight, bits: int) -> jax.Array:

@@ -1,0 +1,84 @@
+"""greedy_generate (KV cache, padded batch, one fori_loop) against a naive re-run-everything loop."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from tests.conftest import TINY, random_source
+from convert.pipeline import convert_model
+from convert.quantize import QuantScheme
+from qspec_jax.decode import greedy_generate
+from qspec_jax.model import forward
+
+NEW_TOKENS = 8
+_fwd = jax.jit(forward, static_argnames=("config", "mode"))
+# how close the top-2 logits of a naive step may be before the draw counts as a near-tie (the cached
+# and uncached paths differ in rounding, and w4a16 rounds activations to bfloat16)
+TIE_MARGIN = {"w16a16": 1e-4, "w4a16": 2e-3}
+
+
+def naive_generate(params, cfg, prompt: list[int], n: int, mode: str, eos_id: int | None):
+    """Re-run the full no-cache forward on prompt + generated tokens; return (tokens, min top-2 margin)."""
+    seq, out, margin = list(prompt), [], np.inf
+    for _ in range(n):
+        t = len(seq)
+        logits, _ = _fwd(params, cfg, np.asarray([seq], np.int32), np.arange(t, dtype=np.int32)[None], mode=mode)
+        last = np.asarray(logits[0, -1], np.float64)
+        top2 = np.sort(last)[-2:]
+        margin = min(margin, top2[1] - top2[0])
+        nxt = int(np.argmax(last))
+        out.append(nxt)
+        seq.append(nxt)
+        if nxt == eos_id:
+            break
+    return out, margin
+
+
+def model_and_prompts(rng, mode: str):
+    scheme = None if mode == "w16a16" else QuantScheme(16, bool(rng.integers(2)))
+    params, cfg, _ = convert_model(random_source(TINY, rng), scheme, None)
+    lengths = rng.choice(np.arange(1, 8), 3, replace=False)  # all different: right padding is exercised
+    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in lengths]
+    return params, cfg, prompts
+
+
+def draw_untied(rng, mode: str, eos_id, accept=lambda naive: True, attempts: int = 6):
+    """A model + prompts whose naive greedy path has no near-ties (so argmax is rounding-robust)."""
+    for _ in range(attempts):
+        params, cfg, prompts = model_and_prompts(rng, mode)
+        runs = [naive_generate(params, cfg, p, NEW_TOKENS, mode, eos_id) for p in prompts]
+        if min(m for _, m in runs) > TIE_MARGIN[mode] and accept([r for r, _ in runs]):
+            return params, cfg, prompts, [r for r, _ in runs]
+    pytest.fail("no tie-free random model drawn in 6 attempts")  # ~1e-7 odds for a correct model
+
+
+@pytest.mark.parametrize("mode", ["w16a16", "w4a16"])
+def test_greedy_matches_naive_loop(mode, rng):
+    eos = TINY.vocab_size - 1
+    params, cfg, prompts, naive = draw_untied(rng, mode, eos)
+    got = greedy_generate(params, cfg, prompts, NEW_TOKENS, mode=mode, eos_id=eos)
+    assert got == naive
+
+
+def test_eos_stops_only_its_sequence(rng):
+    mode = "w16a16"
+    # eos := the 4th token of prompt 0's greedy continuation, which must not occur in its first three
+    params, cfg, prompts, naive = draw_untied(rng, mode, None, accept=lambda r: r[0][3] not in r[0][:3])
+    eos = naive[0][3]
+    got = greedy_generate(params, cfg, prompts, NEW_TOKENS, mode=mode, eos_id=eos)
+    assert got[0] == naive[0][:4] and got[0][-1] == eos
+    for i in (1, 2):  # the others: their own continuation, cut after their own first eos (if any)
+        want = naive[i][: naive[i].index(eos) + 1] if eos in naive[i] else naive[i]
+        assert got[i] == want
+
+
+def test_bad_input_raises(rng):
+    params, cfg, _ = convert_model(random_source(TINY, rng), None, None)
+    with pytest.raises(ValueError, match="no prompts"):
+        greedy_generate(params, cfg, [], 4, mode="w16a16", eos_id=2)
+    with pytest.raises(ValueError, match="empty prompt"):
+        greedy_generate(params, cfg, [[3, 4], []], 4, mode="w16a16", eos_id=2)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        greedy_generate(params, cfg, [[3, 4]], 0, mode="w16a16", eos_id=2)

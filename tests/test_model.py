@@ -1,0 +1,234 @@
+"""The Flax Llama against an independent float64 numpy decoder, KV-cache consistency, quantized modes."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.conftest import random_source, tiny_variant
+from convert.pipeline import convert_model
+from convert.quantize import QuantScheme
+from pallas_kernels.layout import QuantizedWeight
+from qspec_jax.model import Linear, Llama, forward, init_cache
+
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 64}
+
+CONFIGS = {
+    "gqa-untied": tiny_variant(num_heads=4, num_kv_heads=2, tie_word_embeddings=False, attention_bias=False),
+    "bias-tied": tiny_variant(num_heads=4, num_kv_heads=4, tie_word_embeddings=True, attention_bias=True),
+    "llama3-rope": tiny_variant(num_heads=4, num_kv_heads=1, rope_theta=10000.0,
+                                rope_scaling=tuple(sorted(LLAMA3_SCALING.items()))),
+}
+
+_fwd = jax.jit(forward, static_argnames=("config", "mode"))
+
+
+# ----------------------------------------------------------------------------- numpy float64 reference
+
+def ref_inv_freq(cfg) -> np.ndarray:
+    """HF ``_compute_default_rope_parameters`` / ``_compute_llama3_parameters``, one frequency at a time."""
+    d = cfg.head_dim
+    out = []
+    for i in range(d // 2):
+        f = cfg.rope_theta ** (-(2.0 * i) / d)
+        if cfg.rope_scaling is not None:
+            sc = dict(cfg.rope_scaling)
+            factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
+            old = sc["original_max_position_embeddings"]
+            wavelen = 2.0 * math.pi / f
+            if wavelen < old / hi:  # high frequency: unchanged
+                pass
+            elif wavelen > old / lo:  # low frequency: divided by the factor
+                f = f / factor
+            else:  # interpolate between the two
+                smooth = (old / wavelen - lo) / (hi - lo)
+                f = (1.0 - smooth) * f / factor + smooth * f
+        out.append(f)
+    return np.array(out, np.float64)
+
+
+def ref_rope(x: np.ndarray, pos: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
+    """Rotate-half RoPE of ``x[T, heads, d]`` written as a complex rotation of (x[i], x[i + d/2])."""
+    half = x.shape[-1] // 2
+    z = x[..., :half] + 1j * x[..., half:]
+    z = z * np.exp(1j * pos[:, None, None] * inv_freq[None, None, :])
+    return np.concatenate([z.real, z.imag], axis=-1)
+
+
+def ref_rmsnorm(x, w, eps):
+    return w * (x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps))
+
+
+def ref_forward(p: dict, cfg, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """float64 logits ``[B, T, V]`` of the HF Llama decoder (causal in sequence order)."""
+    H, KV, hd, F = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    inv = ref_inv_freq(cfg)
+    L = p["layers"]
+    out = []
+    for b in range(tokens.shape[0]):
+        x = p["embed"][tokens[b]]
+        T = x.shape[0]
+        pos = positions[b].astype(np.float64)
+        for l in range(cfg.num_layers):
+            h = ref_rmsnorm(x, L["attn_norm"]["scale"][l], cfg.rms_norm_eps)
+            wqkv = L["attn"]["qkv"]["w"][l]
+            wq, wk, wv = wqkv[: H * hd], wqkv[H * hd:(H + KV) * hd], wqkv[(H + KV) * hd:]
+            q, k, v = h @ wq.T, h @ wk.T, h @ wv.T
+            if cfg.attention_bias:
+                bq = L["attn"]["qkv"]["b"][l]
+                q, k, v = q + bq[: H * hd], k + bq[H * hd:(H + KV) * hd], v + bq[(H + KV) * hd:]
+            q = ref_rope(q.reshape(T, H, hd), pos, inv)
+            k = ref_rope(k.reshape(T, KV, hd), pos, inv)
+            v = v.reshape(T, KV, hd)
+            heads = []
+            for head in range(H):
+                kvh = head // (H // KV)  # HF repeat_kv: kv head j serves query heads j*g .. j*g+g-1
+                s = q[:, head] @ k[:, kvh].T / math.sqrt(hd)
+                s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
+                pr = np.exp(s - s.max(-1, keepdims=True))
+                pr = pr / pr.sum(-1, keepdims=True)
+                heads.append(pr @ v[:, kvh])
+            x = x + np.concatenate(heads, axis=-1) @ L["attn"]["o"]["w"][l].T
+            h = ref_rmsnorm(x, L["mlp_norm"]["scale"][l], cfg.rms_norm_eps)
+            wgu = L["mlp"]["gate_up"]["w"][l]
+            g, u = h @ wgu[:F].T, h @ wgu[F:].T
+            x = x + ((g / (1.0 + np.exp(-g))) * u) @ L["mlp"]["down"]["w"][l].T
+        x = ref_rmsnorm(x, p["final_norm"]["scale"], cfg.rms_norm_eps)
+        head = p["embed"] if cfg.tie_word_embeddings else p["lm_head"]
+        out.append(x @ head.T)
+    return np.stack(out)
+
+
+def ref_dequant(w: QuantizedWeight) -> np.ndarray:
+    """float64 weights of a (stacked) packed weight per the layout doc: low nibble = even k."""
+    packed = np.asarray(w.packed)
+    u = np.empty((*packed.shape[:-1], packed.shape[-1] * 2), np.float64)
+    u[..., 0::2] = packed % 16
+    u[..., 1::2] = packed // 16
+    s = np.repeat(np.asarray(w.scales, np.float64), w.group_size, axis=-1)
+    if w.mins is None:
+        return s * (u - 8.0)
+    return s * u + np.repeat(np.asarray(w.mins, np.float64), w.group_size, axis=-1)
+
+
+def to_f64(params) -> dict:
+    return jax.tree.map(lambda a: ref_dequant(a) if isinstance(a, QuantizedWeight) else np.asarray(a, np.float64),
+                        params, is_leaf=lambda a: isinstance(a, QuantizedWeight))
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def random_params(cfg, rng, tokens, positions) -> dict:
+    """Params in the model's layout (from ``Llama.init``), redrawn so norms, biases and attention matter."""
+    init = Llama(cfg, "w16a16").init(jax.random.key(int(rng.integers(2**31))), tokens, positions)["params"]
+
+    def draw(path, leaf):
+        name = jax.tree_util.keystr(path)
+        shape = leaf.shape
+        if "scale" in name:
+            a = 1.0 + 0.3 * rng.standard_normal(shape)
+        elif name.endswith("['b']"):
+            a = 0.5 * rng.standard_normal(shape)
+        elif "embed" in name:
+            a = rng.standard_normal(shape)
+        else:  # linear weights [.., out, in]
+            a = 1.5 * rng.standard_normal(shape) / math.sqrt(shape[-1])
+        return np.asarray(a, np.float32)
+
+    return jax.tree_util.tree_map_with_path(draw, init)
+
+
+def random_batch(cfg, rng, b, t, gaps=True):
+    """Random tokens; positions increase along the sequence, with random offsets and gaps (so RoPE
+    distances differ from index distances) unless ``gaps`` is False (then ``0..t-1``)."""
+    tokens = rng.integers(0, cfg.vocab_size, (b, t)).astype(np.int32)
+    if not gaps:
+        return tokens, np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy()
+    steps = np.concatenate([rng.integers(0, 40, (b, 1)), rng.integers(1, 5, (b, t - 1))], axis=1)
+    return tokens, np.cumsum(steps, axis=1).astype(np.int32)
+
+
+def rel_err(a, b) -> float:
+    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
+
+
+# ----------------------------------------------------------------------------- tests
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_forward_matches_float64_reference(name, rng):
+    cfg = CONFIGS[name]
+    tokens, positions = random_batch(cfg, rng, 2, 9)
+    params = random_params(cfg, rng, tokens, positions)
+    assert ("lm_head" in params) == (not cfg.tie_word_embeddings)
+    assert ("b" in params["layers"]["attn"]["qkv"]) == cfg.attention_bias
+    logits, cache = _fwd(params, cfg, tokens, positions, mode="w16a16")
+    assert cache is None and logits.dtype == jnp.float32
+    ref = ref_forward(to_f64(params), cfg, tokens, positions)
+    scale = max(1.0, float(np.abs(ref).max()))
+    assert np.abs(np.asarray(logits, np.float64) - ref).max() < 1e-4 * scale
+
+
+def test_forward_packed_weights_w16a16_matches_reference(rng):
+    """The w16a16 path over a converted packed tree equals the numpy decoder on numpy-dequantized weights."""
+    cfg = CONFIGS["gqa-untied"]
+    params, cfg, _ = convert_model(random_source(cfg, rng), QuantScheme(16, bool(rng.integers(2))), None)
+    tokens, positions = random_batch(cfg, rng, 2, 7)
+    logits, _ = _fwd(params, cfg, tokens, positions, mode="w16a16")
+    ref = ref_forward(to_f64(params), cfg, tokens, positions)
+    assert np.abs(np.asarray(logits, np.float64) - ref).max() < 1e-4 * max(1.0, float(np.abs(ref).max()))
+
+
+def test_kv_cache_chunks_match_full_forward(rng):
+    cfg = CONFIGS["gqa-untied"]
+    t, prefill, chunks = 11, 4, (1, 3, 1, 1, 1)
+    assert prefill + sum(chunks) == t
+    tokens, positions = random_batch(cfg, rng, 2, t, gaps=False)
+    params = random_params(cfg, rng, tokens, positions)
+    full, _ = _fwd(params, cfg, tokens, positions, mode="w16a16")
+    cache = init_cache(cfg, 2, t + 5)  # spare slots beyond the sequence must stay invisible
+    got, cache = _fwd(params, cfg, tokens[:, :prefill], positions[:, :prefill], cache, mode="w16a16")
+    parts, start = [got], prefill
+    for n in chunks:
+        got, cache = _fwd(params, cfg, tokens[:, start:start + n], positions[:, start:start + n], cache,
+                          mode="w16a16")
+        parts.append(got)
+        start += n
+    np.testing.assert_allclose(np.concatenate(parts, axis=1), full, rtol=0, atol=1e-5 * max(1.0, np.abs(full).max()))
+    # the cache holds one entry per position, zero beyond the sequence
+    assert cache[0].shape == (cfg.num_layers, 2, t + 5, cfg.num_kv_heads, cfg.head_dim)
+    assert not np.any(np.asarray(cache[0])[:, :, t:]) and np.all(np.any(np.asarray(cache[0])[:, :, :t], axis=-1))
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_quantized_modes(symmetric, rng):
+    cfg = CONFIGS["gqa-untied"]
+    params, cfg, _ = convert_model(random_source(cfg, rng), QuantScheme(16, symmetric), None)
+    assert isinstance(params["layers"]["attn"]["qkv"]["w"], QuantizedWeight)
+    tokens, positions = random_batch(cfg, rng, 4, 8)
+    out = {m: np.asarray(_fwd(params, cfg, tokens, positions, mode=m)[0], np.float64)
+           for m in ("w16a16", "w4a16", "w4a8", "w4a4")}
+    ref = out["w16a16"]
+    assert rel_err(out["w4a16"], ref) < 5e-2
+    per_seq = {m: np.mean([rel_err(out[m][i], ref[i]) for i in range(len(ref))]) for m in ("w4a8", "w4a4")}
+    assert per_seq["w4a8"] < per_seq["w4a4"]
+    assert per_seq["w4a8"] < 0.1  # and w4a8 is still a close approximation
+
+
+def test_linear_float_weight_needs_w16a16(rng):
+    x = jnp.asarray(rng.standard_normal((2, 8)), jnp.float32)
+    with pytest.raises(ValueError, match="needs packed INT4"):
+        Linear(4, "w4a4").init(jax.random.key(0), x)
+    with pytest.raises(ValueError, match="needs packed INT4"):
+        Linear(4, "w4a16").init(jax.random.key(0), x)
+
+
+def test_unknown_mode_raises(rng):
+    cfg = CONFIGS["gqa-untied"]
+    tokens, positions = random_batch(cfg, rng, 1, 3)
+    with pytest.raises(ValueError, match="unknown mode"):
+        Llama(cfg, "w3a3").init(jax.random.key(0), tokens, positions)
