@@ -24,7 +24,8 @@ import numpy as np
 from convert.pipeline import convert
 from convert.quantize import QuantScheme
 from qspec_jax.checkpoint import Checkpoint, load_checkpoint
-from qspec_jax.decode import greedy_generate, pad_prompts
+from qspec_jax.decode import pad_prompts
+from qspec_jax.generate import Model, generate
 from qspec_jax.embedded import cache_dir, embedded_gguf
 from qspec_jax.evaluate import perplexity, token_scores, simulate_rounds
 from qspec_jax.tokenizer import chat_prompt, load_tokenizer
@@ -35,7 +36,7 @@ DRAFTS = ("w4a4", "w4a8")
 
 def wikitext_ids(path: Path, tokenizer, n_tokens: int) -> np.ndarray:
     text = Path(path).read_text(encoding="utf-8").replace("\r\n", "\n")
-    ids = np.asarray(tokenizer.encode(text, add_special_tokens=False), np.int32)
+    ids = np.asarray(tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids, np.int32)
     if len(ids) < n_tokens:
         raise ValueError(f"{path} has {len(ids)} tokens, fewer than the {n_tokens} asked for")
     return ids[:n_tokens]
@@ -71,8 +72,8 @@ def evaluate_checkpoint(ck: Checkpoint, tok, wiki: np.ndarray, window: int, ques
         prompts = [chat_prompt(tok, q) for q in questions]
         answers = []
         for i in range(0, len(prompts), 25):
-            answers += greedy_generate(ck.params, ck.config, prompts[i:i + 25], max_answer_tokens, mode="w4a16",
-                                       eos_id=tok.eos_token_id, **kw)
+            res_i = generate(Model(ck, tok), prompts[i:i + 25], max_new_tokens=max_answer_tokens, method="w4a16")
+            answers += [s.tolist() for s in res_i.sequences]
         res["agreement"] = agreement(ck, prompts, answers)
         res["answer_tokens"] = int(sum(len(a) for a in answers))
         print(f"  agreement: { {d: round(v['alpha'], 4) for d, v in res['agreement'].items()} } "
@@ -105,7 +106,8 @@ def write_report(path: Path, results: dict, float_ppl: float, args: argparse.Nam
     lines += [f"W16A16 (the GGUF's weights dequantized to float32, no rotation): **ppl {float_ppl:.3f}**", "",
               "| checkpoint | W4A16 ppl | W4A8 ppl | W4A4 ppl |", "|---|---|---|---|"]
     for name, r in results.items():
-        lines.append(f"| {name} | " + " | ".join(f"{r['ppl'][m]:.3f}" for m in ("w4a16", "w4a8", "w4a4")) + " |")
+        same = f" (weights bitwise identical to {r['same_weights_as']})" if "same_weights_as" in r else ""
+        lines.append(f"| {name}{same} | " + " | ".join(f"{r['ppl'][m]:.3f}" for m in ("w4a16", "w4a8", "w4a4")) + " |")
     if any("agreement" in r for r in results.values()):
         lines += ["", f"Teacher-forced top-1 agreement with W4A16 (alpha) along {args.answers} GSM8K-dev answers "
                   "generated greedily by W4A16, and simulated tokens per round for gamma = 1..6:", "",
@@ -139,6 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--methods", default="rtn,gptq")
     ap.add_argument("--out", type=Path, default=Path("bench/results/quality.md"))
+    ap.add_argument("--resume", action="store_true", help="reuse results already in the --out JSON")
     args = ap.parse_args(argv)
 
     src = args.gguf or embedded_gguf()
@@ -147,7 +150,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.gsm8k:
         questions = [json.loads(line)["question"] for line in args.gsm8k.read_text().splitlines()
                      if line.strip()][: args.answers]
+    done: dict = {}
+    if args.resume and args.out.with_suffix(".json").is_file():
+        done = json.loads(args.out.with_suffix(".json").read_text())["results"]
+        for r in done.values():  # JSON turned the gamma keys into strings
+            for a in r.get("agreement", {}).values():
+                a["tokens_per_round"] = {int(g): v for g, v in a["tokens_per_round"].items()}
     results: dict = {}
+    by_weights: dict[str, str] = {}  # sha256 of model.safetensors -> checkpoint evaluated with it
     float_dir = work / "float-norot"
     if not (float_dir / "manifest.json").is_file():
         convert(src, float_dir, None, None)
@@ -166,11 +176,21 @@ def main(argv: list[str] | None = None) -> None:
                 convert(src, out, QuantScheme(args.group_size or None, args.symmetric, method),
                         0 if rotate else None, args.calibration, args.n_samples, args.seq_len)
             ck = load_checkpoint(out)
-            tok = load_tokenizer(out)
-            wiki = wikitext_ids(args.wikitext, tok, args.ppl_tokens)
-            print(f"{name}:", flush=True)
-            results[name] = evaluate_checkpoint(ck, tok, wiki, args.window, questions, args.max_answer_tokens,
-                                                ("w4a16", "w4a8", "w4a4"))
+            digest = ck.manifest["files"]["model.safetensors"] + str(ck.online_rotation_seed)
+            if digest in by_weights:  # bitwise the same weights: the same numbers
+                print(f"{name}: weights identical to {by_weights[digest]}", flush=True)
+                results[name] = dict(results[by_weights[digest]], same_weights_as=by_weights[digest])
+            elif name in done:  # same name = same cached checkpoint directory
+                print(f"{name}: reusing earlier results", flush=True)
+                results[name] = dict(done[name], digest=digest)
+            else:
+                tok = load_tokenizer(out)
+                wiki = wikitext_ids(args.wikitext, tok, args.ppl_tokens)
+                print(f"{name}:", flush=True)
+                results[name] = evaluate_checkpoint(ck, tok, wiki, args.window, questions, args.max_answer_tokens,
+                                                    ("w4a16", "w4a8", "w4a4"))
+                results[name]["digest"] = digest
+            by_weights.setdefault(digest, name)
             write_report(args.out, results, float_ppl, args)
     print(args.out.read_text())
 

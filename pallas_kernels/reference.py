@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.layout import QuantizedWeight, dequantize, signed_codes
+from pallas_kernels.rows import map_row_tiles
 
 ACT_BITS = {"w4a8": 8, "w4a4": 4}
 MODES = ("w16a16", "w4a16", "w4a8", "w4a4")
@@ -45,40 +46,45 @@ def group_accumulate(qa: jax.Array, qw: jax.Array, group_size: int) -> jax.Array
     return acc.transpose(1, 0, 2)
 
 
-def w4ax_matmul(x: jax.Array, w: QuantizedWeight, bits: int) -> jax.Array:
-    """W4A4 (bits=4) or W4A8 (bits=8) matmul of ``x[..., K]`` with ``w`` -> float32 ``[..., N]``."""
-    lead = x.shape[:-1]
-    qa, sa = quantize_activations(x.reshape(-1, x.shape[-1]), bits)
-    acc = group_accumulate(qa, signed_codes(w), w.group_size)  # [M, G, N]
+def _w4ax_rows(x: jax.Array, w: QuantizedWeight, qw: jax.Array, bits: int) -> jax.Array:
+    """W4A8 / W4A4 of rows ``x[M, K]`` given the integer weight operand ``qw = signed_codes(w)``."""
+    qa, sa = quantize_activations(x, bits)
+    acc = group_accumulate(qa, qw, w.group_size)  # [M, G, N]
     scales = jnp.asarray(w.scales).astype(jnp.float32).T  # [G, N]
     y = acc.astype(jnp.float32) * scales
     if not w.symmetric:
         qsum = qa.astype(jnp.int32).reshape(qa.shape[0], -1, w.group_size).sum(-1)  # [M, G]
         y = y + qsum.astype(jnp.float32)[:, :, None] * jnp.asarray(w.mins).astype(jnp.float32).T
-    y = sa * jnp.sum(y, axis=1)
-    return y.reshape(*lead, -1)
+    return sa * jnp.sum(y, axis=1)
 
 
-def w4a16_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
-    """W4A16 matmul: bf16 dequantized weights, bf16 activations, float32 accumulation."""
-    wd = dequantize(w, jnp.bfloat16)
-    return jnp.einsum("...k,nk->...n", x.astype(jnp.bfloat16), wd, preferred_element_type=jnp.float32)
+def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``x[M, K] @ w[N, K].T`` at full precision with a float32 result."""
+    return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
+                               preferred_element_type=jnp.float32)
 
 
-def dense_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """Float matmul ``x @ w.T`` in the activations' dtype at full precision, float32 result."""
-    return jnp.einsum(
-        "...k,nk->...n", x, w.astype(x.dtype),
-        precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32,
-    )
+def dense_matmul(x: jax.Array, w: jax.Array, row_tile: int | None = None) -> jax.Array:
+    """Float matmul ``x @ w.T`` in the activations' dtype, float32 result."""
+    wd = w.astype(x.dtype)
+    return map_row_tiles(lambda r: _dot(r, wd), x, row_tile)
 
 
-def quantized_matmul(x: jax.Array, w: QuantizedWeight, mode: str) -> jax.Array:
-    """The reference matmul of ``x[..., K]`` with packed weights in one of :data:`MODES`."""
+def quantized_matmul(x: jax.Array, w: QuantizedWeight, mode: str, row_tile: int | None = None) -> jax.Array:
+    """The reference matmul of ``x[..., K]`` with packed weights in one of :data:`MODES`, float32 out.
+
+    The weight operand is prepared once (dequantized, or unpacked to int8); the rows then run in
+    tiles of ``row_tile`` (see :mod:`pallas_kernels.rows`) so each row's result is independent of
+    how many rows the call has.
+    """
     if mode == "w16a16":
-        return dense_matmul(x, dequantize(w, jnp.float32))
+        return dense_matmul(x, dequantize(w, x.dtype), row_tile)
     if mode == "w4a16":
-        return w4a16_matmul(x, w)
+        # bf16 x bf16 products are exact in float32: this is a bf16 matmul with f32 accumulation,
+        # spelled in float32 because XLA's CPU bf16 dot is slow and takes other code paths.
+        wd = dequantize(w, jnp.bfloat16).astype(jnp.float32)
+        return map_row_tiles(lambda r: _dot(r.astype(jnp.bfloat16).astype(jnp.float32), wd), x, row_tile)
     if mode in ACT_BITS:
-        return w4ax_matmul(x, w, ACT_BITS[mode])
+        qw = signed_codes(w)
+        return map_row_tiles(lambda r: _w4ax_rows(r, w, qw, ACT_BITS[mode]), x, row_tile)
     raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")

@@ -1,68 +1,81 @@
-"""``qspec-jax``: the command-line entry point (``demo`` runs the embedded SmolLM2 in every mode)."""
+"""``qspec-jax``: ``generate`` (one prompt, any method) and ``demo`` (QSPEC next to W4A16 on the
+embedded SmolLM2, the README's main job)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
-DEMO_PROMPT = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. " \
-              "How many clips did Natalia sell altogether in April and May?"
-DEMO_PARAGRAPH = ("The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. "
-                  "It is named after the engineer Gustave Eiffel, whose company designed and built the tower "
-                  "from 1887 to 1889. Locally nicknamed \"La dame de fer\", it was constructed as the centrepiece "
-                  "of the 1889 World's Fair, and to crown the centennial anniversary of the French Revolution.")
+DEMO_PROMPTS = [
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?",
+    "Write a haiku about the sea.",
+]
 
 
-def default_checkpoint() -> Path:
-    """The embedded SmolLM2 converted with the default scheme (converted on first use)."""
-    from convert.pipeline import convert
-    from convert.quantize import QuantScheme
-    from qspec_jax.embedded import cache_dir, embedded_gguf
-
-    out = cache_dir() / "smollm2-rtn-asym-g32"
-    if not (out / "manifest.json").is_file():
-        print(f"converting the embedded SmolLM2 into {out} ...", flush=True)
-        convert(embedded_gguf(), out, QuantScheme(32, False, "rtn"), None)
-    return out
+def _print_stats(label: str, stats: dict) -> None:
+    print(f"  [{label}] {stats['generated']} tokens in {stats['wall_time_s']:.2f} s "
+          f"({stats['tokens_per_s']:.1f} tok/s, compile included) | rounds {stats['rounds']}, "
+          f"acceptance {stats['acceptance_rate']:.3f}, tokens/round {stats['tokens_per_round']:.2f}")
 
 
-def demo(checkpoint: Path | None, max_new_tokens: int) -> None:
-    from qspec_jax.checkpoint import load_checkpoint
-    from qspec_jax.decode import greedy_generate
-    from qspec_jax.evaluate import perplexity
-    from qspec_jax.linear import MODES
-    from qspec_jax.tokenizer import chat_prompt, load_tokenizer
+def cmd_generate(args) -> None:
+    from qspec_jax.generate import generate, load
 
-    path = checkpoint or default_checkpoint()
-    ck = load_checkpoint(path)
-    tok = load_tokenizer(path)
-    prompt = chat_prompt(tok, DEMO_PROMPT)
-    para = np.asarray(tok.encode(DEMO_PARAGRAPH, add_special_tokens=False), np.int32)
-    print(f"checkpoint: {path}\nprompt: {DEMO_PROMPT}\n")
-    for mode in MODES:
-        t = time.time()
-        out = greedy_generate(ck.params, ck.config, [prompt], max_new_tokens, mode=mode, eos_id=tok.eos_token_id,
-                              online_rotation_seed=ck.online_rotation_seed)[0]
-        ppl = perplexity(ck.params, ck.config, para, window=len(para), mode=mode,
-                         online_rotation_seed=ck.online_rotation_seed)
-        text = tok.decode(out, skip_special_tokens=True).strip().replace("\n", " ")
-        print(f"[{mode}] paragraph ppl {ppl:.2f} | {len(out)} tokens, {time.time() - t:.1f} s (incl. compile)\n  {text}\n")
+    model = load(args.checkpoint)
+    res = generate(model, [args.prompt], max_new_tokens=args.max_new_tokens, method=args.method, draft=args.draft,
+                   gamma=args.gamma, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                   seed=args.seed, chat=args.chat)
+    print(res.texts[0] if res.texts else res.sequences[0].tolist())
+    print(f"finish: {res.finish_reasons[0]}")
+    _print_stats(args.method, res.stats)
+
+
+def cmd_demo(args) -> None:
+    from qspec_jax.generate import generate, load
+
+    model = load(args.checkpoint)
+    print(f"checkpoint: {model.checkpoint.path}")
+    runs = {}
+    for label, method, draft in (("w4a16", "w4a16", "w4a4"), ("qspec/w4a4", "qspec", "w4a4"),
+                                 ("qspec/w4a8", "qspec", "w4a8")):
+        for attempt in ("compile", "timed"):  # the second call reuses the compiled loop
+            runs[label] = generate(model, DEMO_PROMPTS, max_new_tokens=args.max_new_tokens, method=method,
+                                   draft=draft, gamma=args.gamma, chat=True)
+    for i, prompt in enumerate(DEMO_PROMPTS):
+        print(f"\nprompt: {prompt}\n{runs['qspec/w4a8'].texts[i].strip()}")
+    print(f"\nbatch of {len(DEMO_PROMPTS)}, gamma={args.gamma}, greedy, second call (compiled):")
+    ref = runs["w4a16"]
+    for label, res in runs.items():
+        same = all(np.array_equal(a, b) for a, b in zip(res.sequences, ref.sequences))
+        _print_stats(label + ("" if label == "w4a16" else f", identical to w4a16: {same}"), res.stats)
 
 
 def main(argv: list[str] | None = None) -> int:
+    from qspec_jax.generate import DRAFTS, METHODS
+
     ap = argparse.ArgumentParser(prog="qspec-jax", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="greedy continuation and paragraph perplexity in every mode")
-    d.add_argument("--checkpoint", type=Path, default=None, help="converted checkpoint (default: embedded SmolLM2)")
-    d.add_argument("--max-new-tokens", type=int, default=64)
+    for name in ("generate", "demo"):
+        p = sub.add_parser(name)
+        p.add_argument("--checkpoint", type=Path, default=None, help="converted checkpoint (default: embedded SmolLM2)")
+        p.add_argument("--max-new-tokens", type=int, default=96)
+        p.add_argument("--gamma", type=int, default=3)
+    g = sub.choices["generate"]
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--method", choices=METHODS, default="qspec")
+    g.add_argument("--draft", choices=DRAFTS, default="w4a4")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     args = ap.parse_args(argv)
     try:
-        if args.command == "demo":
-            demo(args.checkpoint, args.max_new_tokens)
+        {"generate": cmd_generate, "demo": cmd_demo}[args.command](args)
     except (ValueError, FileNotFoundError) as e:
         print(f"qspec-jax: error: {e}", file=sys.stderr)
         return 2

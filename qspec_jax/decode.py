@@ -1,7 +1,14 @@
-"""Autoregressive greedy decoding with a KV cache in one jitted ``lax.fori_loop``."""
+"""The decode state and the autoregressive baseline loop, both pure functions under ``jax.jit``.
+
+The state is a plain pytree. Invariant at every loop iteration (DESIGN.md §1): sequence ``b`` has
+committed ``lengths[b]`` tokens ``tokens[b, :lengths[b]]``; the KV cache holds target (W4A16)
+keys/values for positions ``0 .. lengths[b]-2``; the last committed token has no valid KV yet.
+Slots beyond are stale; attention masks them by position.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -10,7 +17,105 @@ import jax.numpy as jnp
 import numpy as np
 
 from qspec_jax.config import LlamaConfig
-from qspec_jax.model import forward, init_cache
+from qspec_jax.model import KVCache, forward, init_cache
+from qspec_jax.sampling import Sampling, choose
+
+RUNNING, STOP, LENGTH = 0, 1, 2
+FINISH_REASONS = {STOP: "stop", LENGTH: "length"}
+ROW_TILE = 8  # row tile of every decode-time forward (row-count invariance, pallas_kernels/rows.py)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """Everything a decode loop carries; shapes are static for a given batch and budget."""
+
+    tokens: jax.Array         # int32[B, L] prompt + committed tokens (slots past lengths are scratch)
+    lengths: jax.Array        # int32[B] committed tokens (prompt included)
+    prompt_lengths: jax.Array  # int32[B]
+    finish: jax.Array         # int32[B] RUNNING / STOP / LENGTH
+    cache: KVCache            # ([L, B, S, KV, hd], same)
+    key: jax.Array            # PRNG key
+    rounds: jax.Array         # int32[B] loop iterations in which the sequence was running
+    drafted: jax.Array        # int32[B] draft tokens proposed
+    accepted: jax.Array       # int32[B] draft tokens accepted and committed
+
+    @property
+    def done(self) -> jax.Array:
+        return self.finish != RUNNING
+
+
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+    """Static settings of a decode loop (hashable: part of the jit cache key)."""
+
+    config: LlamaConfig
+    max_new_tokens: int
+    eos_id: int  # -1: never stop on a token
+    sampling: Sampling
+    dtype: Any = jnp.float32
+    online_rotation_seed: int | None = None
+
+    def run(self, params, tokens, positions, cache, mode: str, row_tile: int | None = ROW_TILE):
+        return forward(params, self.config, tokens, positions, cache, mode=mode, dtype=self.dtype,
+                       online_rotation_seed=self.online_rotation_seed, row_tile=row_tile)
+
+
+def commit(state: DecodeState, cand: jax.Array, n_new: jax.Array, rt: Runtime) -> tuple[DecodeState, jax.Array]:
+    """Append up to ``n_new[b]`` tokens of ``cand[b]`` to each running sequence, stopping after an
+    EOS and at ``max_new_tokens``. Returns the new state and the number committed per sequence."""
+    b, w = cand.shape
+    j = jnp.arange(w)[None, :]
+    generated = state.lengths - state.prompt_lengths
+    room = jnp.minimum(n_new, rt.max_new_tokens - generated)
+    is_eos = (cand == rt.eos_id) & (j < room[:, None])
+    has_eos = jnp.any(is_eos, axis=-1)
+    upto = jnp.where(has_eos, jnp.argmax(is_eos, axis=-1) + 1, room)
+    count = jnp.where(state.done, 0, upto).astype(jnp.int32)
+    cols = jnp.where(j < count[:, None], state.lengths[:, None] + j, state.tokens.shape[1])  # drop others
+    tokens = state.tokens.at[jnp.arange(b)[:, None], cols].set(cand, mode="drop")
+    lengths = state.lengths + count
+    stopped = ~state.done & has_eos
+    full = ~state.done & ~has_eos & (lengths - state.prompt_lengths >= rt.max_new_tokens)
+    finish = jnp.where(stopped, STOP, jnp.where(full, LENGTH, state.finish))
+    return dataclasses.replace(state, tokens=tokens, lengths=lengths, finish=finish), count
+
+
+def prefill(params, prompts: jax.Array, prompt_lengths: jax.Array, key: jax.Array, rt: Runtime,
+            buffer_len: int, cache_len: int, mode: str) -> DecodeState:
+    """Run the prompts through the model in ``mode`` (filling the KV cache) and commit the first token."""
+    b, p = prompts.shape
+    cache = init_cache(rt.config, b, cache_len, rt.dtype)
+    logits, cache = rt.run(params, prompts, jnp.broadcast_to(jnp.arange(p), (b, p)), cache, mode, row_tile=None)
+    key, sub = jax.random.split(key)
+    first, _ = choose(logits[jnp.arange(b), prompt_lengths - 1], rt.sampling, sub)
+    zeros = jnp.zeros((b,), jnp.int32)
+    state = DecodeState(
+        tokens=jnp.zeros((b, buffer_len), jnp.int32).at[:, :p].set(prompts), lengths=prompt_lengths,
+        prompt_lengths=prompt_lengths, finish=zeros, cache=cache, key=key, rounds=zeros, drafted=zeros,
+        accepted=zeros)
+    return commit(state, first[:, None], jnp.ones((b,), jnp.int32), rt)[0]
+
+
+def last_tokens(state: DecodeState) -> jax.Array:
+    """``int32[B, 1]``: each sequence's last committed token (the one without KV yet)."""
+    return jnp.take_along_axis(state.tokens, (state.lengths - 1)[:, None], axis=1)
+
+
+def ar_step(params, state: DecodeState, rt: Runtime, mode: str) -> DecodeState:
+    """One autoregressive step: feed the last token, choose the next, commit it."""
+    logits, cache = rt.run(params, last_tokens(state), (state.lengths - 1)[:, None], state.cache, mode)
+    key, sub = jax.random.split(state.key)
+    nxt, _ = choose(logits[:, 0], rt.sampling, sub)
+    running = (~state.done).astype(jnp.int32)
+    state = dataclasses.replace(state, cache=cache, key=key, rounds=state.rounds + running)
+    return commit(state, nxt[:, None], jnp.ones_like(state.lengths), rt)[0]
+
+
+@functools.partial(jax.jit, static_argnames=("rt", "mode"), donate_argnames=("state",))
+def ar_loop(params, state: DecodeState, *, rt: Runtime, mode: str) -> DecodeState:
+    """Autoregressive decoding in ``mode`` until every sequence is done: one ``lax.while_loop``."""
+    return jax.lax.while_loop(lambda s: ~jnp.all(s.done), lambda s: ar_step(params, s, rt, mode), state)
 
 
 def pad_prompts(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -24,41 +129,3 @@ def pad_prompts(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
     return tokens, lengths
-
-
-@functools.partial(jax.jit, static_argnames=("config", "max_new_tokens", "mode", "dtype", "online_rotation_seed"))
-def _greedy(params, tokens, lengths, eos_id, *, config: LlamaConfig, max_new_tokens: int, mode: str,
-            dtype: Any, online_rotation_seed: int | None):
-    b, p = tokens.shape
-    run = functools.partial(forward, params, config, mode=mode, dtype=dtype,
-                            online_rotation_seed=online_rotation_seed)
-    cache = init_cache(config, b, p + max_new_tokens, dtype)
-    logits, cache = run(tokens, jnp.broadcast_to(jnp.arange(p), (b, p)), cache)
-    first = jnp.argmax(logits[jnp.arange(b), lengths - 1], axis=-1).astype(jnp.int32)
-    out = jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(first)
-    done = first == eos_id
-
-    def step(i, carry):
-        out, cache, done = carry
-        prev = jax.lax.dynamic_slice_in_dim(out, i - 1, 1, axis=1)
-        logits, cache = run(prev, (lengths + i - 1)[:, None], cache)
-        nxt = jnp.where(done, eos_id, jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32))
-        return out.at[:, i].set(nxt), cache, done | (nxt == eos_id)
-
-    out, _, _ = jax.lax.fori_loop(1, max_new_tokens, step, (out, cache, done))
-    return out
-
-
-def greedy_generate(params: dict, config: LlamaConfig, prompts: list[list[int]], max_new_tokens: int, *,
-                    mode: str, eos_id: int, dtype: Any = jnp.float32,
-                    online_rotation_seed: int | None = None) -> list[list[int]]:
-    """Greedy continuations (up to and including the first ``eos_id``) of each prompt."""
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    tokens, lengths = pad_prompts(prompts)
-    out = np.asarray(_greedy(params, tokens, lengths, eos_id, config=config, max_new_tokens=max_new_tokens,
-                             mode=mode, dtype=dtype, online_rotation_seed=online_rotation_seed))
-    result = []
-    for row in out.tolist():
-        result.append(row[: row.index(eos_id) + 1] if eos_id in row else row)
-    return result

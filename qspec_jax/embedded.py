@@ -24,3 +24,15 @@ def embedded_gguf() -> Path:
 def cache_dir() -> Path:
     """Where converted checkpoints of the embedded model live (``$QSPEC_JAX_CACHE`` overrides)."""
     return Path(os.environ.get("QSPEC_JAX_CACHE", Path.home() / ".cache" / "qspec-jax"))
+
+
+def default_checkpoint() -> Path:
+    """The embedded SmolLM2 converted with the default scheme (converted on first use)."""
+    from convert.pipeline import convert
+    from convert.quantize import QuantScheme
+
+    out = cache_dir() / "smollm2-rtn-asym-g32"
+    if not (out / "manifest.json").is_file():
+        print(f"converting the embedded SmolLM2 into {out} ...", flush=True)
+        convert(embedded_gguf(), out, QuantScheme(32, False, "rtn"), None)
+    return out

@@ -9,7 +9,8 @@ orthogonal transform of :mod:`qspec_jax.rotation` in every mode.
 
 The KV cache is a pair ``(k, v)`` of ``[L, B, S, num_kv_heads, head_dim]`` arrays whose slot
 ``s`` holds position ``s``; a query at position ``p`` attends to slots ``0..p``. Without a cache
-the tokens attend causally (by position) to each other.
+the tokens attend causally (by position) to each other. Callers size the cache: a position at or
+beyond its length is not stored (checked by the decoding API before anything is traced).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 
 from qspec_jax.config import LlamaConfig
 from qspec_jax.linear import check_mode, linear
+from pallas_kernels.rows import map_row_tiles
 from qspec_jax.rotation import apply_transform
 
 KVCache = tuple[jax.Array, jax.Array]
@@ -58,8 +60,30 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return x * cos + rotated * sin
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
-    """Grouped-query attention: ``q[B,T,H,d]``, ``k, v[B,S,KV,d]``, key ``s`` visible iff ``k_pos <= q_pos``."""
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
+              row_tile: int | None = None) -> jax.Array:
+    """Grouped-query attention: ``q[B,T,H,d]``, ``k, v[B,S,KV,d]``, key ``s`` visible iff ``k_pos <= q_pos``.
+
+    With ``row_tile``, each sequence's queries are padded to a multiple of ``row_tile`` and
+    processed one sequence and tile at a time, so a query's result does not depend on T or B.
+    """
+    if row_tile is None:
+        return _attention(q, k, v, q_pos, k_pos)
+    b, t = q.shape[:2]
+    pad = (-t) % row_tile
+    n = (t + pad) // row_tile
+    qt = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b * n, row_tile, *q.shape[2:])
+    pt = jnp.pad(q_pos, ((0, 0), (0, pad))).reshape(b * n, row_tile)
+
+    def one(i):
+        seq = i // n
+        return _attention(qt[i][None], k[seq][None], v[seq][None], pt[i][None], k_pos[seq][None])[0]
+
+    out = jax.lax.map(one, jnp.arange(b * n))
+    return out.reshape(b, t + pad, *q.shape[2:])[:, :t]
+
+
+def _attention(q, k, v, q_pos, k_pos):
     b, t, h, d = q.shape
     kv = k.shape[2]
     qg = q.reshape(b, t, kv, h // kv, d)
@@ -82,6 +106,7 @@ class Linear(nn.Module):
     features: int
     mode: str
     use_bias: bool = False
+    row_tile: int | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -89,7 +114,7 @@ class Linear(nn.Module):
             w = self.get_variable("params", "w")
         else:
             w = self.param("w", _dense_init, (self.features, x.shape[-1]))
-        y = linear(x, w, self.mode)
+        y = linear(x, w, self.mode, self.row_tile)
         if self.use_bias:
             y = y + self.param("b", nn.initializers.zeros, (self.features,)).astype(jnp.float32)
         return y.astype(x.dtype)
@@ -97,26 +122,32 @@ class Linear(nn.Module):
 
 class RMSNorm(nn.Module):
     eps: float
+    row_tile: int | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
-        xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return scale.astype(x.dtype) * xf.astype(x.dtype)
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],)).astype(x.dtype)
+
+        def norm(r):
+            rf = r.astype(jnp.float32)
+            rf = rf * jax.lax.rsqrt(jnp.mean(rf * rf, axis=-1, keepdims=True) + self.eps)
+            return scale * rf.astype(r.dtype)
+
+        return map_row_tiles(norm, x, self.row_tile)
 
 
 class Attention(nn.Module):
     config: LlamaConfig
     mode: str
     online_rotation_seed: int | None = None
+    row_tile: int | None = None
 
     @nn.compact
     def __call__(self, x, positions, cache: KVCache | None):
         c = self.config
         b, t, _ = x.shape
         hq, hk, d = c.num_heads, c.num_kv_heads, c.head_dim
-        qkv = Linear((hq + 2 * hk) * d, self.mode, c.attention_bias, name="qkv")(x)
+        qkv = Linear((hq + 2 * hk) * d, self.mode, c.attention_bias, self.row_tile, name="qkv")(x)
         q, k, v = jnp.split(qkv, [hq * d, (hq + hk) * d], axis=-1)
         inv_freq = rope_frequencies(c)
         q = apply_rope(q.reshape(b, t, hq, d), positions, inv_freq)
@@ -130,10 +161,12 @@ class Attention(nn.Module):
             values = cache[1].at[rows, positions].set(v.astype(cache[1].dtype), mode="drop")
             cache = (keys, values)
             k_pos = jnp.broadcast_to(jnp.arange(keys.shape[1]), (b, keys.shape[1]))
-        out = attention(q, keys.astype(q.dtype), values.astype(q.dtype), positions, k_pos)
-        if self.online_rotation_seed is not None:
-            out = apply_transform(out, self.online_rotation_seed)
-        out = Linear(c.hidden_size, self.mode, name="o")(out.reshape(b, t, hq * d))
+        out = attention(q, keys.astype(q.dtype), values.astype(q.dtype), positions, k_pos, self.row_tile)
+        out = out.reshape(b, t, hq * d)
+        if self.online_rotation_seed is not None:  # per head: [.., hq*d] -> [.., hq, d] rows
+            per_head = lambda r: apply_transform(r.reshape(r.shape[0], hq, d), self.online_rotation_seed)  # noqa: E731
+            out = map_row_tiles(lambda r: per_head(r).reshape(r.shape), out, self.row_tile)
+        out = Linear(c.hidden_size, self.mode, row_tile=self.row_tile, name="o")(out)
         return out, cache
 
 
@@ -141,40 +174,47 @@ class MLP(nn.Module):
     config: LlamaConfig
     mode: str
     online_rotation_seed: int | None = None
+    row_tile: int | None = None
 
     @nn.compact
     def __call__(self, x):
         f = self.config.intermediate_size
-        gate, up = jnp.split(Linear(2 * f, self.mode, name="gate_up")(x), 2, axis=-1)
+        gate, up = jnp.split(Linear(2 * f, self.mode, row_tile=self.row_tile, name="gate_up")(x), 2, axis=-1)
         h = nn.silu(gate) * up
         if self.online_rotation_seed is not None:
-            h = apply_transform(h, self.online_rotation_seed)
-        return Linear(self.config.hidden_size, self.mode, name="down")(h)
+            h = map_row_tiles(lambda r: apply_transform(r, self.online_rotation_seed), h, self.row_tile)
+        return Linear(self.config.hidden_size, self.mode, row_tile=self.row_tile, name="down")(h)
 
 
 class DecoderLayer(nn.Module):
     config: LlamaConfig
     mode: str
     online_rotation_seed: int | None = None
+    row_tile: int | None = None
 
     @nn.compact
     def __call__(self, x, cache: KVCache | None, positions):
-        c = self.config
-        h, cache = Attention(c, self.mode, self.online_rotation_seed, name="attn")(
-            RMSNorm(c.rms_norm_eps, name="attn_norm")(x), positions, cache)
+        c, tile = self.config, self.row_tile
+        h, cache = Attention(c, self.mode, self.online_rotation_seed, tile, name="attn")(
+            RMSNorm(c.rms_norm_eps, tile, name="attn_norm")(x), positions, cache)
         x = x + h
-        x = x + MLP(c, self.mode, self.online_rotation_seed, name="mlp")(
-            RMSNorm(c.rms_norm_eps, name="mlp_norm")(x))
+        x = x + MLP(c, self.mode, self.online_rotation_seed, tile, name="mlp")(
+            RMSNorm(c.rms_norm_eps, tile, name="mlp_norm")(x))
         return x, cache
 
 
 class Llama(nn.Module):
-    """The decoder: ``(tokens[B,T], positions[B,T], cache) -> (float32 logits[B,T,V], cache)``."""
+    """The decoder: ``(tokens[B,T], positions[B,T], cache) -> (float32 logits[B,T,V], cache)``.
+
+    ``row_tile`` (decode steps and verify passes) makes every token's logits independent of how
+    many tokens the call has; prefill and evaluation leave it ``None`` for speed.
+    """
 
     config: LlamaConfig
     mode: str = "w4a16"
     dtype: Any = jnp.float32
     online_rotation_seed: int | None = None
+    row_tile: int | None = None
 
     def setup(self):
         check_mode(self.mode)
@@ -187,12 +227,12 @@ class Llama(nn.Module):
         layers = nn.scan(
             DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
             in_axes=(0, nn.broadcast), length=c.num_layers,
-        )(c, self.mode, self.online_rotation_seed, name="layers")
+        )(c, self.mode, self.online_rotation_seed, self.row_tile, name="layers")
         x, cache = layers(x, cache, positions)
-        x = RMSNorm(c.rms_norm_eps, name="final_norm")(x)
+        x = RMSNorm(c.rms_norm_eps, self.row_tile, name="final_norm")(x)
         head = embed if c.tie_word_embeddings else self.param(
             "lm_head", _dense_init, (c.vocab_size, c.hidden_size))
-        return linear(x, head.astype(self.dtype), "w16a16"), cache
+        return linear(x, head.astype(self.dtype), "w16a16", self.row_tile), cache
 
 
 def init_cache(config: LlamaConfig, batch: int, length: int, dtype=jnp.float32) -> KVCache:
@@ -203,7 +243,8 @@ def init_cache(config: LlamaConfig, batch: int, length: int, dtype=jnp.float32) 
 
 def forward(params: dict[str, Any], config: LlamaConfig, tokens: jax.Array, positions: jax.Array,
             cache: KVCache | None = None, *, mode: str, dtype: Any = jnp.float32,
-            online_rotation_seed: int | None = None) -> tuple[jax.Array, KVCache | None]:
+            online_rotation_seed: int | None = None, row_tile: int | None = None,
+            ) -> tuple[jax.Array, KVCache | None]:
     """Apply the model to a params pytree: ``(float32 logits [B, T, V], updated cache)``."""
-    model = Llama(config, mode, dtype, online_rotation_seed)
+    model = Llama(config, mode, dtype, online_rotation_seed, row_tile)
     return model.apply({"params": params}, tokens, positions, cache)

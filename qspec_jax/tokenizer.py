@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-from transformers import PreTrainedTokenizerFast
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # no "PyTorch was not found" notice
+
+from transformers import PreTrainedTokenizerFast  # noqa: E402
 
 
 def load_tokenizer(checkpoint_dir: str | Path) -> PreTrainedTokenizerFast:

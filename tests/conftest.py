@@ -159,3 +159,13 @@ def tiny_config() -> LlamaConfig:
 
 def tiny_variant(**changes) -> LlamaConfig:
     return dataclasses.replace(TINY, **changes)
+
+
+def memory_model(params, config: LlamaConfig, quantized: bool = True, rotation_seed: int | None = None):
+    """A ``generate``-ready model from an in-memory params pytree (no tokenizer)."""
+    from qspec_jax.checkpoint import Checkpoint
+    from qspec_jax.generate import Model
+
+    manifest = {"quantization": {"bits": 4} if quantized else None,
+                "rotation": None if rotation_seed is None else {"seed": rotation_seed, "online": True}}
+    return Model(Checkpoint(Path("<memory>"), config, params, manifest), None)

@@ -1,4 +1,4 @@
-"""greedy_generate (KV cache, padded batch, one fori_loop) against a naive re-run-everything loop."""
+"""Autoregressive ``generate`` (KV cache, padded batch, one while_loop) against a naive re-run-everything loop."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import jax
 import numpy as np
 import pytest
 
-from tests.conftest import TINY, random_source
+from tests.conftest import TINY, memory_model, random_source
 from convert.pipeline import convert_model
 from convert.quantize import QuantScheme
-from qspec_jax.decode import greedy_generate
+from qspec_jax.generate import generate
 from qspec_jax.model import forward
 
 NEW_TOKENS = 8
@@ -58,7 +58,7 @@ def draw_untied(rng, mode: str, eos_id, accept=lambda naive: True, attempts: int
 def test_greedy_matches_naive_loop(mode, rng):
     eos = TINY.vocab_size - 1
     params, cfg, prompts, naive = draw_untied(rng, mode, eos)
-    got = greedy_generate(params, cfg, prompts, NEW_TOKENS, mode=mode, eos_id=eos)
+    got = _greedy(params, cfg, prompts, mode, eos)
     assert got == naive
 
 
@@ -67,18 +67,14 @@ def test_eos_stops_only_its_sequence(rng):
     # eos := the 4th token of prompt 0's greedy continuation, which must not occur in its first three
     params, cfg, prompts, naive = draw_untied(rng, mode, None, accept=lambda r: r[0][3] not in r[0][:3])
     eos = naive[0][3]
-    got = greedy_generate(params, cfg, prompts, NEW_TOKENS, mode=mode, eos_id=eos)
+    got = _greedy(params, cfg, prompts, mode, eos)
     assert got[0] == naive[0][:4] and got[0][-1] == eos
     for i in (1, 2):  # the others: their own continuation, cut after their own first eos (if any)
         want = naive[i][: naive[i].index(eos) + 1] if eos in naive[i] else naive[i]
         assert got[i] == want
 
 
-def test_bad_input_raises(rng):
-    params, cfg, _ = convert_model(random_source(TINY, rng), None, None)
-    with pytest.raises(ValueError, match="no prompts"):
-        greedy_generate(params, cfg, [], 4, mode="w16a16", eos_id=2)
-    with pytest.raises(ValueError, match="empty prompt"):
-        greedy_generate(params, cfg, [[3, 4], []], 4, mode="w16a16", eos_id=2)
-    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
-        greedy_generate(params, cfg, [[3, 4]], 0, mode="w16a16", eos_id=2)
+def _greedy(params, cfg, prompts, mode, eos) -> list[list[int]]:
+    res = generate(memory_model(params, cfg, quantized=mode != "w16a16"), prompts, max_new_tokens=NEW_TOKENS,
+                   method=mode, eos_token_id=eos)
+    return [s.tolist() for s in res.sequences]

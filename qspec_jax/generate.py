@@ -1,0 +1,163 @@
+"""The user-facing API: ``load()`` a converted checkpoint and ``generate()`` with QSPEC or a baseline."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qspec_jax.checkpoint import Checkpoint, load_checkpoint
+from qspec_jax.decode import FINISH_REASONS, DecodeState, Runtime, ar_loop, pad_prompts, prefill
+from qspec_jax.qspec import qspec_loop
+from qspec_jax.sampling import Sampling
+
+METHODS = ("qspec", "w4a16", "w4a8", "w4a4", "w16a16")
+DRAFTS = ("w4a4", "w4a8")
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """A loaded checkpoint and its tokenizer (``None`` if the checkpoint has none)."""
+
+    checkpoint: Checkpoint
+    tokenizer: Any
+
+    @property
+    def config(self):
+        return self.checkpoint.config
+
+
+def load(path: str | Path | None = None) -> Model:
+    """Load a converted checkpoint; without a path, the embedded SmolLM2 (converted on first use)."""
+    from qspec_jax.tokenizer import load_tokenizer
+
+    if path is None:
+        from qspec_jax.embedded import default_checkpoint
+        path = default_checkpoint()
+    ck = load_checkpoint(path)
+    tok = load_tokenizer(path) if (Path(path) / "tokenizer_config.json").is_file() else None
+    return Model(ck, tok)
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """Generated tokens per prompt, why each stopped, decoded texts and decoding statistics."""
+
+    sequences: list[np.ndarray]
+    prompt_lengths: np.ndarray
+    lengths: np.ndarray
+    finish_reasons: list[str]
+    texts: list[str] | None
+    stats: dict[str, float]
+
+
+def _tokenize(model: Model, prompts, chat: bool) -> list[list[int]]:
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if isinstance(prompts, np.ndarray) and prompts.ndim == 1:
+        prompts = [prompts]
+    out = []
+    for p in prompts:
+        if isinstance(p, str):
+            if model.tokenizer is None:
+                raise ValueError("this checkpoint has no tokenizer: pass token ids instead of strings")
+            if chat:
+                from qspec_jax.tokenizer import chat_prompt
+                out.append(chat_prompt(model.tokenizer, p))
+            else:
+                out.append(model.tokenizer.encode(p, add_special_tokens=False))
+        else:
+            ids = np.asarray(p)
+            if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer) and ids.size:
+                raise ValueError(f"a token-id prompt must be a 1-D integer sequence, got shape {ids.shape} "
+                                 f"dtype {ids.dtype}")
+            if ids.size and (ids.min() < 0 or ids.max() >= model.config.vocab_size):
+                raise ValueError(f"token ids must lie in [0, {model.config.vocab_size}), got "
+                                 f"[{ids.min()}, {ids.max()}]")
+            out.append(ids.astype(np.int64).tolist())
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("rt", "buffer_len", "cache_len", "mode"))
+def _prefill(params, prompts, lengths, key, *, rt, buffer_len, cache_len, mode) -> DecodeState:
+    return prefill(params, prompts, lengths, key, rt, buffer_len, cache_len, mode)
+
+
+def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]] | np.ndarray, *,
+             max_new_tokens: int, method: str = "qspec", draft: str = "w4a4", gamma: int = 3,
+             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+             eos_token_id: int | None = None, chat: bool = False, max_len: int | None = None,
+             dtype: Any = jnp.float32) -> GenerationResult:
+    """Generate continuations of ``prompts`` (strings or token-id sequences) with ``method``.
+
+    ``qspec`` drafts ``gamma`` tokens per round in ``draft`` precision and verifies them in W4A16;
+    the other methods decode autoregressively in that mode. Prefill runs in W4A16 (W16A16 for
+    ``w16a16``). ``max_len`` bounds prompt + new tokens (default: the model's max positions).
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
+    if draft not in DRAFTS:
+        raise ValueError(f"unknown draft precision {draft!r}; expected one of {DRAFTS}")
+    if not isinstance(gamma, (int, np.integer)) or gamma < 1:
+        raise ValueError(f"gamma must be an integer >= 1, got {gamma!r}")
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    if method != "w16a16" and not model.checkpoint.quantized:
+        raise ValueError(f"method {method!r} needs a quantized checkpoint; this one holds float weights")
+    sampling = Sampling(temperature, top_k, top_p)
+    ids = _tokenize(model, prompts, chat)
+    tokens, lengths = pad_prompts(ids)
+    cfg = model.config
+    max_len = max_len or cfg.max_position_embeddings
+    if lengths.max() + max_new_tokens > max_len:
+        raise ValueError(f"prompt of {lengths.max()} tokens plus max_new_tokens={max_new_tokens} exceeds the "
+                         f"cache length max_len={max_len}")
+    if eos_token_id is None:
+        eos_token_id = model.tokenizer.eos_token_id if model.tokenizer is not None else cfg.eos_token_id
+    b = len(ids)
+    if max_new_tokens == 0:
+        return GenerationResult([np.zeros(0, np.int32)] * b, lengths, np.zeros(b, np.int32), ["length"] * b,
+                                [""] * b if model.tokenizer is not None else None, _stats(None, 0.0, 0))
+
+    rt = Runtime(cfg, int(max_new_tokens), -1 if eos_token_id is None else int(eos_token_id), sampling, dtype,
+                 model.checkpoint.online_rotation_seed)
+    extra = gamma + 1 if method == "qspec" else 1
+    buffer_len = int(lengths.max()) + max_new_tokens + extra
+    params = model.checkpoint.params
+    start = time.perf_counter()
+    state = _prefill(params, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(seed), rt=rt,
+                     buffer_len=buffer_len, cache_len=buffer_len, mode="w16a16" if method == "w16a16" else "w4a16")
+    if method == "qspec":
+        state = qspec_loop(params, state, rt=rt, gamma=int(gamma), draft_mode=draft)
+    else:
+        state = ar_loop(params, state, rt=rt, mode=method)
+    state = jax.block_until_ready(state)
+    wall = time.perf_counter() - start
+    out = jax.device_get((state.tokens, state.lengths, state.finish, state.rounds, state.drafted, state.accepted))
+    toks, lens, finish, rounds, drafted, accepted = out
+    gen = lens - lengths
+    seqs = [toks[i, lengths[i]:lens[i]] for i in range(b)]
+    texts = None
+    if model.tokenizer is not None:
+        texts = [model.tokenizer.decode(s, skip_special_tokens=True) for s in seqs]
+    stats = _stats((rounds, drafted, accepted, gen), wall, b)
+    return GenerationResult(seqs, lengths, gen, [FINISH_REASONS[int(f)] for f in finish], texts, stats)
+
+
+def _stats(counters, wall: float, batch: int) -> dict[str, float]:
+    if counters is None:
+        return dict(rounds=0, drafted=0, accepted=0, acceptance_rate=0.0, tokens_per_round=0.0,
+                    generated=0, wall_time_s=wall, tokens_per_s=0.0)
+    rounds, drafted, accepted, gen = (int(np.sum(c)) for c in counters)
+    # the first token of each sequence comes from the prefill, not from a round
+    in_rounds = gen - int(np.sum(np.minimum(counters[3], 1)))
+    return dict(rounds=rounds, drafted=drafted, accepted=accepted,
+                acceptance_rate=accepted / drafted if drafted else 0.0,
+                tokens_per_round=in_rounds / rounds if rounds else 0.0,
+                generated=gen, wall_time_s=wall, tokens_per_s=gen / wall if wall > 0 else 0.0)
