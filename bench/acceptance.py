@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from qspec_jax.generate import DRAFTS, generate, load
+from qspec_jax.api import DRAFTS, generate, load
 
 
 def main(argv: list[str] | None = None) -> None:

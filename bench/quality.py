@@ -25,7 +25,7 @@ from convert.pipeline import convert
 from convert.quantize import QuantScheme
 from qspec_jax.checkpoint import Checkpoint, load_checkpoint
 from qspec_jax.decode import pad_prompts
-from qspec_jax.generate import Model, generate
+from qspec_jax.api import Model, generate
 from qspec_jax.embedded import cache_dir, embedded_gguf
 from qspec_jax.evaluate import perplexity, token_scores, simulate_rounds
 from qspec_jax.tokenizer import chat_prompt, load_tokenizer

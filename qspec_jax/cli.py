@@ -23,7 +23,7 @@ def _print_stats(label: str, stats: dict) -> None:
 
 
 def cmd_generate(args) -> None:
-    from qspec_jax.generate import generate, load
+    from qspec_jax.api import generate, load
 
     model = load(args.checkpoint)
     res = generate(model, [args.prompt], max_new_tokens=args.max_new_tokens, method=args.method, draft=args.draft,
@@ -35,7 +35,7 @@ def cmd_generate(args) -> None:
 
 
 def cmd_demo(args) -> None:
-    from qspec_jax.generate import generate, load
+    from qspec_jax.api import generate, load
 
     model = load(args.checkpoint)
     print(f"checkpoint: {model.checkpoint.path}")
@@ -55,7 +55,7 @@ def cmd_demo(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from qspec_jax.generate import DRAFTS, METHODS
+    from qspec_jax.api import DRAFTS, METHODS
 
     ap = argparse.ArgumentParser(prog="qspec-jax", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)

@@ -164,7 +164,7 @@ def tiny_variant(**changes) -> LlamaConfig:
 def memory_model(params, config: LlamaConfig, quantized: bool = True, rotation_seed: int | None = None):
     """A ``generate``-ready model from an in-memory params pytree (no tokenizer)."""
     from qspec_jax.checkpoint import Checkpoint
-    from qspec_jax.generate import Model
+    from qspec_jax.api import Model
 
     manifest = {"quantization": {"bits": 4} if quantized else None,
                 "rotation": None if rotation_seed is None else {"seed": rotation_seed, "online": True}}

@@ -9,7 +9,7 @@ import pytest
 from tests.conftest import TINY, memory_model, random_source
 from convert.pipeline import convert_model
 from convert.quantize import QuantScheme
-from qspec_jax.generate import generate
+from qspec_jax.api import generate
 from qspec_jax.model import forward
 
 NEW_TOKENS = 8

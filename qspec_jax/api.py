@@ -99,14 +99,15 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
     ``qspec`` drafts ``gamma`` tokens per round in ``draft`` precision and verifies them in W4A16;
     the other methods decode autoregressively in that mode. Prefill runs in W4A16 (W16A16 for
     ``w16a16``). ``max_len`` bounds prompt + new tokens (default: the model's max positions).
+    ``eos_token_id`` defaults to the tokenizer's (or config's) EOS; ``-1`` never stops on a token.
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
     if draft not in DRAFTS:
         raise ValueError(f"unknown draft precision {draft!r}; expected one of {DRAFTS}")
-    if not isinstance(gamma, (int, np.integer)) or gamma < 1:
+    if isinstance(gamma, bool) or not isinstance(gamma, (int, np.integer)) or gamma < 1:
         raise ValueError(f"gamma must be an integer >= 1, got {gamma!r}")
-    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     if method != "w16a16" and not model.checkpoint.quantized:
         raise ValueError(f"method {method!r} needs a quantized checkpoint; this one holds float weights")
@@ -114,12 +115,18 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
     ids = _tokenize(model, prompts, chat)
     tokens, lengths = pad_prompts(ids)
     cfg = model.config
-    max_len = max_len or cfg.max_position_embeddings
+    if max_len is None:
+        max_len = cfg.max_position_embeddings
+    if max_len < 1:
+        raise ValueError(f"max_len must be >= 1, got {max_len}")
     if lengths.max() + max_new_tokens > max_len:
         raise ValueError(f"prompt of {lengths.max()} tokens plus max_new_tokens={max_new_tokens} exceeds the "
                          f"cache length max_len={max_len}")
     if eos_token_id is None:
         eos_token_id = model.tokenizer.eos_token_id if model.tokenizer is not None else cfg.eos_token_id
+    elif eos_token_id != -1 and not 0 <= eos_token_id < cfg.vocab_size:
+        raise ValueError(f"eos_token_id {eos_token_id} is outside the vocabulary [0, {cfg.vocab_size}) "
+                         "(-1: never stop on a token)")
     b = len(ids)
     if max_new_tokens == 0:
         return GenerationResult([np.zeros(0, np.int32)] * b, lengths, np.zeros(b, np.int32), ["length"] * b,

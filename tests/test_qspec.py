@@ -1,0 +1,486 @@
+"""QSPEC decoding (draft in W4A4/W4A8, verify in W4A16): greedy exactness against W4A16 on SmolLM2,
+bitwise row-count invariance of the verify pass, the KV invariant, distribution preservation of
+stochastic QSPEC (with a wrong acceptance rule that the same statistic must reject), counters,
+edge cases, and the one-compiled-loop property."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy.stats import chi2
+
+from convert.pipeline import convert_model
+from convert.quantize import QuantScheme
+from qspec_jax.decode import ROW_TILE, Runtime, prefill
+from qspec_jax.api import generate, load
+from qspec_jax.model import forward, init_cache
+from qspec_jax.qspec import qspec_loop, qspec_round
+from qspec_jax.sampling import Sampling, probabilities, sample
+from qspec_jax.tokenizer import chat_prompt
+from tests.conftest import TINY, memory_model, random_source, tiny_variant
+
+# the modules themselves (the package re-exports a function named ``generate``)
+import qspec_jax.api as gen_mod
+import qspec_jax.qspec as qspec_mod
+
+GSM8K = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "gsm8k_test_dev.jsonl"
+FALLBACK_PROMPTS = [
+    "What is 7 times 8?",
+    "Tom has 3 apples and buys 5 more. He gives 2 to his sister. How many apples does he have now?",
+    "A train travels 60 miles per hour for 2.5 hours, then 40 miles per hour for another hour. "
+    "How far does it travel in total? Explain your reasoning step by step.",
+    "Name a colour.",
+]
+NEW = 64
+_fwd = jax.jit(forward, static_argnames=("config", "mode", "row_tile", "online_rotation_seed"))
+
+
+def gsm8k_prompts() -> list[str]:
+    """Four questions of clearly different lengths (hard-coded prompts when the data file is absent)."""
+    if not GSM8K.is_file():
+        return FALLBACK_PROMPTS
+    with GSM8K.open() as f:
+        qs = [json.loads(line)["question"] for _, line in zip(range(40), f)]
+    qs = sorted(qs, key=len)
+    return [qs[0], qs[-1], qs[13], qs[26]]  # not sorted by length: padding lands in mixed places
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. greedy QSPEC == greedy W4A16 on the real model
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smol(smollm2_ckpt):
+    return load(smollm2_ckpt)
+
+
+@pytest.fixture(scope="module")
+def smol_batches(smol):
+    prompts = gsm8k_prompts()
+    lengths = [len(chat_prompt(smol.tokenizer, p)) for p in prompts]
+    assert len(set(lengths)) == 4, lengths  # the padded batch is exercised
+    return {1: prompts[:1], 4: prompts}
+
+
+@pytest.fixture(scope="module")
+def w4a16_refs(smol, smol_batches):
+    """Greedy W4A16 reference per batch size, computed once."""
+    return {b: generate(smol, p, max_new_tokens=NEW, method="w4a16", chat=True) for b, p in smol_batches.items()}
+
+
+@pytest.mark.parametrize("gamma,draft,batch", [(g, "w4a8", b) for g in (1, 3, 5) for b in (1, 4)]
+                         + [(3, "w4a4", 4)])
+def test_greedy_qspec_equals_w4a16_smollm2(smol, smol_batches, w4a16_refs, gamma, draft, batch):
+    ref = w4a16_refs[batch]
+    got = generate(smol, smol_batches[batch], max_new_tokens=NEW, method="qspec", draft=draft, gamma=gamma,
+                   chat=True)
+    assert len(got.sequences) == batch
+    for i, (a, b) in enumerate(zip(got.sequences, ref.sequences)):
+        assert np.array_equal(a, b), f"sequence {i} diverges at token {_first_diff(a, b)}"
+    assert got.finish_reasons == ref.finish_reasons
+    s = got.stats
+    assert s["drafted"] == gamma * s["rounds"] and 0 <= s["accepted"] <= s["drafted"]
+    if draft == "w4a8":
+        assert s["accepted"] > 0, s  # acceptance is exercised, not just the correction token
+
+
+def _first_diff(a, b) -> int:
+    n = min(len(a), len(b))
+    d = np.nonzero(a[:n] != b[:n])[0]
+    return int(d[0]) if d.size else n
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. row-count invariance of the W4A16 verify pass (bitwise)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("width", [4, 6])
+def test_verify_pass_is_row_count_invariant(smol, rng, width):
+    cfg, params = smol.config, smol.checkpoint.params
+    seed = smol.checkpoint.online_rotation_seed
+    lengths = rng.choice(np.arange(3, 20), 3, replace=False)
+    p = int(lengths.max())
+    prompts = rng.integers(0, cfg.vocab_size, (3, p)).astype(np.int32)
+    cache = init_cache(cfg, 3, p + width + 2)
+    _, cache = _fwd(params, cfg, prompts, np.broadcast_to(np.arange(p, dtype=np.int32), (3, p)), cache,
+                    mode="w4a16", online_rotation_seed=seed)
+    toks = rng.integers(0, cfg.vocab_size, (3, width)).astype(np.int32)
+    toks[:, 0] = prompts[np.arange(3), lengths - 1]  # the last committed token, as in a round
+    pos = (lengths[:, None] - 1 + np.arange(width)[None]).astype(np.int32)
+
+    many, many_cache = _fwd(params, cfg, toks, pos, cache, mode="w4a16", row_tile=ROW_TILE,
+                            online_rotation_seed=seed)
+    one_cache, ones = cache, []
+    for i in range(width):
+        lg, one_cache = _fwd(params, cfg, toks[:, i:i + 1], pos[:, i:i + 1], one_cache, mode="w4a16",
+                             row_tile=ROW_TILE, online_rotation_seed=seed)
+        ones.append(lg)
+    ones = np.concatenate([np.asarray(x) for x in ones], axis=1)
+    np.testing.assert_array_equal(np.asarray(many), ones)
+    for a, b in zip(many_cache, one_cache):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. stochastic QSPEC samples from the W4A16 distribution
+# ---------------------------------------------------------------------------------------------
+
+SMALL_V = 12
+N_CALLS, N_PER_CALL = 4, 6000  # 24000 draws of (x1, x2, x3)
+ALPHA = 1e-5                   # a correct sampler fails one statistic with probability <= 1e-5
+
+
+def _softmax64(logits) -> np.ndarray:
+    x = np.asarray(logits, np.float64)
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def exact_target(params, cfg, prompt: np.ndarray):
+    """Exact W4A16 p(x1), p(x2|x1), p(x3|x1,x2) by enumeration, and the draft q(x2|x1) of a W4A4 step."""
+    v, n = cfg.vocab_size, len(prompt)
+    pos = lambda b, t: np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))  # noqa: E731
+    lg, _ = _fwd(params, cfg, prompt[None], pos(1, n), init_cache(cfg, 1, n + 4), mode="w4a16")
+    p1 = _softmax64(lg[0, -1])
+    seq1 = np.concatenate([np.tile(prompt, (v, 1)), np.arange(v)[:, None]], 1).astype(np.int32)
+    lg, _ = _fwd(params, cfg, seq1, pos(v, n + 1), mode="w4a16")
+    p2 = _softmax64(lg[:, -1])
+    x1, x2 = np.meshgrid(np.arange(v), np.arange(v), indexing="ij")
+    seq2 = np.concatenate([np.tile(prompt, (v * v, 1)), x1.reshape(-1, 1), x2.reshape(-1, 1)], 1)
+    lg, _ = _fwd(params, cfg, seq2.astype(np.int32), pos(v * v, n + 2), mode="w4a16")
+    p3 = _softmax64(lg[:, -1]).reshape(v, v, v)
+    cache = init_cache(cfg, v, n + 4)
+    _, cache = _fwd(params, cfg, np.tile(prompt, (v, 1)), pos(v, n), cache, mode="w4a16")
+    lg, _ = _fwd(params, cfg, np.arange(v, dtype=np.int32)[:, None], np.full((v, 1), n, np.int32), cache,
+                 mode="w4a4")
+    q2 = _softmax64(lg[:, 0])
+    return p1, p2, p3, q2
+
+
+def chi2_pvalue(counts: np.ndarray, probs: np.ndarray, min_expected: float = 5.0) -> float:
+    """Pearson chi-square goodness of fit; cells expected below ``min_expected`` are pooled into one."""
+    counts, probs = counts.ravel().astype(np.float64), probs.ravel() / probs.sum()
+    expected = counts.sum() * probs
+    big = expected >= min_expected
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    keep = exp > 0
+    assert np.all(obs[~keep] == 0), "a draw of a zero-probability cell"
+    obs, exp = obs[keep], exp[keep]
+    stat = np.sum((obs - exp) ** 2 / exp)
+    return float(chi2.sf(stat, len(obs) - 1))
+
+
+def noncentrality(n: int, wrong: np.ndarray, right: np.ndarray, min_expected: float = 5.0) -> float:
+    """``n * chi2-divergence`` on the pooled cells: the chi-square's expected excess for a wrong sampler."""
+    wrong, right = wrong.ravel(), right.ravel()
+    big = n * right >= min_expected
+    w = np.append(wrong[big], wrong[~big].sum())
+    r = np.append(right[big], right[~big].sum())
+    return float(n * np.sum((w - r) ** 2 / np.maximum(r, 1e-300)))
+
+
+@pytest.fixture(scope="module")
+def dist_setup():
+    """A tiny random quantized model + prompt where W4A4 drafts differ strongly from the W4A16 target
+    (so a wrong acceptance rule is detectable with the sample size used)."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"dist_setup: seed {seed}")
+    rng = np.random.default_rng(seed)
+    cfg0 = tiny_variant(vocab_size=SMALL_V, eos_token_id=None)  # no EOS: every draw has 3 tokens
+    n = N_CALLS * N_PER_CALL
+    for _ in range(8):
+        params, cfg, _ = convert_model(random_source(cfg0, rng), QuantScheme(16, True), None)
+        prompt = rng.integers(0, SMALL_V, int(rng.integers(3, 7))).astype(np.int32)
+        p1, p2, p3, q2 = exact_target(params, cfg, prompt)
+        m = np.minimum(p2, q2)
+        wrong2 = m + (1 - m.sum(-1, keepdims=True)) * p2  # the law of x2 when rejection resamples from p
+        lam = noncentrality(n, p1[:, None] * wrong2, p1[:, None] * p2)
+        if lam > 300:
+            return dict(params=params, cfg=cfg, prompt=prompt, p1=p1, p2=p2, p3=p3, lam=lam,
+                        seeds=rng.integers(0, 2**31, N_CALLS).tolist())
+    pytest.fail("no random model whose W4A4 draft differs enough from W4A16 in 8 attempts")
+
+
+def _draw(setup, gamma: int) -> np.ndarray:
+    """``int[N, 3]`` draws (x1, x2, x3) of stochastic QSPEC from one generate call per seed."""
+    model = memory_model(setup["params"], setup["cfg"])
+    out = []
+    for seed in setup["seeds"]:
+        res = generate(model, np.tile(setup["prompt"], (N_PER_CALL, 1)), max_new_tokens=3, method="qspec",
+                       draft="w4a4", gamma=gamma, temperature=1.0, seed=seed)
+        assert res.finish_reasons == ["length"] * N_PER_CALL
+        out.append(np.stack(res.sequences))
+    return np.concatenate(out)
+
+
+def _pvalues(setup, draws: np.ndarray) -> tuple[float, float]:
+    v = SMALL_V
+    p12 = setup["p1"][:, None] * setup["p2"]
+    c12 = np.bincount(draws[:, 0] * v + draws[:, 1], minlength=v * v)
+    c123 = np.bincount((draws[:, 0] * v + draws[:, 1]) * v + draws[:, 2], minlength=v ** 3)
+    return chi2_pvalue(c12, p12), chi2_pvalue(c123, p12[..., None] * setup["p3"])
+
+
+@pytest.mark.parametrize("gamma", [2, 3])
+def test_stochastic_qspec_samples_target_distribution(dist_setup, gamma):
+    draws = _draw(dist_setup, gamma)
+    p12, p123 = _pvalues(dist_setup, draws)
+    assert p12 > ALPHA and p123 > ALPHA, (p12, p123)
+
+
+def _accept_resample_from_p(drafts, q, target_logits, s, key):
+    """WRONG rule: accept with min(1, p/q) but on rejection resample from p, not norm(max(0, p - q))."""
+    _accept_resample_from_p.traced += 1
+    g = drafts.shape[1]
+    p = probabilities(target_logits, s)
+    k_acc, k_res = jax.random.split(key)
+    p_d = jnp.take_along_axis(p[:, :g], drafts[..., None], axis=-1)[..., 0]
+    q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+    ok = jax.random.uniform(k_acc, drafts.shape) * q_d < p_d
+    accepted = jnp.sum(jnp.cumprod(ok, axis=-1), axis=-1).astype(jnp.int32)
+    p_a = jnp.take_along_axis(p, accepted[:, None, None], axis=1)[:, 0]
+    return accepted, sample(p_a, k_res)
+
+
+def test_wrong_acceptance_rule_is_rejected(dist_setup, monkeypatch):
+    _accept_resample_from_p.traced = 0
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(qspec_mod, "accept_stochastic", _accept_resample_from_p)
+            jax.clear_caches()  # qspec_loop must be traced again with the patched rule
+            draws = _draw(dist_setup, 2)
+    finally:
+        jax.clear_caches()  # no compiled wrong rule survives this test
+    assert _accept_resample_from_p.traced > 0
+    p12, _ = _pvalues(dist_setup, draws)
+    assert p12 < ALPHA, (p12, dist_setup["lam"])
+
+
+def test_top_k_1_sampling_equals_greedy_w4a16(rng):
+    params, cfg, _ = convert_model(random_source(TINY, rng), QuantScheme(16, bool(rng.integers(2))), None)
+    model = memory_model(params, cfg)
+    lengths = rng.choice(np.arange(1, 9), 3, replace=False)
+    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in lengths]
+    ref = generate(model, prompts, max_new_tokens=16, method="w4a16", eos_token_id=-1)
+    got = generate(model, prompts, max_new_tokens=16, method="qspec", draft="w4a4", gamma=3, temperature=1.0,
+                   top_k=1, seed=int(rng.integers(2**31)), eos_token_id=-1)
+    for a, b in zip(got.sequences, ref.sequences):
+        np.testing.assert_array_equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. the KV invariant after some rounds
+# ---------------------------------------------------------------------------------------------
+
+_prefill_jit = jax.jit(prefill, static_argnames=("rt", "buffer_len", "cache_len", "mode"))
+_round_jit = jax.jit(qspec_round, static_argnames=("rt", "gamma", "draft_mode"))
+
+
+def test_committed_kv_slots_hold_w4a16_values(rng):
+    params, cfg, _ = convert_model(random_source(TINY, rng), QuantScheme(16, bool(rng.integers(2))), None)
+    gamma, rounds, new = 3, 4, 24
+    lengths = rng.choice(np.arange(2, 9), 3, replace=False).astype(np.int32)
+    prompts = np.zeros((3, lengths.max()), np.int32)
+    for i, n in enumerate(lengths):
+        prompts[i, :n] = rng.integers(0, cfg.vocab_size, n)
+    rt = Runtime(cfg, new, -1, Sampling())
+    buf = int(lengths.max()) + new + gamma + 1
+    state = _prefill_jit(params, prompts, lengths, jax.random.key(0), rt=rt, buffer_len=buf, cache_len=buf,
+                         mode="w4a16")
+    for _ in range(rounds):
+        state = _round_jit(params, state, rt=rt, gamma=gamma, draft_mode="w4a4")
+    toks, lens = np.asarray(state.tokens), np.asarray(state.lengths)
+    assert np.all(lens > lengths + rounds)  # every round committed at least one token
+    cache_k, cache_v = (np.asarray(c) for c in state.cache)
+
+    differing = 0
+    for b in range(3):
+        n = int(lens[b])
+        seq = toks[b:b + 1, :n]
+        pos = np.arange(n, dtype=np.int32)[None]
+        _, ref16 = _fwd(params, cfg, seq, pos, init_cache(cfg, 1, n), mode="w4a16")
+        _, ref4 = _fwd(params, cfg, seq, pos, init_cache(cfg, 1, n), mode="w4a4")
+        for got, want16, want4 in zip((cache_k, cache_v), ref16, ref4):
+            got = got[:, b, : n - 1]
+            want16, want4 = np.asarray(want16)[:, 0, : n - 1], np.asarray(want4)[:, 0, : n - 1]
+            scale = np.abs(want16).max()
+            np.testing.assert_allclose(got, want16, rtol=0, atol=1e-3 * scale)
+            # layer 0 keys/values depend only on (token, position): exactly what a W4A4 draft step writes
+            far = np.abs(want16[0] - want4[0]) > 1e-2 * scale
+            assert np.all(np.abs(got[0] - want4[0])[far] > 5e-3 * scale)
+            differing += int(far[lengths[b]:].any(axis=(-1, -2)).sum())  # generated positions that tell
+    assert differing >= 2 * rounds  # the check has teeth: W4A4 entries would be visible there
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. edge cases, EOS inside a drafted run, counters
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def tiny_model(rng):
+    params, cfg, _ = convert_model(random_source(TINY, rng), QuantScheme(16, False), None)
+    return memory_model(params, cfg)
+
+
+def test_invalid_requests_raise(tiny_model):
+    ok = [[3, 4, 5]]
+    with pytest.raises(ValueError, match="empty prompt"):
+        generate(tiny_model, [[]], max_new_tokens=4)
+    with pytest.raises(ValueError, match="empty prompt"):
+        generate(tiny_model, [[3, 4], []], max_new_tokens=4)
+    with pytest.raises(ValueError, match="exceeds"):
+        generate(tiny_model, [list(range(3, 11))], max_new_tokens=5, max_len=12)
+    with pytest.raises(ValueError, match="exceeds"):
+        generate(tiny_model, ok, max_new_tokens=TINY.max_position_embeddings)
+    for g in (0, -1):
+        with pytest.raises(ValueError, match="gamma"):
+            generate(tiny_model, ok, max_new_tokens=4, gamma=g)
+    with pytest.raises(ValueError, match="unknown method"):
+        generate(tiny_model, ok, max_new_tokens=4, method="w8a8")
+    with pytest.raises(ValueError, match="unknown draft"):
+        generate(tiny_model, ok, max_new_tokens=4, draft="w4a16")
+    for bad in ([3, TINY.vocab_size], [-1, 3]):
+        with pytest.raises(ValueError, match="token ids must lie in"):
+            generate(tiny_model, [bad], max_new_tokens=4)
+
+
+def test_prompt_filling_max_len_exactly_is_accepted(tiny_model):
+    res = generate(tiny_model, [list(range(3, 11))], max_new_tokens=4, max_len=12, gamma=5, eos_token_id=-1)
+    assert len(res.sequences[0]) == 4 and res.finish_reasons == ["length"]
+
+
+def test_zero_and_one_new_tokens(tiny_model):
+    res = generate(tiny_model, [[3, 4, 5], [6]], max_new_tokens=0)
+    assert [len(s) for s in res.sequences] == [0, 0]
+    assert res.finish_reasons == ["length", "length"]
+    assert list(res.lengths) == [0, 0] and res.stats["generated"] == 0
+    # one new token: the prefill's, no round runs
+    ref = generate(tiny_model, [[3, 4, 5], [6]], max_new_tokens=1, method="w4a16", eos_token_id=-1)
+    res = generate(tiny_model, [[3, 4, 5], [6]], max_new_tokens=1, eos_token_id=-1)
+    assert [s.tolist() for s in res.sequences] == [s.tolist() for s in ref.sequences]
+    assert [len(s) for s in res.sequences] == [1, 1] and res.finish_reasons == ["length", "length"]
+    assert res.stats["rounds"] == 0 and res.stats["drafted"] == 0
+
+
+def predicted_counters(stop: int, gamma: int) -> tuple[int, int, int]:
+    """(rounds, drafted, accepted) when every draft is accepted and the sequence commits ``stop + 1``
+    tokens (index 0 from the prefill): each round commits min(gamma+1, left), of which
+    min(gamma, committed) are drafts (the EOS or the budget may cut a round inside its drafts)."""
+    left, rounds, accepted = stop, 0, 0
+    while left > 0:
+        c = min(gamma + 1, left)
+        rounds, accepted, left = rounds + 1, accepted + min(gamma, c), left - c
+    return rounds, gamma * rounds, accepted
+
+
+def _greedy_margin(params, cfg, prompt: list[int], seq: np.ndarray) -> float:
+    """Smallest top-2 logit gap along a greedy path (no-cache W4A16 forward of prompt + seq)."""
+    full = np.asarray(prompt + seq.tolist(), np.int32)[None]
+    lg, _ = _fwd(params, cfg, full, np.arange(full.shape[1], dtype=np.int32)[None], mode="w4a16")
+    top2 = np.sort(np.asarray(lg[0, len(prompt) - 1:-1], np.float64), axis=-1)[:, -2:]
+    return float(np.min(top2[:, 1] - top2[:, 0]))
+
+
+def test_eos_inside_accepted_drafts_and_exact_counters(rng, monkeypatch):
+    """Self-draft (the target weights as draft: every draft accepted) makes every counter predictable."""
+    monkeypatch.setattr(gen_mod, "DRAFTS", gen_mod.DRAFTS + ("w4a16",))
+    gamma, new = 3, 12
+    for _ in range(8):
+        params, cfg, _ = convert_model(random_source(TINY, rng), QuantScheme(16, bool(rng.integers(2))), None)
+        model = memory_model(params, cfg)
+        prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (5, 2)]
+        ref = generate(model, prompts, max_new_tokens=new, method="w4a16", eos_token_id=-1).sequences
+        r0 = ref[0].tolist()
+        # eos := a first occurrence (k >= 2) in one of the first gamma-1 draft slots of a round, so that
+        # drafts after it in the same round are accepted and must be dropped, with budget left afterwards
+        ks = [k for k in range(2, new - 2) if r0[k] not in r0[:k] and (k - 1) % (gamma + 1) < gamma - 1]
+        if ks and min(_greedy_margin(params, cfg, p, s) for p, s in zip(prompts, ref)) > 2e-3:
+            break
+    else:
+        pytest.fail("no tie-free random model with a usable EOS in 8 attempts")
+    k = ks[-1]
+    eos = r0[k]
+    got = generate(model, prompts, max_new_tokens=new, method="qspec", draft="w4a16", gamma=gamma,
+                   eos_token_id=eos)
+    r1 = ref[1].tolist()
+    stops = [k, r1.index(eos) if eos in r1 else new - 1]  # index of each sequence's last token
+    for i, s in enumerate(stops):
+        np.testing.assert_array_equal(got.sequences[i], ref[i][: s + 1])
+    assert got.finish_reasons[0] == "stop" and got.sequences[0][-1] == eos
+    assert got.finish_reasons[1] == ("stop" if eos in r1 else "length")
+    want = np.sum([predicted_counters(s, gamma) for s in stops], axis=0)
+    st = got.stats
+    assert (st["rounds"], st["drafted"], st["accepted"]) == tuple(int(x) for x in want)
+    assert st["generated"] == sum(s + 1 for s in stops)
+    # identity: generated = batch (prefill tokens) + accepted + rounds - (rounds that committed no target token)
+    cut = sum(s > 0 and (s - 1) % (gamma + 1) != gamma for s in stops)  # the last round ended inside its drafts
+    assert st["generated"] == 2 + st["accepted"] + st["rounds"] - cut
+    assert st["tokens_per_round"] == pytest.approx((st["generated"] - 2) / st["rounds"])
+
+
+def test_sequences_finish_in_different_rounds_smollm2(smol, smol_batches, w4a16_refs):
+    """EOS taken from prompt 0's greedy output; each sequence must equal its own W4A16 output cut at
+    its first EOS, whatever round it finishes in (gamma=5, W4A8 drafts)."""
+    refs = [s.tolist() for s in w4a16_refs[4].sequences]
+    best = None
+    for k in range(2, len(refs[0])):
+        t = refs[0][k]
+        if t in refs[0][:k]:
+            continue
+        stops = [r.index(t) if t in r else None for r in refs]
+        score = len({s for s in stops}) + (None in stops)
+        if best is None or score > best[0]:
+            best = (score, t, stops)
+    _, eos, stops = best
+    assert len({s for s in stops}) >= 3, stops  # different finishing points (and rounds)
+    gamma = 5
+    got = generate(smol, smol_batches[4], max_new_tokens=NEW, method="qspec", draft="w4a8", gamma=gamma,
+                   chat=True, eos_token_id=eos)
+    for i, (seq, ref, s) in enumerate(zip(got.sequences, refs, stops)):
+        want = ref if s is None else ref[: s + 1]
+        assert seq.tolist() == want, i
+        assert got.finish_reasons[i] == ("stop" if s is not None else w4a16_refs[4].finish_reasons[i])
+    st = got.stats
+    assert st["drafted"] == gamma * st["rounds"] and 0 < st["accepted"] <= st["drafted"]
+    # every round commits its accepted drafts + one target token, except possibly a sequence's last round
+    # (cut by EOS / budget inside the drafts): 0 <= batch + accepted + rounds - generated <= batch
+    slack = 4 + st["accepted"] + st["rounds"] - st["generated"]
+    assert 0 <= slack <= 4, st
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. one compiled loop, compiled once per shape
+# ---------------------------------------------------------------------------------------------
+
+def test_qspec_loop_is_one_while_loop_and_compiles_once(tiny_model, rng):
+    cfg, params = tiny_model.config, tiny_model.checkpoint.params
+    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (4, 7)]
+    rt = Runtime(cfg, 7, -1, Sampling())
+    tokens = np.zeros((2, 7), np.int32)
+    tokens[0, :4], tokens[1] = prompts[0], prompts[1]
+    state = _prefill_jit(params, tokens, np.array([4, 7], np.int32), jax.random.key(0), rt=rt, buffer_len=19,
+                         cache_len=19, mode="w4a16")
+    text = qspec_loop.lower(params, state, rt=rt, gamma=4, draft_mode="w4a4").as_text()
+    assert "stablehlo.while" in text
+    # the jitted function is exactly one while loop: nothing (no round, no step) runs outside it
+    outer = jax.make_jaxpr(functools.partial(qspec_loop, rt=rt, gamma=4, draft_mode="w4a4"))(params, state)
+    assert [e.primitive.name for e in outer.jaxpr.eqns] == ["jit"]
+    assert [e.primitive.name for e in outer.jaxpr.eqns[0].params["jaxpr"].jaxpr.eqns] == ["while"]
+
+    # a shape / static combination used nowhere else in this file: max_new_tokens=7, gamma=4, batch 2
+    kw = dict(max_new_tokens=7, method="qspec", draft="w4a4", gamma=4, eos_token_id=-1)
+    before = qspec_loop._cache_size()
+    a = generate(tiny_model, prompts, **kw)
+    after_first = qspec_loop._cache_size()
+    b = generate(tiny_model, [p[::-1] for p in prompts], **kw)  # same shapes, other tokens
+    assert after_first == before + 1
+    assert qspec_loop._cache_size() == after_first
+    assert [len(s) for s in a.sequences] == [len(s) for s in b.sequences] == [7, 7]
