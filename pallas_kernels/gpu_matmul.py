@@ -1,0 +1,354 @@
+"""Pallas GPU matmuls over packed INT4 weights (first version: ``pl.pallas_call`` lowered through Triton).
+
+``y[M, N] = x[M, K] @ W[N, K].T`` with ``W`` a :class:`~pallas_kernels.layout.QuantizedWeight`, in
+two modes that reproduce :mod:`pallas_kernels.reference`:
+
+* :func:`w4a16_matmul`: the nibbles are unpacked and dequantized inside the kernel (``s*(u-8)`` or
+  ``s*u + m`` in float32, cast to bfloat16), multiplied with bfloat16 activations on the bf16 MMA,
+  float32 accumulation.
+* :func:`w4ax_matmul` (``bits`` 8 or 4): activations quantized per row by
+  :func:`pallas_kernels.reference.quantize_activations` in a small jnp step *before* the kernel
+  (int8 codes + float32 row scales are what the kernel reads; moving it into the kernel is a later
+  step: Triton's default float32 division is not IEEE-rounded, the reference's is); in the kernel,
+  int8 x int8 -> int32 dots, one per weight group (a group wider than ``block_k`` is accumulated
+  over chunks in int32, exact), then the float32 epilogue in the reference's order:
+  ``t = f32(acc_g) * s_g`` (``+ f32(qsum_g) * m_g`` for asymmetric weights), ``tot = tot + t`` for
+  g = 0, 1, ... in order, and ``y = s_act * tot``.
+
+Grid: ``(ceil(M / BLOCK_M), N / block_n, split_k)``, the M axis fastest so programs sharing a
+weight tile run together (the tile comes from HBM once, then from L2). Each program loops over its
+K range in chunks of ``block_k`` (a power of two >= 32 that is a multiple of the group size or
+divides it). Tile defaults: :func:`default_config`.
+
+Row-count invariance by construction: every row runs in a row tile of one fixed shape ``BLOCK_M``
+whatever M is (the rows of the last tile beyond M are masked: never read, fed to the MMA as
+zeros, never written; no pad or slice op outside the kernel), and each output element is reduced
+over K in one fixed order (with ``split_k`` > 1, a fixed number of K ranges, each in order, their
+float32 partial sums then added left to right by elementwise ops); ``block_n`` / ``block_k`` /
+``split_k`` / warps are chosen from ``(N, K, group)`` only, never from M. The W4AX integer
+accumulation is exact anyway, and its epilogue is elementwise per row.
+
+Pallas' Triton backend is deprecated on jax 0.11 and warns when a kernel is lowered; this module
+filters exactly that warning (its message), so users never see it.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from pallas_kernels.layout import SYMMETRIC_OFFSET, QuantizedWeight
+from pallas_kernels.reference import quantize_activations
+
+_TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
+# Lowering (where the warning is raised) happens when the caller's jit compiles, outside any
+# ``catch_warnings`` in our functions; so the exact message is also filtered module-wide.
+warnings.filterwarnings("ignore", message=_TRITON_DEPRECATION, category=DeprecationWarning)
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from jax.experimental.pallas import triton as pl_triton
+
+BLOCK_M = 16  # fixed row tile: every row runs in a tile of this shape whatever M is
+MIN_BLOCK_K = 32  # Triton-lowered int8 dots were seen wrong with K blocks of 16 on the H200
+
+
+def _is_pow2(v: int) -> bool:
+    return v > 0 and v & (v - 1) == 0
+
+
+def _split_ok(k: int, group: int, block_k: int, split_k: int) -> bool:
+    return k % split_k == 0 and (k // split_k) % max(group, block_k) == 0
+
+
+def default_config(n: int, k: int, group: int, kind: str, block_n: int | None = None,
+                   block_k: int | None = None, split_k: int | None = None) -> tuple[int, int, int]:
+    """``(block_n, block_k, split_k)`` for a weight shape; ``kind`` is "w4a16" or "w4ax".
+
+    A function of ``(N, K, group)`` only, never of M (row-count invariance). From the H200 sweep of
+    2026-11-30 (bench/results/kernels_draft.md), at M=1 on Llama-3-8B shapes: W4A16 fastest with
+    32 x 512 tiles and K split in 2 when N/32 < 256 programs; W4AX with 32 x 512 tiles and K split
+    in 4 for small N, 64 x 128 tiles unsplit for large N (gate/up). (down, N=4096 K=14336, was not
+    in that sweep: it gets the small-N rule.) Missing values are filled in; given
+    ones are kept.
+    """
+    if kind not in ("w4a16", "w4ax"):
+        raise ValueError(f"kind must be 'w4a16' or 'w4ax', got {kind!r}")
+    large_n = n % 32 == 0 and n // 32 >= 512
+    if block_n is None:
+        block_n = 64 if kind == "w4ax" and large_n and n % 64 == 0 else (32 if n % 32 == 0 else 16)
+    if block_k is None:
+        want = 128 if kind == "w4ax" and large_n else 512
+        block_k = want
+        while block_k > MIN_BLOCK_K and (k % block_k or not (block_k % group == 0 or group % block_k == 0)
+                                         or (split_k is not None and not _split_ok(k, group, block_k, split_k))):
+            block_k //= 2
+    if split_k is None:
+        # split only when N alone gives < 256 programs (~2 per SM): to >= 256 (w4a16), >= 512 (w4ax)
+        target, max_split = (256, 2) if kind == "w4a16" else (512, 4)
+        programs = max(1, n // block_n)
+        split_k = 1
+        for s in (2, 4):
+            if programs >= 256 or s > max_split or programs * split_k >= target:
+                break
+            if _split_ok(k, group, block_k, s):
+                split_k = s
+    return block_n, block_k, split_k
+
+
+def _check(x: jax.Array, w: QuantizedWeight, block_n: int, block_k: int,
+           split_k: int = 1) -> tuple[int, int, int]:
+    if x.ndim != 2:
+        raise ValueError(f"x must be [M, K], got shape {x.shape}")
+    if w.packed.ndim != 2:
+        raise ValueError(f"stacked weights are not supported: packed shape {w.packed.shape}")
+    w.validate()
+    n, k = w.shape
+    g = w.group_size
+    if x.shape[1] != k:
+        raise ValueError(f"x has K={x.shape[1]} but the weight has in_features {k}")
+    if not _is_pow2(block_k) or block_k < MIN_BLOCK_K:
+        raise ValueError(f"block_k must be a power of two >= {MIN_BLOCK_K}, got {block_k}")
+    if k % block_k:
+        raise ValueError(f"K={k} is not a multiple of the K block {block_k}")
+    if not (block_k % g == 0 or g % block_k == 0):
+        raise ValueError(f"group size {g} must divide the K block {block_k} or be a multiple of it")
+    if min(g, block_k) < MIN_BLOCK_K:
+        raise ValueError(f"group size {g} < {MIN_BLOCK_K} is not supported (int8 dots need K >= 32)")
+    if not _is_pow2(block_n) or block_n < 16:
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    if n % block_n:
+        raise ValueError(f"N={n} is not a multiple of the N block {block_n}")
+    if split_k < 1 or not _split_ok(k, g, block_k, split_k):
+        raise ValueError(f"split_k={split_k}: each of the K splits must hold whole groups and whole "
+                         f"K blocks (K={k}, group {g}, block_k {block_k})")
+    return n, k, g
+
+
+def _unpack(p: jax.Array) -> jax.Array:
+    """``uint8[R, B]`` packed bytes -> ``uint8[R, 2B]`` codes in k order (low nibble first)."""
+    lo = p & np.uint8(0xF)
+    hi = p >> np.uint8(4)
+    return jnp.stack([lo, hi], axis=-1).reshape(p.shape[0], 2 * p.shape[1])
+
+
+def _call(kernel, out_shape, grid, in_specs, out_specs, interpret, num_warps, num_stages, *args):
+    params = None if interpret else pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_TRITON_DEPRECATION, category=DeprecationWarning)
+        return pl.pallas_call(kernel, out_shape=out_shape, grid=grid, in_specs=in_specs,
+                              out_specs=out_specs, compiler_params=params, interpret=interpret)(*args)
+
+
+# ----------------------------------------------------------------------------------------- W4A16
+
+def _row_mask(m: int, bm: int) -> jax.Array:
+    """``bool[bm, 1]``: which rows of this program's row tile exist (rows >= M are never read or
+    written; they enter the MMA as zeros, so the tile computes the same values as a padded one)."""
+    rows = pl.program_id(0) * bm + jax.lax.broadcasted_iota(jnp.int32, (bm, 1), 0)
+    return rows < m
+
+
+def _load_rows(ref, mask, cols):
+    """Rows of ``ref[:, cols]`` that exist; zeros for the others."""
+    view = ref.at[:, cols]
+    return pl_triton.load(view, mask=jnp.broadcast_to(mask, view.shape), other=0)
+
+
+def _load_weight(ref, cols):
+    """A weight tile, read once per program: ask the cache to evict it first."""
+    return pl_triton.load(ref.at[:, cols], eviction_policy="evict_first")
+
+
+def _store_rows(ref, mask, value):
+    pl_triton.store(ref, value, mask=jnp.broadcast_to(mask, value.shape))
+
+
+def _w4a16_kernel(x_ref, p_ref, s_ref, *rest, m: int, k: int, group: int, block_k: int,
+                  symmetric: bool, split_k: int):
+    m_ref, o_ref = (None, rest[0]) if symmetric else rest
+    bm, bn = x_ref.shape[0], p_ref.shape[0]
+    rows = _row_mask(m, bm)
+    steps = k // split_k // block_k  # K chunks of this program
+    base = pl.program_id(2) * steps if split_k > 1 else 0
+    per = max(1, block_k // group)  # groups in one K chunk (1 when the group spans several chunks)
+
+    def scales(ref, i):
+        if block_k >= group:
+            v = ref[:, pl.ds(i * per, per)].astype(jnp.float32)  # [bn, per]
+            return jnp.broadcast_to(v[:, :, None], (bn, per, group)).reshape(bn, block_k)
+        return ref[:, pl.ds((i * block_k) // group, 1)].astype(jnp.float32)  # [bn, 1]
+
+    def body(i, acc):
+        i = base + i
+        xb = _load_rows(x_ref, rows, pl.ds(i * block_k, block_k))  # bf16 [bm, block_k]
+        u = _unpack(_load_weight(p_ref, pl.ds(i * (block_k // 2), block_k // 2)))  # [bn, block_k]
+        if symmetric:
+            wf = (u.astype(jnp.float32) - float(SYMMETRIC_OFFSET)) * scales(s_ref, i)
+        else:
+            wf = u.astype(jnp.float32) * scales(s_ref, i) + scales(m_ref, i)
+        wb = wf.astype(jnp.bfloat16)
+        return acc + jax.lax.dot_general(xb, wb, (((1,), (1,)), ((), ())),
+                                         preferred_element_type=jnp.float32)
+
+    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bm, bn), jnp.float32))
+    _store_rows(o_ref, rows, acc)
+
+
+def _split_out(m: int, n: int, block_n: int, split_k: int, dtype=jnp.float32):
+    """Output shape and spec: ``[M, N]``, or ``[split_k, M, N]`` partial sums when K is split."""
+    if split_k == 1:
+        return jax.ShapeDtypeStruct((m, n), dtype), pl.BlockSpec((BLOCK_M, block_n), lambda i, j, s: (i, j))
+    return (jax.ShapeDtypeStruct((split_k, m, n), dtype),
+            pl.BlockSpec((None, BLOCK_M, block_n), lambda i, j, s: (s, i, j)))
+
+
+def _sum_splits(parts: jax.Array) -> jax.Array:
+    """``parts[0] + parts[1] + ...`` left to right: elementwise, so the same for any M."""
+    out = parts[0]
+    for p in range(1, parts.shape[0]):
+        out = out + parts[p]
+    return out
+
+
+def w4a16_matmul(x: jax.Array, w: QuantizedWeight, *, block_n: int | None = None,
+                 block_k: int | None = None, split_k: int | None = None, num_warps: int = 4,
+                 num_stages: int = 3,
+                 interpret: bool = False) -> jax.Array:
+    """``x[M, K] @ dequant_bf16(w).T`` with bf16 activations and float32 accumulation -> ``f32[M, N]``.
+
+    ``split_k`` > 1 splits K over that many programs per output tile (more programs for small N);
+    their float32 partial sums are added left to right after the kernel. Choose it from (N, K),
+    never from M, to keep rows invariant. Tiles left as None come from :func:`default_config`."""
+    block_n, block_k, split_k = default_config(*w.shape, w.group_size, "w4a16", block_n, block_k, split_k)
+    n, k, g = _check(x, w, block_n, block_k, split_k)
+    m = x.shape[0]
+    xb = x.astype(jnp.bfloat16)
+    gcount = k // g
+    kernel = functools.partial(_w4a16_kernel, m=m, k=k, group=g, block_k=block_k,
+                               symmetric=w.symmetric, split_k=split_k)
+    wspec = pl.BlockSpec((block_n, k // 2), lambda i, j, s: (j, 0))
+    sspec = pl.BlockSpec((block_n, gcount), lambda i, j, s: (j, 0))
+    in_specs = [pl.BlockSpec((BLOCK_M, k), lambda i, j, s: (i, 0)), wspec, sspec]
+    args = [xb, w.packed, w.scales]
+    if not w.symmetric:
+        in_specs.append(sspec)
+        args.append(w.mins)
+    out_shape, out_spec = _split_out(m, n, block_n, split_k)
+    out = _call(kernel, out_shape, (-(-m // BLOCK_M), n // block_n, split_k), in_specs, out_spec,
+                interpret, num_warps, num_stages, *args)
+    return out if split_k == 1 else _sum_splits(out)
+
+
+# ----------------------------------------------------------------------------------------- W4AX
+
+def _w4ax_kernel(qx_ref, sa_ref, p_ref, s_ref, *rest, m: int, k: int, group: int, block_k: int,
+                 symmetric: bool, return_acc: bool, split_k: int):
+    m_ref, o_ref = (None, rest[0]) if symmetric else rest
+    bm, bn = qx_ref.shape[0], p_ref.shape[0]
+    rows = _row_mask(m, bm)
+    chunk = min(group, block_k)  # K of one int8 dot
+    per = max(1, block_k // group)  # groups per outer iteration, unrolled
+    chunks = group // chunk  # chunks per group (int32 accumulation across them)
+
+    def group_acc(gi):
+        def chunk_body(c, carry):
+            acc, qs = carry
+            k0 = gi * group + c * chunk
+            a = _load_rows(qx_ref, rows, pl.ds(k0, chunk))  # int8 [bm, chunk]
+            u = _unpack(_load_weight(p_ref, pl.ds(k0 // 2, chunk // 2))).astype(jnp.int8)
+            wq = u - np.int8(SYMMETRIC_OFFSET) if symmetric else u  # int8 [bn, chunk]
+            acc = acc + jax.lax.dot_general(a, wq, (((1,), (1,)), ((), ())),
+                                            preferred_element_type=jnp.int32)
+            if not symmetric:
+                qs = qs + jnp.sum(a.astype(jnp.int32), axis=1, keepdims=True)
+            return acc, qs
+
+        init = (jnp.zeros((bm, bn), jnp.int32), jnp.zeros((bm, 1), jnp.int32))
+        if chunks == 1:
+            return chunk_body(0, init)
+        return jax.lax.fori_loop(0, chunks, chunk_body, init)
+
+    steps = k // split_k // (per * group)  # outer iterations of this program
+    base = pl.program_id(2) * steps if split_k > 1 else 0
+
+    def outer(i, tot):
+        i = base + i
+        for j in range(per):
+            gi = i * per + j
+            acc, qs = group_acc(gi)
+            if return_acc:
+                _store_rows(o_ref.at[gi], rows, acc)
+                continue
+            t = acc.astype(jnp.float32) * s_ref[:, gi].astype(jnp.float32)[None, :]
+            if not symmetric:
+                t = t + qs.astype(jnp.float32) * m_ref[:, gi].astype(jnp.float32)[None, :]
+            tot = tot + t
+        return tot
+
+    tot = jax.lax.fori_loop(0, steps, outer, jnp.zeros((bm, bn), jnp.float32))
+    if return_acc:
+        return
+    if split_k > 1:  # partial sums; the wrapper adds them and applies the row scales
+        _store_rows(o_ref, rows, tot)
+    else:
+        sa = pl_triton.load(sa_ref, mask=rows, other=1.0)  # [bm, 1]
+        _store_rows(o_ref, rows, sa * tot)
+
+
+def w4ax_quantized(qx: jax.Array, sa: jax.Array, w: QuantizedWeight, *, block_n: int | None = None,
+                   block_k: int | None = None, split_k: int | None = None, num_warps: int = 4,
+                   num_stages: int = 3, interpret: bool = False, return_acc: bool = False) -> jax.Array:
+    """The W4AX kernel on pre-quantized rows (``qx`` int8[M, K], ``sa`` f32[M, 1], as
+    :func:`pallas_kernels.reference.quantize_activations` returns them) -> ``f32[M, N]``; with
+    ``return_acc`` the per-group int32 accumulations ``int32[G, M, N]`` instead (for tests).
+
+    ``split_k`` > 1: each of that many programs per output tile sums its own groups in order; the
+    partial sums are added left to right after the kernel, then scaled by ``sa`` (so the group sum
+    is no longer one left-to-right chain as in the reference: ~1e-7 relative, not bitwise)."""
+    block_n, block_k, split_k = default_config(*w.shape, w.group_size, "w4ax", block_n, block_k, split_k)
+    n, k, g = _check(qx, w, block_n, block_k, split_k)
+    m = qx.shape[0]
+    if qx.dtype != jnp.int8 or sa.shape != (m, 1):
+        raise ValueError(f"qx must be int8[M, K] and sa float32[M, 1], got {qx.dtype}{qx.shape}, "
+                         f"{sa.shape}")
+    gcount = k // g
+    kernel = functools.partial(_w4ax_kernel, m=m, k=k, group=g, block_k=block_k,
+                               symmetric=w.symmetric, return_acc=return_acc, split_k=split_k)
+    wspec = pl.BlockSpec((block_n, k // 2), lambda i, j, s: (j, 0))
+    sspec = pl.BlockSpec((block_n, gcount), lambda i, j, s: (j, 0))
+    in_specs = [pl.BlockSpec((BLOCK_M, k), lambda i, j, s: (i, 0)),
+                pl.BlockSpec((BLOCK_M, 1), lambda i, j, s: (i, 0)), wspec, sspec]
+    args = [qx, sa.astype(jnp.float32), w.packed, w.scales]
+    if not w.symmetric:
+        in_specs.append(sspec)
+        args.append(w.mins)
+    if return_acc:
+        out_shape = jax.ShapeDtypeStruct((gcount, m, n), jnp.int32)
+        out_spec = pl.BlockSpec((gcount, BLOCK_M, block_n), lambda i, j, s: (0, i, j))
+    else:
+        out_shape, out_spec = _split_out(m, n, block_n, split_k)
+    out = _call(kernel, out_shape, (-(-m // BLOCK_M), n // block_n, split_k), in_specs, out_spec,
+                interpret, num_warps, num_stages, *args)
+    if return_acc or split_k == 1:
+        return out
+    return sa.astype(jnp.float32) * _sum_splits(out)
+
+
+def w4ax_matmul(x: jax.Array, w: QuantizedWeight, bits: int, *, block_n: int | None = None,
+                block_k: int | None = None, split_k: int | None = None, num_warps: int = 4,
+                num_stages: int = 3, interpret: bool = False) -> jax.Array:
+    """W4A8 (``bits=8``) / W4A4 (``bits=4``): per-row activation quantization (a jnp step before the
+    kernel, :func:`pallas_kernels.reference.quantize_activations`), then the int8 kernel with int32
+    group accumulation and the float32 epilogue -> ``f32[M, N]``."""
+    if bits not in (4, 8):
+        raise ValueError(f"activation bits must be 4 or 8, got {bits}")
+    if x.ndim != 2:
+        raise ValueError(f"x must be [M, K], got shape {x.shape}")
+    qx, sa = quantize_activations(x, bits)
+    return w4ax_quantized(qx, sa, w, block_n=block_n, block_k=block_k, split_k=split_k,
+                          num_warps=num_warps, num_stages=num_stages, interpret=interpret)
