@@ -57,12 +57,17 @@ L2_BYTES = 60e6
 CALLS = 32  # call sites per timed jit (dispatch overhead / CALLS per call)
 KW: dict = {}  # extra keyword arguments for every kernel call ({"interpret": True} in --smoke)
 
-# (block_n, block_k, split_k, num_warps, num_stages). A first sweep (bn 16..128, bk 128..512, no
-# split) found bn=32 with bk=512 (w4a16) / bk=512 or 128 (w4a4) fastest; this one explores around it.
+# W4A16: (block_n, block_k, split_k, num_warps, num_stages, block_m); split_k None = the default
+# rule (N / block_n * split >= 264 programs). Version 2 of the kernel (weight tile on the MMA's M
+# side, even/odd K halves); version 1's sweep had found bn=32, bk=512, split 2 fastest.
 W4A16_CONFIGS = [
-    (32, 512, 1, 4, 3), (32, 256, 1, 4, 3), (32, 1024, 1, 4, 3), (32, 512, 1, 8, 3),
-    (32, 512, 2, 4, 3), (32, 512, 4, 4, 3), (64, 512, 2, 4, 3), (16, 512, 2, 4, 3),
+    (64, 256, None, 4, 3, 16), (64, 512, None, 4, 3, 16), (128, 256, None, 4, 3, 16),
+    (128, 256, None, 8, 3, 16), (64, 256, None, 4, 4, 16), (32, 256, None, 4, 3, 16),
+    (64, 128, None, 4, 4, 16), (128, 512, None, 8, 3, 16), (64, 256, 1, 4, 3, 16),
+    (64, 256, None, 4, 3, 32), (64, 256, None, 4, 3, 64), (128, 256, None, 8, 3, 64),
 ]
+# W4AX: (block_n, block_k, split_k, num_warps, num_stages). A first sweep (bn 16..128, bk 128..512,
+# no split) found bn=32 with bk=512 or 128 fastest; this one explores around it.
 W4AX_CONFIGS = [
     (32, 512, 1, 4, 3), (64, 128, 1, 4, 3), (32, 512, 2, 4, 3), (32, 512, 4, 4, 3),
     (32, 256, 2, 4, 3), (64, 512, 2, 4, 3), (32, 512, 1, 8, 3),
@@ -256,10 +261,11 @@ def _bytes(kind, m, n, k):
 
 
 def _fn(kind, cfg):
-    bn, bk, sk, nw, ns = cfg
+    bn, bk, sk, nw, ns = cfg[:5]
     kw = dict(block_n=bn, block_k=bk, split_k=sk, num_warps=nw, num_stages=ns, **KW)
     if kind == "w4a16":
-        return lambda x, w: gm.w4a16_matmul(x, w, **kw)
+        bm = cfg[5] if len(cfg) > 5 else None
+        return lambda x, w: gm.w4a16_matmul(x, w, block_m=bm, **kw)
     if kind == "w4a4":
         return lambda x, w: gm.w4ax_matmul(x, w, 4, **kw)
     if kind == "w4a4_kernel":
@@ -269,20 +275,33 @@ def _fn(kind, cfg):
 
 def _valid(cfg, n, k, g=GROUP):
     bn, bk, sk = cfg[:3]
+    if sk is None:
+        return n % bn == 0 and k % bk == 0
     return n % bn == 0 and k % bk == 0 and (k // sk) % max(g, bk) == 0
 
 
+SWEEP_KINDS = ["w4a16", "w4a4"]
+TABLE_KINDS = ["w4a16", "w4a4", "xla"]
+SWEEP_MS = {"w4a16": (1, 64), "w4a4": (1,)}
+
+
 def sweep(res, reps, deadline, tmp):
+    """Each config at M=1 (and W4A16 at M=64 too); the fastest at M=1 goes to the table."""
     best = res.setdefault("best", {})
     rows = res.setdefault("sweep", [])
-    for sname, (n, k) in SHAPES.items():
+    t_start = time.time()
+    for si, (sname, (n, k)) in enumerate(SHAPES.items()):
+        shape_deadline = t_start + (deadline - t_start) * (si + 1) / len(SHAPES)
         ws = _weights(n, k, GROUP, True, weight_bytes(n, k, GROUP, True), 10)
         calls = max(CALLS, len(ws))
-        xs = _xs(1, k, calls, jnp.bfloat16)
+        xsm = {m: _xs(m, k, calls, jnp.bfloat16) for m in (1, 64)}
         for kind, cfgs in (("w4a16", W4A16_CONFIGS), ("w4a4", W4AX_CONFIGS)):
-            for cfg in cfgs:
-                if not _valid(cfg, n, k) or time.time() > deadline:
+            if kind not in SWEEP_KINDS:
+                continue
+            for cfg, m in [(c, m) for c in cfgs for m in SWEEP_MS[kind]]:
+                if not _valid(cfg, n, k) or time.time() > shape_deadline:
                     continue
+                xs = xsm[m]
                 try:
                     sets = [(xs[i], ws[i % len(ws)]) for i in range(calls)]
                     med, lo, hi, cs = time_calls(_fn(kind, cfg), sets, reps)
@@ -292,12 +311,12 @@ def sweep(res, reps, deadline, tmp):
                     rows.append({"shape": sname, "kind": kind, "cfg": cfg, "error": str(e)[:500]})
                     continue
                 score = gpu if gpu is not None else med * 1e6
-                rows.append({"shape": sname, "kind": kind, "cfg": cfg, "wall_us": med * 1e6, "min_us": lo * 1e6,
-                             "max_us": hi * 1e6, "compile_s": cs, "gpu_us": gpu, "kernels": kern})
-                log(f"sweep {sname:8s} {kind:6s} bn={cfg[0]:3d} bk={cfg[1]:4d} split={cfg[2]} warps={cfg[3]} "
-                    f"stages={cfg[4]}: gpu {score:8.2f} us, wall {med * 1e6:8.2f} us (min {lo * 1e6:.2f}, "
-                    f"max {hi * 1e6:.2f}; compile {cs:.1f}s) {kern}")
-                key = f"{sname}/{kind}"
+                rows.append({"shape": sname, "kind": kind, "cfg": cfg, "M": m, "wall_us": med * 1e6,
+                             "min_us": lo * 1e6, "max_us": hi * 1e6, "compile_s": cs, "gpu_us": gpu, "kernels": kern})
+                log(f"sweep {sname:8s} {kind:6s} M={m:2d} bn={cfg[0]:3d} bk={cfg[1]:4d} split={cfg[2]} "
+                    f"warps={cfg[3]} stages={cfg[4]} bm={cfg[5] if len(cfg) > 5 else '-'}: gpu {score:8.2f} us, "
+                    f"wall {med * 1e6:8.2f} us (min {lo * 1e6:.2f}, max {hi * 1e6:.2f}; compile {cs:.1f}s) {kern}")
+                key = f"{sname}/{kind}" + ("" if m == 1 else f"/M{m}")
                 if key not in best or score < best[key]["us"]:
                     best[key] = {"cfg": cfg, "us": score}
         del ws
@@ -324,9 +343,15 @@ def table(res, reps, tmp):
             entry = {"shape": sname, "N": n, "K": k, "M": m}
             xs = _xs(m, k, calls, jnp.bfloat16)
             for kind in ("w4a16", "w4a4") + (("w4a4_kernel",) if m == 1 else ()):
+                if kind.split("_")[0] not in TABLE_KINDS:
+                    continue
                 base = "w4a4" if kind == "w4a4_kernel" else kind
-                cfg = tuple(best.get(f"{sname}/{base}", {}).get("cfg")
-                            or (*gm.default_config(n, k, GROUP, "w4a16" if base == "w4a16" else "w4ax"), 4, 3))
+                if base == "w4a16":
+                    dflt = (*gm.default_config(n, k, GROUP, "w4a16"), *gm.w4a16_launch(n, k, GROUP)[1:],
+                            gm.w4a16_launch(n, k, GROUP)[0])
+                else:
+                    dflt = (*gm.default_config(n, k, GROUP, "w4ax"), 4, 3)
+                cfg = tuple(best.get(f"{sname}/{base}", {}).get("cfg") or dflt)
                 if kind == "w4a4_kernel":
                     qs = [jax.jit(ref.quantize_activations, static_argnums=1)(x, 4) for x in xs]
                     sets = [(qs[i][0], qs[i][1], ws4[i % len(ws4)]) for i in range(calls)]
@@ -341,6 +366,10 @@ def table(res, reps, tmp):
                 entry[kind] = _entry(_bytes(kind, m, n, k), med, lo, hi, gpu, kern, bw, cfg)
             rows.append(entry)
         del ws4
+        if "xla" not in TABLE_KINDS:
+            for entry in rows[-len(MS):]:
+                log("table", json.dumps(entry))
+            continue
         # dense bf16 weights for XLA's dot
         wbf = n * k * 2
         copies = max(2, int(np.ceil(3.5 * L2_BYTES / wbf)))
@@ -379,21 +408,30 @@ def markdown(res) -> str:
 
 
 def main(argv=None):
+    global SHAPES, MS, CHECK_CASES, L2_BYTES, CALLS, W4A16_CONFIGS, W4AX_CONFIGS
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default="bw,check,sweep,table")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--sweep-budget-s", type=float, default=170.0)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench/results"))
+    ap.add_argument("--ms", default=",".join(map(str, MS)), help="table row counts")
+    ap.add_argument("--sweep-kinds", default="w4a16,w4a4")
+    ap.add_argument("--table-kinds", default="w4a16,w4a4,xla")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU check of this script)")
     args = ap.parse_args(argv)
     if args.smoke:
-        global SHAPES, MS, CHECK_CASES, L2_BYTES, CALLS, W4A16_CONFIGS, W4AX_CONFIGS
         SHAPES = {"tiny": (32, 256)}
         MS = (1, 16)
         CHECK_CASES = [("tiny g32 asym", 32, 256, 32, False), ("tiny per-channel", 32, 256, 256, True)]
         L2_BYTES, CALLS = 1e4, 2
-        W4A16_CONFIGS, W4AX_CONFIGS = [(16, 128, 1, 4, 3), (16, 128, 2, 4, 3)], [(16, 128, 2, 4, 3)]
+        W4A16_CONFIGS, W4AX_CONFIGS = [(16, 128, 1, 4, 3, 16), (16, 128, 2, 4, 3, 16)], [(16, 128, 2, 4, 3)]
         KW["interpret"] = True
+    if not args.smoke:
+        MS = tuple(int(v) for v in args.ms.split(","))
+        SHAPES = {s: SHAPES[s] for s in args.shapes.split(",")}
+    SWEEP_KINDS[:] = args.sweep_kinds.split(",")
+    TABLE_KINDS[:] = args.table_kinds.split(",")
     parts = args.parts.split(",")
     args.out.mkdir(parents=True, exist_ok=True)
     seed = int.from_bytes(os.urandom(4), "little")

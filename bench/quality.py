@@ -158,14 +158,18 @@ def main(argv: list[str] | None = None) -> None:
                 a["tokens_per_round"] = {int(g): v for g, v in a["tokens_per_round"].items()}
     results: dict = {}
     by_weights: dict[str, str] = {}  # sha256 of model.safetensors -> checkpoint evaluated with it
-    float_dir = work / "float-norot"
-    if not (float_dir / "manifest.json").is_file():
-        convert(src, float_dir, None, None)
-    fl = load_checkpoint(float_dir)
-    float_ppl = perplexity(fl.params, fl.config, wikitext_ids(args.wikitext, load_tokenizer(float_dir), args.ppl_tokens),
-                           window=args.window, mode="w16a16")
+    float_ppl = None
+    if args.resume and args.out.with_suffix(".json").is_file():
+        float_ppl = json.loads(args.out.with_suffix(".json").read_text()).get("float_ppl")
+    if float_ppl is None:
+        float_dir = work / "float-norot"
+        if not (float_dir / "manifest.json").is_file():
+            convert(src, float_dir, None, None)
+        fl = load_checkpoint(float_dir)
+        float_ppl = perplexity(fl.params, fl.config, wikitext_ids(args.wikitext, load_tokenizer(float_dir),
+                                                                   args.ppl_tokens), window=args.window, mode="w16a16")
+        del fl
     print(f"W16A16 float: ppl {float_ppl:.3f}", flush=True)
-    del fl
     scheme_tag = f"{'sym' if args.symmetric else 'asym'}-g{args.group_size or 'ch'}"
     for method in args.methods.split(","):
         for rotate in (False, True):

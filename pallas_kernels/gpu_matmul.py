@@ -5,7 +5,10 @@ two modes that reproduce :mod:`pallas_kernels.reference`:
 
 * :func:`w4a16_matmul`: the nibbles are unpacked and dequantized inside the kernel (``s*(u-8)`` or
   ``s*u + m`` in float32, cast to bfloat16), multiplied with bfloat16 activations on the bf16 MMA,
-  float32 accumulation.
+  float32 accumulation. Version 2 (see :func:`_w4a16_kernel`): the weight tile is the MMA's M side
+  and a fixed token tile (``block_m``) its N side; the packed bytes are read as uint32 words and
+  each of the 8 nibble positions feeds its own dot against the matching activation columns (the
+  wrapper splits x into ``[8, M, K/8]``), so nibbles are never interleaved in registers.
 * :func:`w4ax_matmul` (``bits`` 8 or 4): activations quantized per row by
   :func:`pallas_kernels.reference.quantize_activations` in a small jnp step *before* the kernel
   (int8 codes + float32 row scales are what the kernel reads; moving it into the kernel is a later
@@ -15,12 +18,13 @@ two modes that reproduce :mod:`pallas_kernels.reference`:
   ``t = f32(acc_g) * s_g`` (``+ f32(qsum_g) * m_g`` for asymmetric weights), ``tot = tot + t`` for
   g = 0, 1, ... in order, and ``y = s_act * tot``.
 
-Grid: ``(ceil(M / BLOCK_M), N / block_n, split_k)``, the M axis fastest so programs sharing a
+Grid: ``(ceil(M / block_m), N / block_n, split_k)``, the M axis fastest so programs sharing a
 weight tile run together (the tile comes from HBM once, then from L2). Each program loops over its
 K range in chunks of ``block_k`` (a power of two >= 32 that is a multiple of the group size or
-divides it). Tile defaults: :func:`default_config`.
+divides it). Tile defaults: :func:`default_config`, :func:`w4a16_launch` (``block_m`` = 16 for
+W4A16, ``BLOCK_M`` = 16 for W4AX).
 
-Row-count invariance by construction: every row runs in a row tile of one fixed shape ``BLOCK_M``
+Row-count invariance by construction: every row runs in a row tile of one fixed shape (``block_m``)
 whatever M is (the rows of the last tile beyond M are masked: never read, fed to the MMA as
 zeros, never written; no pad or slice op outside the kernel), and each output element is reduced
 over K in one fixed order (with ``split_k`` > 1, a fixed number of K ranges, each in order, their
@@ -69,15 +73,17 @@ def default_config(n: int, k: int, group: int, kind: str, block_n: int | None = 
                    block_k: int | None = None, split_k: int | None = None) -> tuple[int, int, int]:
     """``(block_n, block_k, split_k)`` for a weight shape; ``kind`` is "w4a16" or "w4ax".
 
-    A function of ``(N, K, group)`` only, never of M (row-count invariance). From the H200 sweep of
-    2026-11-30 (bench/results/kernels_draft.md), at M=1 on Llama-3-8B shapes: W4A16 fastest with
-    32 x 512 tiles and K split in 2 when N/32 < 256 programs; W4AX with 32 x 512 tiles and K split
+    A function of ``(N, K, group)`` only, never of M (row-count invariance). From the H200 sweeps of
+    2026-11-30 (bench/results/kernels_draft.md), at M=1 on Llama-3-8B shapes: W4A16 (version 2)
+    with 64 x 512 tiles, K split in 2, 4 or 8 until N/64 * split >= 264 programs (2 per SM); W4AX with 32 x 512 tiles and K split
     in 4 for small N, 64 x 128 tiles unsplit for large N (gate/up). (down, N=4096 K=14336, was not
     in that sweep: it gets the small-N rule.) Missing values are filled in; given
     ones are kept.
     """
     if kind not in ("w4a16", "w4ax"):
         raise ValueError(f"kind must be 'w4a16' or 'w4ax', got {kind!r}")
+    if kind == "w4a16":
+        return _w4a16_config(n, k, group, block_n, block_k, split_k)
     large_n = n % 32 == 0 and n // 32 >= 512
     if block_n is None:
         block_n = 64 if kind == "w4ax" and large_n and n % 64 == 0 else (32 if n % 32 == 0 else 16)
@@ -88,8 +94,8 @@ def default_config(n: int, k: int, group: int, kind: str, block_n: int | None = 
                                          or (split_k is not None and not _split_ok(k, group, block_k, split_k))):
             block_k //= 2
     if split_k is None:
-        # split only when N alone gives < 256 programs (~2 per SM): to >= 256 (w4a16), >= 512 (w4ax)
-        target, max_split = (256, 2) if kind == "w4a16" else (512, 4)
+        # split only when N alone gives < 256 programs (~2 per SM): to >= 512 programs
+        target, max_split = 512, 4
         programs = max(1, n // block_n)
         split_k = 1
         for s in (2, 4):
@@ -98,6 +104,42 @@ def default_config(n: int, k: int, group: int, kind: str, block_n: int | None = 
             if _split_ok(k, group, block_k, s):
                 split_k = s
     return block_n, block_k, split_k
+
+
+W4A16_BLOCK_N = 64  # weight rows per program (the MMA's M side)
+W4A16_BLOCK_K = 512  # K elements per loop step (256 packed bytes per weight row)
+W4A16_BLOCK_M = 16  # token rows per program (the MMA's N side)
+W4A16_WARPS, W4A16_STAGES = 4, 3
+W4A16_PHASES = 8  # nibbles per packed word read by the kernel: 2 (uint8 bytes) or 8 (uint32 words)
+W4A16_X_SPLIT = True  # activations split into K phases by the wrapper (else stride loads in kernel)
+W4A16_MIN_PROGRAMS = 264  # split K until N / block_n * split_k reaches this (2 per H200 SM)
+
+
+def _w4a16_config(n, k, group, block_n, block_k, split_k):
+    if block_n is None:
+        block_n = next((b for b in (W4A16_BLOCK_N, 32, 16) if n % b == 0), 16)
+    if block_k is None:
+        block_k = W4A16_BLOCK_K
+        while block_k > MIN_BLOCK_K and (k % block_k or not (block_k % group == 0 or group % block_k == 0)
+                                         or (split_k is not None and not _split_ok(k, group, block_k, split_k))):
+            block_k //= 2
+    if split_k is None:
+        programs = max(1, n // block_n)
+        split_k = 1
+        for s in (2, 4, 8):
+            if programs * split_k >= W4A16_MIN_PROGRAMS:
+                break
+            if _split_ok(k, group, block_k, s):
+                split_k = s
+    return block_n, block_k, split_k
+
+
+def w4a16_launch(n: int, k: int, group: int) -> tuple[int, int, int]:
+    """``(block_m, num_warps, num_stages)`` of the W4A16 kernel for a weight shape (never from M).
+
+    block_m = 16 favours decode (M <= 16). Measured 2026-11-30 (H200, 64 x 256 tiles): block_m = 64
+    makes M=64 1.7-2.2x faster (no re-dequantization per 16 rows) but M=1 1.25-1.3x slower."""
+    return W4A16_BLOCK_M, W4A16_WARPS, W4A16_STAGES
 
 
 def _check(x: jax.Array, w: QuantizedWeight, block_n: int, block_k: int,
@@ -168,43 +210,86 @@ def _store_rows(ref, mask, value):
     pl_triton.store(ref, value, mask=jnp.broadcast_to(mask, value.shape))
 
 
+_F32_MAGIC = 0x4B000000  # float32 bits of 2**23: (MAGIC | u) is the float 2**23 + u for u < 2**23
+
+
+def _codes_f32(u: jax.Array, offset: float) -> jax.Array:
+    """uint8 codes -> float32 ``u - offset`` with integer ops and one exact float subtract (no
+    int->float conversion instruction): the bits ``0x4B000000 | u`` are the float ``2**23 + u``."""
+    f = jax.lax.bitcast_convert_type(u.astype(jnp.uint32) | np.uint32(_F32_MAGIC), jnp.float32)
+    return f - np.float32(2.0 ** 23 + offset)
+
+
 def _w4a16_kernel(x_ref, p_ref, s_ref, *rest, m: int, k: int, group: int, block_k: int,
-                  symmetric: bool, split_k: int):
+                  symmetric: bool, split_k: int, phases: int = 2, x_split: bool = False,
+                  interpret: bool = False):
+    """One program: weight rows ``[bn]`` x token rows ``[bm]``, over its K range in chunks.
+
+    The weight tile is the MMA's M side, the token tile its N side: ``acc[bn, bm] += sum_t
+    W_t[bn, bk/P] @ x_t[bm, bk/P].T`` over the ``P = phases`` nibble positions of one packed word
+    (P=2: the packed bytes, W_0 / W_1 the low / high nibbles, k = 2j / 2j+1; P=8: the bytes read
+    as uint32 words, nibble t of word j is k = 8j + t), x_t the matching activation columns
+    (stride-P loads, or with ``x_split`` a ``[P, M, K/P]`` copy made by the wrapper), so nibbles
+    are never interleaved. Dequantization per nibble: ``s*(u-8)`` (or ``s*u + m``) in float32,
+    cast to bf16, as the reference does."""
     m_ref, o_ref = (None, rest[0]) if symmetric else rest
-    bm, bn = x_ref.shape[0], p_ref.shape[0]
-    rows = _row_mask(m, bm)
+    bm, bn = x_ref.shape[-2], p_ref.shape[0]
+    rows = _row_mask(m, bm)  # [bm, 1]
+    hb = block_k // phases  # packed words per weight row per chunk
     steps = k // split_k // block_k  # K chunks of this program
     base = pl.program_id(2) * steps if split_k > 1 else 0
     per = max(1, block_k // group)  # groups in one K chunk (1 when the group spans several chunks)
 
-    def scales(ref, i):
+    def scales(ref, i):  # float32, broadcastable to [bn, hb] (a group spans group/P words)
         if block_k >= group:
             v = ref[:, pl.ds(i * per, per)].astype(jnp.float32)  # [bn, per]
-            return jnp.broadcast_to(v[:, :, None], (bn, per, group)).reshape(bn, block_k)
+            if per == 1:
+                return v
+            return jnp.broadcast_to(v[:, :, None], (bn, per, group // phases)).reshape(bn, hb)
         return ref[:, pl.ds((i * block_k) // group, 1)].astype(jnp.float32)  # [bn, 1]
+
+    def dequant(u, s, mn):
+        if symmetric:
+            wf = _codes_f32(u, float(SYMMETRIC_OFFSET)) * s
+        else:
+            wf = _codes_f32(u, 0.0) * s + mn
+        return wf.astype(jnp.bfloat16)
+
+    def nibble(p, t):
+        if phases == 2:
+            return p & np.uint8(0xF) if t == 0 else p >> np.uint8(4)
+        return (p >> np.uint32(4 * t)) & np.uint32(0xF)
+
+    dims = (((1,), (1,)), ((), ()))
 
     def body(i, acc):
         i = base + i
-        xb = _load_rows(x_ref, rows, pl.ds(i * block_k, block_k))  # bf16 [bm, block_k]
-        u = _unpack(_load_weight(p_ref, pl.ds(i * (block_k // 2), block_k // 2)))  # [bn, block_k]
-        if symmetric:
-            wf = (u.astype(jnp.float32) - float(SYMMETRIC_OFFSET)) * scales(s_ref, i)
-        else:
-            wf = u.astype(jnp.float32) * scales(s_ref, i) + scales(m_ref, i)
-        wb = wf.astype(jnp.bfloat16)
-        return acc + jax.lax.dot_general(xb, wb, (((1,), (1,)), ((), ())),
-                                         preferred_element_type=jnp.float32)
+        p = _load_weight(p_ref, pl.ds(i * hb, hb))  # [bn, hb] uint8 / uint32
+        s = scales(s_ref, i)
+        mn = None if symmetric else scales(m_ref, i)
+        for t in range(phases):
+            w_t = dequant(nibble(p, t), s, mn)
+            if x_split:
+                if interpret:  # its loads take no integer index inside one indexer
+                    x_t = _load_rows(x_ref.at[t], rows, pl.ds(i * hb, hb))
+                else:  # the Triton lowering takes one indexer only
+                    view = x_ref.at[t, :, pl.ds(i * hb, hb)]
+                    x_t = pl_triton.load(view, mask=jnp.broadcast_to(rows, view.shape), other=0)
+            else:
+                x_t = _load_rows(x_ref, rows, pl.ds(i * block_k + t, hb, stride=phases))  # bf16 [bm, hb]
+            acc = acc + jax.lax.dot_general(w_t, x_t, dims, preferred_element_type=jnp.float32)
+        return acc
 
-    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bm, bn), jnp.float32))
-    _store_rows(o_ref, rows, acc)
+    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bn, bm), jnp.float32))
+    _store_rows(o_ref, rows, acc.T)
 
 
-def _split_out(m: int, n: int, block_n: int, split_k: int, dtype=jnp.float32):
+def _split_out(m: int, n: int, block_n: int, split_k: int, dtype=jnp.float32, block_m: int = BLOCK_M):
     """Output shape and spec: ``[M, N]``, or ``[split_k, M, N]`` partial sums when K is split."""
     if split_k == 1:
-        return jax.ShapeDtypeStruct((m, n), dtype), pl.BlockSpec((BLOCK_M, block_n), lambda i, j, s: (i, j))
+        return jax.ShapeDtypeStruct((m, n), dtype), pl.BlockSpec((block_m, block_n), lambda i, j, s: (i, j))
     return (jax.ShapeDtypeStruct((split_k, m, n), dtype),
-            pl.BlockSpec((None, BLOCK_M, block_n), lambda i, j, s: (s, i, j)))
+            pl.BlockSpec((None, block_m, block_n), lambda i, j, s: (s, i, j)))
 
 
 def _sum_splits(parts: jax.Array) -> jax.Array:
@@ -216,30 +301,53 @@ def _sum_splits(parts: jax.Array) -> jax.Array:
 
 
 def w4a16_matmul(x: jax.Array, w: QuantizedWeight, *, block_n: int | None = None,
-                 block_k: int | None = None, split_k: int | None = None, num_warps: int = 4,
-                 num_stages: int = 3,
+                 block_k: int | None = None, split_k: int | None = None, block_m: int | None = None,
+                 num_warps: int | None = None, num_stages: int | None = None,
+                 phases: int | None = None, x_split: bool | None = None,
                  interpret: bool = False) -> jax.Array:
     """``x[M, K] @ dequant_bf16(w).T`` with bf16 activations and float32 accumulation -> ``f32[M, N]``.
 
-    ``split_k`` > 1 splits K over that many programs per output tile (more programs for small N);
-    their float32 partial sums are added left to right after the kernel. Choose it from (N, K),
-    never from M, to keep rows invariant. Tiles left as None come from :func:`default_config`."""
+    ``block_m`` is the fixed token tile (the MMA's N side; weight rows are its M side). ``split_k``
+    > 1 splits K over that many programs per output tile (more programs for small N); their float32
+    partial sums are added left to right after the kernel. Choose them from (N, K), never from M, to
+    keep rows invariant. Values left as None come from :func:`default_config` /
+    :func:`w4a16_launch`."""
     block_n, block_k, split_k = default_config(*w.shape, w.group_size, "w4a16", block_n, block_k, split_k)
+    bm_d, nw_d, ns_d = w4a16_launch(*w.shape, w.group_size)
+    block_m = bm_d if block_m is None else block_m
+    num_warps = nw_d if num_warps is None else num_warps
+    num_stages = ns_d if num_stages is None else num_stages
     n, k, g = _check(x, w, block_n, block_k, split_k)
+    if block_m not in (16, 32, 64, 128):
+        raise ValueError(f"block_m must be 16, 32, 64 or 128, got {block_m}")
+    phases = W4A16_PHASES if phases is None else phases
+    x_split = (W4A16_X_SPLIT if x_split is None else x_split) or interpret  # no strided loads there
+    if phases not in (2, 8) or k % (8 * phases) or block_k < 16 * phases or g < 4 * phases:
+        raise ValueError(f"phases={phases}: needs 2 or 8, K a multiple of {8 * phases}, block_k >= "
+                         f"{16 * phases} and group >= {4 * phases}")
     m = x.shape[0]
     xb = x.astype(jnp.bfloat16)
+    if x_split:  # [P, M, K/P]: plane t holds the columns k = P*j + t
+        xb = xb.reshape(m, k // phases, phases).transpose(2, 0, 1)
+        xspec = pl.BlockSpec((phases, block_m, k // phases), lambda i, j, s: (0, i, 0))
+    else:
+        xspec = pl.BlockSpec((block_m, k), lambda i, j, s: (i, 0))
+    packed = w.packed
+    if phases == 8:  # the same bytes read as little-endian uint32 words: nibble t = k 8j + t
+        packed = jax.lax.bitcast_convert_type(packed.reshape(n, k // 8, 4), jnp.uint32)
     gcount = k // g
     kernel = functools.partial(_w4a16_kernel, m=m, k=k, group=g, block_k=block_k,
-                               symmetric=w.symmetric, split_k=split_k)
-    wspec = pl.BlockSpec((block_n, k // 2), lambda i, j, s: (j, 0))
+                               symmetric=w.symmetric, split_k=split_k, phases=phases, x_split=x_split,
+                               interpret=interpret)
+    wspec = pl.BlockSpec((block_n, k // phases), lambda i, j, s: (j, 0))
     sspec = pl.BlockSpec((block_n, gcount), lambda i, j, s: (j, 0))
-    in_specs = [pl.BlockSpec((BLOCK_M, k), lambda i, j, s: (i, 0)), wspec, sspec]
-    args = [xb, w.packed, w.scales]
+    in_specs = [xspec, wspec, sspec]
+    args = [xb, packed, w.scales]
     if not w.symmetric:
         in_specs.append(sspec)
         args.append(w.mins)
-    out_shape, out_spec = _split_out(m, n, block_n, split_k)
-    out = _call(kernel, out_shape, (-(-m // BLOCK_M), n // block_n, split_k), in_specs, out_spec,
+    out_shape, out_spec = _split_out(m, n, block_n, split_k, block_m=block_m)
+    out = _call(kernel, out_shape, (-(-m // block_m), n // block_n, split_k), in_specs, out_spec,
                 interpret, num_warps, num_stages, *args)
     return out if split_k == 1 else _sum_splits(out)
 

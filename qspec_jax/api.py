@@ -130,7 +130,7 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
     b = len(ids)
     if max_new_tokens == 0:
         return GenerationResult([np.zeros(0, np.int32)] * b, lengths, np.zeros(b, np.int32), ["length"] * b,
-                                [""] * b if model.tokenizer is not None else None, _stats(None, 0.0, 0))
+                                [""] * b if model.tokenizer is not None else None, _stats(None, 0.0))
 
     rt = Runtime(cfg, int(max_new_tokens), -1 if eos_token_id is None else int(eos_token_id), sampling, dtype,
                  model.checkpoint.online_rotation_seed)
@@ -153,11 +153,12 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
     texts = None
     if model.tokenizer is not None:
         texts = [model.tokenizer.decode(s, skip_special_tokens=True) for s in seqs]
-    stats = _stats((rounds, drafted, accepted, gen), wall, b)
+    stats = _stats((rounds, drafted, accepted, gen), wall)
     return GenerationResult(seqs, lengths, gen, [FINISH_REASONS[int(f)] for f in finish], texts, stats)
 
 
-def _stats(counters, wall: float, batch: int) -> dict[str, float]:
+def _stats(counters, wall: float) -> dict[str, float]:
+    """Totals over the batch; ``wall_time_s`` spans prefill + decode (compilation too on a first call)."""
     if counters is None:
         return dict(rounds=0, drafted=0, accepted=0, acceptance_rate=0.0, tokens_per_round=0.0,
                     generated=0, wall_time_s=wall, tokens_per_s=0.0)

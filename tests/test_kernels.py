@@ -8,7 +8,9 @@ are added after the kernel and results agree to 1e-6 relative. Bitwise holds at 
 (~1e-7 relative), so the reference then differs from its own M < 16 rows; these tests use M = 5.
 W4A16: against float64 math on the same dequantized weights, and against the reference to float32
 rounding. Row-count invariance: each row of an M=1 call equals the same row inside M = 5, 8, 13
-calls, bitwise. GPU-only checks (Triton's shape rules, races, timings) live in bench/kernels.py; the
+calls, bitwise. (W4A16 in interpret mode always takes the activations pre-split by the wrapper, as
+the interpreter has no strided loads; the GPU default does too, the stride-load form is only lowered
+here.) GPU-only checks (Triton's shape rules, races, timings) live in bench/kernels.py; the
 last test here only checks that the kernels lower through Triton for the GPU without a deprecation
 warning reaching the user.
 """
@@ -73,11 +75,14 @@ def test_w4ax_bitwise_and_group_accumulations(rng, n, k, group, symmetric, block
     np.testing.assert_array_equal(np.asarray(acc), np.asarray(want_acc))
 
 
+@pytest.mark.parametrize("phases,block_m", [(8, 16), (2, 32)])
 @pytest.mark.parametrize("n,k,group,symmetric,block_k", CASES[:4])
-def test_w4a16_against_float64(rng, n, k, group, symmetric, block_k):
+def test_w4a16_against_float64(rng, n, k, group, symmetric, block_k, phases, block_m):
+    """Both nibble layouts of the W4A16 kernel (uint32 words / bytes) and two token tiles."""
     w = random_weight(rng, n, k, group, symmetric)
     x = random_x(rng, 5, k)
-    got = np.asarray(gm.w4a16_matmul(x, w, block_n=BN, block_k=block_k, interpret=True))
+    got = np.asarray(gm.w4a16_matmul(x, w, block_n=BN, block_k=block_k, block_m=block_m, phases=phases,
+                                     interpret=True))
     assert got.dtype == np.float32 and got.shape == (5, n)
     w64 = np.asarray(dequantize(w, jnp.float32), np.float64)  # s*q (+m): exact in float32
     exact = np.asarray(x, np.float64) @ w64.T
@@ -167,6 +172,7 @@ def test_lowers_for_gpu_without_deprecation_warning():
             x = jax.ShapeDtypeStruct((3, k), jnp.bfloat16)
             for f in (gm.w4a16_matmul, lambda x, w: gm.w4ax_matmul(x, w, 4),
                       lambda x, w: gm.w4a16_matmul(x, w, split_k=2, block_k=128),
+                      lambda x, w: gm.w4a16_matmul(x, w, phases=2, x_split=False, block_m=64),
                       lambda x, w: gm.w4ax_matmul(x, w, 8, split_k=2)):
                 text = jax.jit(f).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
                 assert "__gpu$xla.gpu.triton" in text or "triton" in text.lower(), text[:500]
