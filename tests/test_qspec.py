@@ -426,10 +426,12 @@ def test_eos_inside_accepted_drafts_and_exact_counters(rng, monkeypatch):
     assert st["tokens_per_round"] == pytest.approx((st["generated"] - 2) / st["rounds"])
 
 
-def test_sequences_finish_in_different_rounds_smollm2(smol, smol_batches, w4a16_refs):
+def test_sequences_finish_in_different_rounds_smollm2(smol, smol_batches):
     """EOS taken from prompt 0's greedy output; each sequence must equal its own W4A16 output cut at
     its first EOS, whatever round it finishes in (gamma=5, W4A8 drafts)."""
-    refs = [s.tolist() for s in w4a16_refs[4].sequences]
+    # the reference must not stop on the tokenizer's EOS: the run below stops on another token only
+    open_ref = generate(smol, smol_batches[4], max_new_tokens=NEW, method="w4a16", chat=True, eos_token_id=-1)
+    refs = [s.tolist() for s in open_ref.sequences]
     best = None
     for k in range(2, len(refs[0])):
         t = refs[0][k]
@@ -447,7 +449,7 @@ def test_sequences_finish_in_different_rounds_smollm2(smol, smol_batches, w4a16_
     for i, (seq, ref, s) in enumerate(zip(got.sequences, refs, stops)):
         want = ref if s is None else ref[: s + 1]
         assert seq.tolist() == want, i
-        assert got.finish_reasons[i] == ("stop" if s is not None else w4a16_refs[4].finish_reasons[i])
+        assert got.finish_reasons[i] == ("stop" if s is not None else "length")
     st = got.stats
     assert st["drafted"] == gamma * st["rounds"] and 0 < st["accepted"] <= st["drafted"]
     # every round commits its accepted drafts + one target token, except possibly a sequence's last round
