@@ -17,6 +17,8 @@ import numpy as np
 
 from qspec_jax.api import DRAFTS, generate, load
 
+NOTE = ("How to read it: the acceptance rate (accepted / drafted) falls with gamma even at a constant per-token agreement, because once a draft is rejected the rest of the round is discarded; compare the measured tokens per round with the tokens per round simulated from the teacher-forced agreement (`bench/quality.py`, same checkpoint), and gamma=1 acceptance with alpha. The two measure slightly different things: the teacher-forced run computes every position with the draft's own KV cache for the whole prefix, while a QSPEC draft step reads the verifier's W4A16 KV for all committed tokens and its own KV only for the drafts of the current round, so measured acceptance is higher (most visibly for a poor draft).")
+
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -71,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
         sim = a.get("tokens_per_round", {}).get(str(g), a.get("tokens_per_round", {}).get(g))
         lines.append(f"| {draft} | {g} | {st['acceptance_rate']:.4f} | {st['tokens_per_round']:.2f} | "
                      f"{a.get('alpha', float('nan')):.4f} | {'' if sim is None else f'{sim:.2f}'} |")
+    lines += ["", NOTE]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
