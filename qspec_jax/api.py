@@ -74,7 +74,7 @@ def _tokenize(model: Model, prompts, chat: bool) -> list[list[int]]:
                 out.append(model.tokenizer.encode(p, add_special_tokens=False))
         else:
             ids = np.asarray(p)
-            if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer) and ids.size:
+            if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
                 raise ValueError(f"a token-id prompt must be a 1-D integer sequence, got shape {ids.shape} "
                                  f"dtype {ids.dtype}")
             if ids.size and (ids.min() < 0 or ids.max() >= model.config.vocab_size):
