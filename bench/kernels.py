@@ -1,39 +1,60 @@
-"""GPU check and timing of the Pallas INT4 matmul kernels (pallas_kernels/gpu_matmul.py).
+"""One GPU run of the Pallas kernels against XLA (GitHub issue 4). From the repository root:
 
-Run on the device (the H200), from the repository root:
+    PYTHONPATH=. python3 -m bench.kernels [--parts check,attn,table] [--models llama3-8b,llama2-7b,llama2-13b]
+        [--ms 1,4,8,16,32,64,128,256] [--out DIR] [--resume OLD.json] [--budget-s 480] [--threads 8] [--smoke]
 
-    PYTHONPATH=. python3 -m bench.kernels [--parts bw,check,sweep,table] [--out DIR]
+Writes ``kernels.json`` and ``kernels.md`` under ``--out`` (default ``$OUT``, else bench/results; the
+json after every shape, so a killed run leaves what it measured). The md starts with the command
+line(s) that made it and the copy bandwidth each measured. Prints a short summary last.
 
-1. ``bw``: device copy bandwidth (a large ``a + 1`` over bf16, bytes read + written).
-2. ``check``: on the GPU, W4A4/W4A8 kernel vs ``reference.quantized_matmul`` run on the GPU too
-   (bitwise), the int32 group accumulations vs ``reference.group_accumulate`` (bitwise), W4A16 vs
-   float64 numpy on the host (relative error), row-count invariance (rows of M=1 calls inside
-   M = 4, 16, 64 calls, bitwise), for symmetric g128, asymmetric g32 and per-channel weights.
-3. ``sweep``: a few (block_n, block_k, num_warps, num_stages) per kernel and Llama-3-8B shape at
-   M=1; the fastest is used in the table.
-4. ``table``: Llama-3-8B layer shapes x M in {1, 16, 64, 256}: the W4A16 kernel, the W4A4 kernel
-   (its quantization step included; at M=1 also the kernel alone), and XLA's bf16 dot on dense bf16
-   weights. Each timing jits R >= 32 call sites over distinct input buffers (weights rotated over
-   enough copies to exceed the 60 MB L2 3.5 times). Two times per call: GPU time, the sum of the
-   kernel durations in a CUPTI trace (jax.profiler) of one dispatch, divided by R; and wall time,
-   the median over repeats of (4 back-to-back dispatches, then one block) / (4 R), launch gaps
-   included. GB/s on the bytes each call must move (weights + scales + bf16 activations + f32
-   output) and % of the measured copy bandwidth (f32 ``a + 1``, kernel time).
+* Copy bandwidth, measured first whenever ``attn`` or ``table`` runs: f32 ``a + 1`` over 4.3 GB,
+  bytes read + written / kernel time. Every "% BW" is against this number of the same run.
+* ``check``: correctness on the GPU. W4A4/W4A8 vs ``reference.quantized_matmul`` run on the GPU,
+  int32 group accumulations vs ``reference.group_accumulate`` (bitwise), W4A16 vs float64 on the
+  host (relative error), rows of M=1 calls bitwise equal to the same rows inside M = 4/16/64 calls,
+  split-K 2; for symmetric g128, asymmetric g32 and per-channel weights.
+* ``attn``: ``pallas_kernels.gpu_attention.decode_attention`` (imported here only; without it, XLA
+  alone is timed) vs XLA's ``reference.attention`` (jitted, ``k_pos = arange(S)``), Llama-3-8B
+  heads (H 32, KV 8, d 128), bf16, batch 8-64, context 1k-8k (the cache holds exactly the context,
+  every slot visible), T = 1 or 4 new queries. Floor = (K + V cache + q + output bytes) / copy
+  bandwidth. Also the kernel's max |difference| to XLA's output over max |XLA output|.
+* ``table``: for each model of ``--models``, its layer shapes (fused qkv, o, fused gate/up, down,
+  lm_head) x M in ``--ms``: the W4A16 kernel, the W4A4 kernel (activation quantization included),
+  XLA's bf16 ``dot`` on dense bf16 weights, and XLA on ``jnp.int4`` weights with bf16 scales
+  (symmetric, group 128) dequantized inside the jit, for XLA to fuse as it can. Input bf16
+  ``[M, K]``, output f32 ``[M, N]``. GB/s on the bytes each call must move: its weights (+ scales)
+  + activations + output. A configuration that does not lower or compile (a shape a kernel
+  rejects) is recorded as n/a with the reason.
 
-Prints a short table last; writes ``kernels.json`` and ``kernels.md`` under ``--out`` (default
-``$OUT``, else bench/results).
+Timing: each configuration is one jitted call, compiled ahead of time (the Pallas ones in a pool of
+``--threads``, then the XLA ones one at a time, so that their autotuning has the GPU to itself),
+called once, then called R >= 16 times over distinct input buffers (weights rotated over copies
+that together exceed twice the 60 MB L2). µs per call = the durations of every kernel of those R
+calls (CUPTI trace via jax.profiler; one trace per shape, its configurations told apart by idle
+gaps) / R; launch gaps are not included. Without a GPU (``--smoke``: tiny shapes in interpret
+mode), or where a trace shows no kernels, host wall time instead (``timing`` in the json).
+
+``--resume OLD.json`` starts from an earlier run's results: rows measured again replace theirs, the
+others are kept, so the tables can be made by several GPU calls (e.g. split by ``--models``).
+``--budget-s``: no shape or attention batch starts after that many seconds; skipped ones are logged.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import math
 import os
-import statistics
+import shlex
 import sys
+import tempfile
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -43,42 +64,40 @@ from pallas_kernels import gpu_matmul as gm
 from pallas_kernels import reference as ref
 from pallas_kernels.layout import QuantizedWeight, dequantize
 
-SHAPES = {  # Llama-3-8B decoder linears (N, K)
-    "qkv": (6144, 4096),
-    "o": (4096, 4096),
-    "gate_up": (28672, 4096),
-    "down": (4096, 14336),
+MODELS = {  # decoder linears and lm_head, (N, K) = (out_features, in_features)
+    "llama3-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+                  "down": (4096, 14336), "lm_head": (128256, 4096)},
+    "llama2-7b": {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096),
+                  "down": (4096, 11008), "lm_head": (32000, 4096)},
+    "llama2-13b": {"qkv": (15360, 5120), "o": (5120, 5120), "gate_up": (27648, 5120),
+                   "down": (5120, 13824), "lm_head": (32000, 5120)},
 }
-MS = (1, 16, 64, 256)
+MS = (1, 4, 8, 16, 32, 64, 128, 256)
+KINDS = ("w4a16", "w4a4", "xla_bf16", "xla_int4")
+WEIGHT_OF = {"w4a16": "packed", "w4a4": "packed", "xla_bf16": "bf16", "xla_int4": "int4"}
+ATTN = {"heads": (32, 8, 128), "batches": (8, 16, 32, 64), "contexts": (1024, 2048, 4096, 8192),
+        "ts": (1, 4)}
+ATTN_MAX_BYTES = 40e9  # skip attention configurations whose buffers would exceed this
 CHECK_CASES = [("o g128 sym", 4096, 4096, 128, True), ("o g32 asym", 4096, 4096, 32, False),
                ("down per-channel sym", 4096, 14336, 14336, True)]
-GROUP = 128  # the table's weights: symmetric, group 128
+PARTS = ("check", "attn", "table")  # in the order they run
+SUMMARY_MS = (1, 16)
+GROUP = 128  # the timed weights: symmetric, group 128
 L2_BYTES = 60e6
-CALLS = 32  # call sites per timed jit (dispatch overhead / CALLS per call)
+CALLS = 16  # timed calls per configuration, at least
+GAP_S = 0.03  # idle time after each configuration in a trace; events are split at gaps > GAP_S / 3
+COPY_ELEMS = 1 << 30
 KW: dict = {}  # extra keyword arguments for every kernel call ({"interpret": True} in --smoke)
-
-# W4A16: (block_n, block_k, split_k, num_warps, num_stages, block_m); split_k None = the default
-# rule (N / block_n * split >= 264 programs). Version 2 of the kernel (weight tile on the MMA's M
-# side, even/odd K halves); version 1's sweep had found bn=32, bk=512, split 2 fastest.
-W4A16_CONFIGS = [
-    (64, 256, None, 4, 3, 16), (64, 512, None, 4, 3, 16), (128, 256, None, 4, 3, 16),
-    (128, 256, None, 8, 3, 16), (64, 256, None, 4, 4, 16), (32, 256, None, 4, 3, 16),
-    (64, 128, None, 4, 4, 16), (128, 512, None, 8, 3, 16), (64, 256, 1, 4, 3, 16),
-    (64, 256, None, 4, 3, 32), (64, 256, None, 4, 3, 64), (128, 256, None, 8, 3, 64),
-]
-# W4AX: (block_n, block_k, split_k, num_warps, num_stages). A first sweep (bn 16..128, bk 128..512,
-# no split) found bn=32 with bk=512 or 128 fastest; this one explores around it.
-W4AX_CONFIGS = [
-    (32, 512, 1, 4, 3), (64, 128, 1, 4, 3), (32, 512, 2, 4, 3), (32, 512, 4, 4, 3),
-    (32, 256, 2, 4, 3), (64, 512, 2, 4, 3), (32, 512, 1, 8, 3),
-]
+ON_GPU = jax.default_backend() == "gpu"
+Events = list[tuple[float, float, str]]  # (start_ns, duration_ns, kernel name)
 
 
-def log(*a):
+def log(*a: Any) -> None:
     print(*a, flush=True)
 
 
-def make_weight(key, n, k, group, symmetric) -> QuantizedWeight:
+def make_weight(key: jax.Array, n: int, k: int, group: int, symmetric: bool) -> QuantizedWeight:
+    """Random packed INT4 weights (uniform codes, float16 scales, minimums when asymmetric)."""
     k1, k2, k3 = jax.random.split(key, 3)
     packed = jax.random.bits(k1, (n, k // 2), jnp.uint8)
     scales = jax.random.uniform(k2, (n, k // group), jnp.float32, 0.002, 0.02).astype(jnp.float16)
@@ -86,103 +105,164 @@ def make_weight(key, n, k, group, symmetric) -> QuantizedWeight:
     return QuantizedWeight(packed, scales, mins, group)
 
 
-def weight_bytes(n, k, group, symmetric):
-    return n * k // 2 + n * (k // group) * 2 * (1 if symmetric else 2)
+# ------------------------------------------------------------------------------------ timing
+
+@dataclass
+class Job:
+    """One timed configuration: ``fn`` called on each of ``arg_sets`` (same shapes, other buffers)."""
+
+    fn: Callable
+    arg_sets: list
+    pallas: bool  # compiled in the thread pool (the others one at a time, after it)
+    compiled: Any = None
+    error: str | None = None
+    us: float | None = None
+    kernels: dict = field(default_factory=dict)  # kernel name -> µs per call
 
 
-def time_calls(fn, arg_sets, reps, inner=4):
-    """Median seconds per call of ``fn`` over the argument sets, all called inside one jit.
-
-    Each repeat dispatches the jit ``inner`` times back to back and blocks once, so the host's
-    dispatch overlaps the device's work and the GPU queue stays full."""
-    f = jax.jit(lambda sets: [fn(*a) for a in sets])
-    t0 = time.perf_counter()
-    jax.block_until_ready(f(arg_sets))
-    compile_s = time.perf_counter() - t0
-    for _ in range(2):
-        jax.block_until_ready(f(arg_sets))
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        outs = [f(arg_sets) for _ in range(inner)]
-        jax.block_until_ready(outs)
-        ts.append((time.perf_counter() - t) / (inner * len(arg_sets)))
-        del outs
-    return statistics.median(ts), min(ts), max(ts), compile_s
+def _reason(e: Exception) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0][:300] if lines else ''}"
 
 
-_PROFILE_N = [0]
+def _compile(jobs: list[Job], threads: int) -> None:
+    """Lower every job here and compile the Pallas ones in a thread pool, then the others one at a
+    time (XLA's autotuning times candidate kernels on the GPU: nothing else compiles meanwhile). A
+    job whose lowering or compilation raises gets ``error`` instead."""
+    pending = []
+    with ThreadPoolExecutor(threads) as pool:
+        for job in jobs:
+            try:
+                lowered = jax.jit(job.fn).lower(*job.arg_sets[0])
+            except Exception as e:  # e.g. a shape the kernel's tiles do not fit
+                job.error = _reason(e)
+                continue
+            pending.append((job, pool.submit(lowered.compile).result if job.pallas else lowered.compile))
+    for job, get in pending:  # the pool's compiles are done here
+        try:
+            job.compiled = get()
+        except Exception as e:
+            job.error = _reason(e)
 
 
-def gpu_time(fn, arg_sets, tmp: Path):
-    """GPU busy time per call (sum of kernel durations from a CUPTI trace of one jit dispatch of
-    all call sites), and the kernels seen: {name: (count, total_us)}."""
+def _dispatch(job: Job) -> float:
+    """Calls ``job`` on each argument set back to back; host seconds per call, to the last result."""
+    t = time.perf_counter()
+    jax.block_until_ready([job.compiled(*a) for a in job.arg_sets])
+    return (time.perf_counter() - t) / len(job.arg_sets)
+
+
+def _kernel_events(trace_dir: Path) -> Events:
+    """Every event on the GPU stream lines of a trace, by start time."""
     from jax.profiler import ProfileData
 
-    f = jax.jit(lambda sets: [fn(*a) for a in sets])
-    jax.block_until_ready(f(arg_sets))
-    _PROFILE_N[0] += 1
-    d = tmp / f"trace{_PROFILE_N[0]}"
-    jax.profiler.start_trace(str(d))
-    jax.block_until_ready(f(arg_sets))
-    jax.profiler.stop_trace()
-    files = sorted(d.rglob("*.xplane.pb"))
+    files = sorted(trace_dir.rglob("*.xplane.pb"))
     if not files:
-        return None, {}
-    pd = ProfileData.from_file(str(files[-1]))
-    kernels: dict = {}
-    seen = []
-    for plane in pd.planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            seen.append(f"{plane.name}|{line.name}")
-            if not line.name.startswith("Stream"):
-                continue
-            for e in line.events:
-                c, t = kernels.get(e.name, (0, 0.0))
-                kernels[e.name] = (c + 1, t + e.duration_ns / 1e3)
-    if not kernels:
-        if _PROFILE_N[0] <= 2:
-            log(f"trace: no kernel events; planes {[p.name for p in pd.planes]}, GPU lines {seen}")
-        return None, {}
-    if _PROFILE_N[0] <= 2:
-        log(f"trace lines: {seen}")
-    total_us = sum(t for _, t in kernels.values())
-    return total_us / len(arg_sets), {k[:80]: (c, round(t / len(arg_sets), 3)) for k, (c, t) in kernels.items()}
+        return []
+    events = []
+    for plane in ProfileData.from_file(str(files[-1])).planes:
+        if plane.name.startswith("/device:GPU"):
+            for line in plane.lines:
+                if line.name.startswith("Stream"):
+                    events += [(e.start_ns, e.duration_ns, e.name) for e in line.events]
+    return sorted(events)
 
 
-# ------------------------------------------------------------------------------------------ parts
-
-def copy_bandwidth(res, tmp, n=1 << 30):
-    """``a + 1`` over float32 (the first run, 2026-11-30, used bf16 ``a + 1``: only 2.78 TB/s)."""
-    a = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
-    f = jax.jit(lambda v: v + 1.0)
-    jax.block_until_ready(f(a))
-    ts = []
-    for _ in range(10):
-        t = time.perf_counter()
-        jax.block_until_ready(f(a))
-        ts.append(time.perf_counter() - t)
-    nbytes = 2 * 4 * n
-    bw = nbytes / statistics.median(ts)
-    g, kern = gpu_time(lambda v: v + 1.0, [(a,)], tmp)
-    res["copy_bw_wall"] = bw
-    res["copy_bw"] = nbytes / (g * 1e-6) if g else bw
-    log(f"copy bandwidth: {res['copy_bw'] / 1e12:.2f} TB/s by kernel time ({g} us), {bw / 1e12:.2f} TB/s by "
-        f"wall (median of 10, {nbytes / 1e9:.2f} GB moved, spread {min(ts) * 1e3:.2f}-{max(ts) * 1e3:.2f} ms) "
-        f"{kern}")
-    del a
+def _split_at_gaps(events: Events) -> list[Events]:
+    groups, end = [], -math.inf
+    for ev in events:
+        if ev[0] - end > GAP_S / 3 * 1e9:
+            groups.append([])
+        groups[-1].append(ev)
+        end = max(end, ev[0] + ev[1])
+    return groups
 
 
-def check(res, rng):
-    cases = CHECK_CASES
-    out = res.setdefault("check", [])
+def _traced(jobs: list[Job], tmp: Path) -> list[Events]:
+    """Kernel events of each job's calls: one trace, the jobs separated by idle time."""
+    d = Path(tempfile.mkdtemp(dir=tmp))
+    jax.profiler.start_trace(str(d))
+    try:
+        for job in jobs:
+            _dispatch(job)
+            time.sleep(GAP_S)
+    finally:
+        jax.profiler.stop_trace()
+    return _split_at_gaps(_kernel_events(d))
+
+
+def _set_time(job: Job, events: Events) -> None:
+    calls = len(job.arg_sets)
+    for _, dur, name in events:
+        job.kernels[name[:80]] = job.kernels.get(name[:80], 0.0) + dur / 1e3 / calls
+    job.kernels = {k: round(v, 3) for k, v in job.kernels.items()}
+    job.us = sum(dur for _, dur, _ in events) / 1e3 / calls
+
+
+def _kernel_groups(jobs: list[Job], tmp: Path) -> list[Events] | None:
+    """Each job's kernel events (one trace for all, else one trace each), or None where a job has
+    none."""
+    groups = _traced(jobs, tmp)
+    if len(groups) != len(jobs):
+        log(f"trace: {len(groups)} idle-separated groups for {len(jobs)} configurations; tracing each alone")
+        groups = [[ev for g in _traced([job], tmp) for ev in g] for job in jobs]
+    if all(groups):
+        return groups
+    log("trace: no kernel events for some configurations; host wall time instead")
+    return None
+
+
+def measure(jobs: list[Job], tmp: Path, threads: int) -> None:
+    """Compile, warm and time ``jobs``: sets their ``us`` and ``kernels``, or ``error``."""
+    _compile(jobs, threads)
+    for job in jobs:
+        if job.error is None:
+            try:
+                jax.block_until_ready(job.compiled(*job.arg_sets[0]))
+            except Exception as e:
+                job.error = _reason(e)
+    ok = [j for j in jobs if j.error is None]
+    groups = _kernel_groups(ok, tmp) if ON_GPU and ok else None
+    for i, job in enumerate(ok):
+        if groups:
+            _set_time(job, groups[i])
+        else:
+            job.us = _dispatch(job) * 1e6
+
+
+def _result(job: Job, nbytes: int, bw: float) -> dict:
+    if job.error is not None:
+        return {"error": job.error}
+    return {"us": job.us, "GBps": nbytes / job.us / 1e3, "pct_copy": 100 * nbytes / (job.us * 1e-6) / bw,
+            "bytes": nbytes, "calls": len(job.arg_sets), "timing": "kernels" if job.kernels else "host wall",
+            "kernels": job.kernels}
+
+
+def _copies(nbytes: int) -> int:
+    """Buffer copies to rotate over so that a buffer is out of L2 when it comes round again."""
+    return max(2, math.ceil(2 * L2_BYTES / nbytes) + 1)
+
+
+# ------------------------------------------------------------------------------------ parts
+
+def copy_bandwidth(run: dict, tmp: Path, threads: int) -> None:
+    """``a + 1`` over float32: bytes read + written per second of kernel time (wall on CPU)."""
+    a = jax.random.normal(jax.random.key(0), (COPY_ELEMS,), jnp.float32)
+    job = Job(lambda v: v + 1.0, [(a,)] * 5, pallas=False)
+    measure([job], tmp, threads)
+    run["copy_bw"] = 8 * COPY_ELEMS / (job.us * 1e-6)
+    log(f"copy bandwidth: {run['copy_bw'] / 1e12:.2f} TB/s ({8 * COPY_ELEMS / 1e9:.2f} GB in {job.us:.1f} us; "
+        f"{job.kernels})")
+
+
+def check(res: dict, rng: np.random.Generator) -> None:
+    """The kernels against the references on this device (see the module docstring)."""
+    out = res["check"] = []
     ref_mm = jax.jit(ref.quantized_matmul, static_argnames="mode")
     j16 = jax.jit(lambda a, w: gm.w4a16_matmul(a, w, **KW))
     jax_ = jax.jit(lambda a, w, bits: gm.w4ax_matmul(a, w, bits, **KW), static_argnums=2)
     ok_all = True
-    for ci, (name, n, k, g, sym) in enumerate(cases):
+    for ci, (name, n, k, g, sym) in enumerate(CHECK_CASES):
         w = make_weight(jax.random.key(100 + ci), n, k, g, sym)
         xh = rng.standard_normal((64, k)) * np.exp(rng.standard_normal((64, 1)))
         xh[:, rng.integers(0, k, 8)] *= 10.0
@@ -243,226 +323,359 @@ def check(res, rng):
     log(f"CHECK {'PASSED' if ok_all else 'FAILED'}")
 
 
-def _weights(n, k, group, symmetric, per_copy_bytes, seed):
-    copies = max(2, int(np.ceil(3.5 * L2_BYTES / per_copy_bytes)))
-    ws = [make_weight(jax.random.key(seed + c), n, k, group, symmetric) for c in range(copies)]
-    return ws
+def _dot_t(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``x @ w.T`` with a float32 result."""
+    return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def _xs(m, k, count, dtype=jnp.float32):
-    return [jax.random.normal(jax.random.key(1000 + i), (m, k), dtype) for i in range(count)]
+def xla_int4_matmul(x: jax.Array, w: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """``x @ (codes * scales).T`` for ``jnp.int4`` codes ``[N, K]`` and bf16 scales ``[N, K / GROUP]``,
+    the dequantization written in jnp for XLA to fuse into its dot."""
+    q, s = w
+    n, k = q.shape
+    wd = (q.astype(jnp.bfloat16).reshape(n, k // GROUP, GROUP) * s[:, :, None]).reshape(n, k)
+    return _dot_t(x, wd)
 
 
-def _bytes(kind, m, n, k):
-    if kind == "bf16":
-        return n * k * 2 + m * k * 2 + m * n * 4
-    act = m * k * 2  # the activations as the caller holds them (bf16)
-    return weight_bytes(n, k, GROUP, True) + act + m * n * 4
+MATMULS = {
+    "w4a16": lambda x, w: gm.w4a16_matmul(x, w, **KW),
+    "w4a4": lambda x, w: gm.w4ax_matmul(x, w, 4, **KW),
+    "xla_bf16": _dot_t,
+    "xla_int4": xla_int4_matmul,
+}
 
 
-def _fn(kind, cfg):
-    bn, bk, sk, nw, ns = cfg[:5]
-    kw = dict(block_n=bn, block_k=bk, split_k=sk, num_warps=nw, num_stages=ns, **KW)
-    if kind == "w4a16":
-        bm = cfg[5] if len(cfg) > 5 else None
-        return lambda x, w: gm.w4a16_matmul(x, w, block_m=bm, **kw)
-    if kind == "w4a4":
-        return lambda x, w: gm.w4ax_matmul(x, w, 4, **kw)
-    if kind == "w4a4_kernel":
-        return lambda q, s, w: gm.w4ax_quantized(q, s, w, **kw)
-    raise ValueError(kind)
+def _weight_bytes(family: str, n: int, k: int) -> int:
+    return n * k * 2 if family == "bf16" else n * k // 2 + n * (k // GROUP) * 2
 
 
-def _valid(cfg, n, k, g=GROUP):
-    bn, bk, sk = cfg[:3]
-    if sk is None:
-        return n % bn == 0 and k % bk == 0
-    return n % bn == 0 and k % bk == 0 and (k // sk) % max(g, bk) == 0
+def _weight(family: str, n: int, k: int, seed: int) -> Any:
+    key = jax.random.key(seed)
+    if family == "packed":
+        return make_weight(key, n, k, GROUP, True)
+    if family == "bf16":
+        return jax.random.normal(key, (n, k), jnp.bfloat16)
+    k1, k2 = jax.random.split(key)
+    codes = jax.random.randint(k1, (n, k), -8, 8, jnp.int8).astype(jnp.int4)
+    return codes, jax.random.uniform(k2, (n, k // GROUP), jnp.float32, 0.002, 0.02).astype(jnp.bfloat16)
 
 
-SWEEP_KINDS = ["w4a16", "w4a4"]
-TABLE_KINDS = ["w4a16", "w4a4", "xla"]
-SWEEP_MS = {"w4a16": (1, 64), "w4a4": (1,)}
+def _matmul_jobs(n: int, k: int, ms: tuple[int, ...]) -> dict[tuple[int, str], Job]:
+    """A job per (M, kind) for one weight shape; the weights of each family rotated over copies."""
+    families = sorted(set(WEIGHT_OF.values()))
+    copies = {f: _copies(_weight_bytes(f, n, k)) for f in families}
+    weights = {f: [_weight(f, n, k, 10 + c) for c in range(copies[f])] for f in families}
+    calls = max(CALLS, *copies.values())
+    jobs = {}
+    for m in ms:
+        xs = [jax.random.normal(jax.random.key(1000 + i), (m, k), jnp.bfloat16) for i in range(calls)]
+        for kind in KINDS:
+            ws = weights[WEIGHT_OF[kind]]
+            sets = [(xs[i], ws[i % len(ws)]) for i in range(calls)]
+            jobs[m, kind] = Job(MATMULS[kind], sets, pallas=kind.startswith("w4"))
+    return jobs
 
 
-def sweep(res, reps, deadline, tmp):
-    """Each config at M=1 (and W4A16 at M=64 too); the fastest at M=1 goes to the table."""
-    best = res.setdefault("best", {})
-    rows = res.setdefault("sweep", [])
-    t_start = time.time()
-    for si, (sname, (n, k)) in enumerate(SHAPES.items()):
-        shape_deadline = t_start + (deadline - t_start) * (si + 1) / len(SHAPES)
-        ws = _weights(n, k, GROUP, True, weight_bytes(n, k, GROUP, True), 10)
-        calls = max(CALLS, len(ws))
-        xsm = {m: _xs(m, k, calls, jnp.bfloat16) for m in (1, 64)}
-        for kind, cfgs in (("w4a16", W4A16_CONFIGS), ("w4a4", W4AX_CONFIGS)):
-            if kind not in SWEEP_KINDS:
+def _matmul_bytes(kind: str, m: int, n: int, k: int) -> int:
+    return _weight_bytes(WEIGHT_OF[kind], n, k) + m * k * 2 + m * n * 4
+
+
+def matmul_table(res: dict, run_id: int, models: list[str], ms: tuple[int, ...], tmp: Path,
+                 threads: int, deadline: float, save: Callable[[], None]) -> None:
+    """The ``table`` part: rows ``res["table"]["model/shape/M"]``, saved after each shape."""
+    bw = res["runs"][run_id]["copy_bw"]
+    for model in models:
+        for shape, (n, k) in MODELS[model].items():
+            if time.time() > deadline:
+                log(f"time budget: {model} {shape} not run")
                 continue
-            for cfg, m in [(c, m) for c in cfgs for m in SWEEP_MS[kind]]:
-                if not _valid(cfg, n, k) or time.time() > shape_deadline:
-                    continue
-                xs = xsm[m]
-                try:
-                    sets = [(xs[i], ws[i % len(ws)]) for i in range(calls)]
-                    med, lo, hi, cs = time_calls(_fn(kind, cfg), sets, reps)
-                    gpu, kern = gpu_time(_fn(kind, cfg), sets, tmp)
-                except Exception as e:  # a config Triton rejects: log it and go on
-                    log(f"sweep {sname} {kind} {cfg}: FAILED {type(e).__name__}: {str(e)[:300]}")
-                    rows.append({"shape": sname, "kind": kind, "cfg": cfg, "error": str(e)[:500]})
-                    continue
-                score = gpu if gpu is not None else med * 1e6
-                rows.append({"shape": sname, "kind": kind, "cfg": cfg, "M": m, "wall_us": med * 1e6,
-                             "min_us": lo * 1e6, "max_us": hi * 1e6, "compile_s": cs, "gpu_us": gpu, "kernels": kern})
-                log(f"sweep {sname:8s} {kind:6s} M={m:2d} bn={cfg[0]:3d} bk={cfg[1]:4d} split={cfg[2]} "
-                    f"warps={cfg[3]} stages={cfg[4]} bm={cfg[5] if len(cfg) > 5 else '-'}: gpu {score:8.2f} us, "
-                    f"wall {med * 1e6:8.2f} us (min {lo * 1e6:.2f}, max {hi * 1e6:.2f}; compile {cs:.1f}s) {kern}")
-                key = f"{sname}/{kind}" + ("" if m == 1 else f"/M{m}")
-                if key not in best or score < best[key]["us"]:
-                    best[key] = {"cfg": cfg, "us": score}
-        del ws
-    log("best configs:", json.dumps(best))
+            t = time.time()
+            jobs = _matmul_jobs(n, k, ms)
+            measure(list(jobs.values()), tmp, threads)
+            for m in ms:
+                row = {"model": model, "shape": shape, "N": n, "K": k, "M": m, "run": run_id}
+                row.update({kind: _result(jobs[m, kind], _matmul_bytes(kind, m, n, k), bw) for kind in KINDS})
+                res["table"][f"{model}/{shape}/{m}"] = row
+                log(f"{model} {shape} {n}x{k} M={m}: "
+                    + ", ".join(f"{kind} {_us(row[kind])} us ({_pct(row[kind])})" for kind in KINDS))
+            del jobs
+            save()
+            log(f"[{model} {shape}: {time.time() - t:.0f}s]")
 
 
-def _entry(nbytes, med, lo, hi, gpu, kern, bw, cfg):
-    """Timing entry: ``us`` is the GPU time (kernel durations) when the trace gave one, else wall."""
-    us = gpu if gpu is not None else med * 1e6
-    return {"cfg": cfg, "us": us, "wall_us": med * 1e6, "wall_min_us": lo * 1e6, "wall_max_us": hi * 1e6,
-            "GBps": nbytes / us / 1e3, "pct_copy": 100 * nbytes / (us * 1e-6) / bw if bw else None,
-            "wall_pct_copy": 100 * nbytes / med / bw if bw else None, "kernels": kern}
+def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array) -> jax.Array:
+    """:func:`reference.attention` with slot ``s`` holding position ``s``."""
+    b, s = k.shape[:2]
+    return ref.attention(q, k, v, q_pos, jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)))
 
 
-def table(res, reps, tmp):
-    bw = res.get("copy_bw")
-    best = res.get("best", {})
-    rows = res.setdefault("table", [])
-    for sname, (n, k) in SHAPES.items():
-        wb4 = weight_bytes(n, k, GROUP, True)
-        ws4 = _weights(n, k, GROUP, True, wb4, 10)
-        for m in MS:
-            calls = max(CALLS, len(ws4))
-            entry = {"shape": sname, "N": n, "K": k, "M": m}
-            xs = _xs(m, k, calls, jnp.bfloat16)
-            for kind in ("w4a16", "w4a4") + (("w4a4_kernel",) if m == 1 else ()):
-                if kind.split("_")[0] not in TABLE_KINDS:
-                    continue
-                base = "w4a4" if kind == "w4a4_kernel" else kind
-                if base == "w4a16":
-                    dflt = (*gm.default_config(n, k, GROUP, "w4a16"), *gm.w4a16_launch(n, k, GROUP)[1:],
-                            gm.w4a16_launch(n, k, GROUP)[0])
-                else:
-                    dflt = (*gm.default_config(n, k, GROUP, "w4ax"), 4, 3)
-                cfg = tuple(best.get(f"{sname}/{base}", {}).get("cfg") or dflt)
-                if kind == "w4a4_kernel":
-                    qs = [jax.jit(ref.quantize_activations, static_argnums=1)(x, 4) for x in xs]
-                    sets = [(qs[i][0], qs[i][1], ws4[i % len(ws4)]) for i in range(calls)]
-                else:
-                    sets = [(xs[i], ws4[i % len(ws4)]) for i in range(calls)]
-                try:
-                    med, lo, hi, cs = time_calls(_fn(kind, cfg), sets, reps)
-                    gpu, kern = gpu_time(_fn(kind, cfg), sets, tmp)
-                except Exception as e:
-                    log(f"table {sname} M={m} {kind}: FAILED {type(e).__name__}: {str(e)[:300]}")
-                    continue
-                entry[kind] = _entry(_bytes(kind, m, n, k), med, lo, hi, gpu, kern, bw, cfg)
-            rows.append(entry)
-        del ws4
-        if "xla" not in TABLE_KINDS:
-            for entry in rows[-len(MS):]:
-                log("table", json.dumps(entry))
+def _attention_kernel() -> tuple[Callable | None, str | None]:
+    """(the kernel, None), or (None, why not)."""
+    try:
+        from pallas_kernels import gpu_attention
+    except ImportError as e:
+        log(f"attn: no kernel ({e}); XLA alone is timed")
+        return None, _reason(e)
+    return (lambda q, k, v, q_pos: gpu_attention.decode_attention(q, k, v, q_pos, **KW)), None
+
+
+def _kv_bytes(b: int, ctx: int) -> int:
+    """K + V cache bytes of one layer (bf16)."""
+    _, kvh, d = ATTN["heads"]
+    return 2 * b * ctx * kvh * d * 2
+
+
+def _attn_bytes(b: int, ctx: int, t: int) -> tuple[int, int]:
+    """(bytes a call must move: K + V + q + output, bf16; device bytes of the configuration: its
+    cache copies plus XLA's float32 score-sized intermediates, ~4 of them)."""
+    h, _, d = ATTN["heads"]
+    kv = _kv_bytes(b, ctx)
+    return kv + 2 * b * t * h * d * 2, _copies(kv) * kv + 4 * b * h * t * ctx * 4
+
+
+def _attn_jobs(b: int, kernel: Callable | None) -> dict[tuple[int, int, str], Job]:
+    """Jobs ``(context, T, "kernel" | "xla")`` for one batch size; caches rotated over copies."""
+    h, kvh, d = ATTN["heads"]
+    jobs = {}
+    for ctx in ATTN["contexts"]:
+        if max(_attn_bytes(b, ctx, t)[1] for t in ATTN["ts"]) > ATTN_MAX_BYTES:
+            log(f"attn B={b} context {ctx}: over {ATTN_MAX_BYTES / 1e9:.0f} GB, skipped")
             continue
-        # dense bf16 weights for XLA's dot
-        wbf = n * k * 2
-        copies = max(2, int(np.ceil(3.5 * L2_BYTES / wbf)))
-        wd = [jax.random.normal(jax.random.key(500 + c), (n, k), jnp.bfloat16) for c in range(copies)]
-        dot = lambda x, w: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        for entry in rows[-len(MS):]:
-            m = entry["M"]
-            calls = max(CALLS, copies)
-            xs = _xs(m, k, calls, jnp.bfloat16)
-            sets = [(xs[i], wd[i % copies]) for i in range(calls)]
-            med, lo, hi, cs = time_calls(dot, sets, reps)
-            gpu, kern = gpu_time(dot, sets, tmp)
-            entry["xla_bf16"] = _entry(_bytes("bf16", m, n, k), med, lo, hi, gpu, kern, bw, None)
-            log("table", json.dumps(entry))
-        del wd
+        kv_shape = (b, ctx, kvh, d)
+        caches = [(jax.random.normal(jax.random.key(2 * c), kv_shape, jnp.bfloat16),
+                   jax.random.normal(jax.random.key(2 * c + 1), kv_shape, jnp.bfloat16))
+                  for c in range(_copies(_kv_bytes(b, ctx)))]
+        calls = max(CALLS, len(caches))
+        for t in ATTN["ts"]:
+            q = jax.random.normal(jax.random.key(99), (b, t, h, d), jnp.bfloat16)
+            q_pos = jnp.broadcast_to(ctx - t + jnp.arange(t, dtype=jnp.int32), (b, t))
+            sets = [(q, *caches[i % len(caches)], q_pos) for i in range(calls)]
+            jobs[ctx, t, "xla"] = Job(xla_attention, sets, pallas=False)
+            if kernel is not None:
+                jobs[ctx, t, "kernel"] = Job(kernel, sets, pallas=True)
+    return jobs
 
 
-def markdown(res) -> str:
-    bw = res.get("copy_bw")
-    lines = [f"Copy bandwidth (f32 `a + 1`, read + write, kernel time): {bw / 1e12:.2f} TB/s" if bw else "",
-             "µs = GPU time per call (sum of its kernels' durations, CUPTI trace); wall = per call "
-             "inside a jit of 32+ calls, launch gaps included.",
-             "", "| shape (N×K) | M | W4A16 µs | %BW | wall | W4A4 µs | %BW | wall | W4A4 kernel-only µs | "
-                 "XLA bf16 µs | %BW | wall | W4A16 vs bf16 (GPU µs) |",
+def _max_rel_diff(job: Job, base: Job) -> float | None:
+    if job.error is not None or base.error is not None:
+        return None
+    y = np.asarray(job.compiled(*job.arg_sets[0]), np.float32)
+    r = np.asarray(base.compiled(*base.arg_sets[0]), np.float32)
+    return float(np.abs(y - r).max() / np.abs(r).max())
+
+
+def attention_table(res: dict, run_id: int, tmp: Path, threads: int, deadline: float,
+                    save: Callable[[], None]) -> None:
+    """The ``attn`` part: rows ``res["attn"]["B/context/T"]``, saved after each batch size."""
+    bw = res["runs"][run_id]["copy_bw"]
+    kernel, missing = _attention_kernel()
+    for b in ATTN["batches"]:
+        if time.time() > deadline:
+            log(f"time budget: attention batch {b} not run")
+            continue
+        jobs = _attn_jobs(b, kernel)
+        measure(list(jobs.values()), tmp, threads)
+        for ctx, t in [(c, t) for c, t, impl in jobs if impl == "xla"]:
+            nbytes = _attn_bytes(b, ctx, t)[0]
+            xla, kern = jobs[ctx, t, "xla"], jobs.get((ctx, t, "kernel"))
+            row = {"B": b, "context": ctx, "T": t, "run": run_id, "floor_us": nbytes / bw * 1e6,
+                   "kernel": _result(kern, nbytes, bw) if kern else {"error": missing},
+                   "xla": _result(xla, nbytes, bw),
+                   "max_rel_diff": _max_rel_diff(kern, xla) if kern else None}
+            res["attn"][f"{b}/{ctx}/{t}"] = row
+            log(f"attn B={b} context {ctx} T={t}: kernel {_us(row['kernel'])} us, XLA {_us(row['xla'])} us, "
+                f"floor {row['floor_us']:.1f} us, max rel diff {row['max_rel_diff']}")
+        del jobs
+        save()
+
+
+# ------------------------------------------------------------------------------------ report
+
+def _us(e: dict) -> str:
+    return "n/a" if "error" in e else f"{e['us']:.1f}"
+
+
+def _pct(e: dict) -> str:
+    return "n/a" if "error" in e else f"{e['pct_copy']:.0f}%"
+
+
+def _ratio(num: dict, den: dict) -> str:
+    """``num``'s time / ``den``'s time: how many times faster ``den`` is."""
+    return "n/a" if "error" in num or "error" in den else f"{num['us'] / den['us']:.2f}×"
+
+
+def _model_table(rows: list[dict]) -> list[str]:
+    lines = ["| shape (N×K) | M | W4A16 µs | W4A4 µs | XLA bf16 µs | XLA int4 µs | W4A16 %BW | "
+             "W4A4 %BW | XLA bf16 %BW | XLA int4 %BW | W4A16 vs XLA bf16 | W4A16 vs XLA int4 | "
+             "W4A4 vs W4A16 |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for e in res.get("table", []):
-        def g(kind, key="us", fmt="{:.1f}"):
-            v = e.get(kind, {}).get(key)
-            return fmt.format(v) if v is not None else "–"
-        sp = (e["xla_bf16"]["us"] / e["w4a16"]["us"]) if "w4a16" in e and "xla_bf16" in e else None
-        lines.append(f"| {e['shape']} {e['N']}×{e['K']} | {e['M']} | {g('w4a16')} | {g('w4a16', 'pct_copy', '{:.0f}%')} | "
-                     f"{g('w4a16', 'wall_us')} | {g('w4a4')} | {g('w4a4', 'pct_copy', '{:.0f}%')} | {g('w4a4', 'wall_us')} | "
-                     f"{g('w4a4_kernel')} | {g('xla_bf16')} | {g('xla_bf16', 'pct_copy', '{:.0f}%')} | "
-                     f"{g('xla_bf16', 'wall_us')} | {'–' if sp is None else f'{sp:.2f}×'} |")
+    notes: dict[str, list[str]] = {}
+    for r in rows:
+        lines.append(f"| {r['shape']} {r['N']}×{r['K']} | {r['M']} | "
+                     + " | ".join(_us(r[kind]) for kind in KINDS) + " | "
+                     + " | ".join(_pct(r[kind]) for kind in KINDS) + " | "
+                     + f"{_ratio(r['xla_bf16'], r['w4a16'])} | {_ratio(r['xla_int4'], r['w4a16'])} | "
+                     + f"{_ratio(r['w4a16'], r['w4a4'])} |")
+        for kind in KINDS:
+            if "error" in r[kind]:
+                notes.setdefault(f"{kind} {r['shape']}: {r[kind]['error']}", []).append(str(r["M"]))
+    notes_md = [f"- n/a: {note} (M = {', '.join(ms)})" for note, ms in notes.items()]
+    int4_kernels = sorted({name for r in rows for name in r["xla_int4"].get("kernels", {})})
+    if int4_kernels:
+        notes_md.append("- kernels of the XLA int4 calls: " + ", ".join(f"`{n}`" for n in int4_kernels))
+    return lines + ([""] + notes_md if notes_md else [])
+
+
+def _attn_row(r: dict) -> str:
+    k, x = r["kernel"], r["xla"]
+    gbps = "n/a" if "error" in k else f"{k['GBps']:.0f}"
+    floor = "n/a" if "error" in k else f"{k['us'] / r['floor_us']:.2f}×"
+    diff = "–" if r["max_rel_diff"] is None else f"{r['max_rel_diff']:.1e}"
+    return (f"| {r['B']} | {r['context']} | {r['T']} | {_us(k)} | {gbps} | {r['floor_us']:.1f} | {floor} | "
+            f"{_us(x)} | {_ratio(x, k)} | {diff} |")
+
+
+def _attn_table(rows: list[dict]) -> list[str]:
+    lines = ["| batch | context | T | kernel µs | kernel GB/s | floor µs | kernel / floor | XLA µs | "
+             "XLA / kernel | max rel diff |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [_attn_row(r) for r in rows]
+    errors = sorted({r["kernel"]["error"] for r in rows if "error" in r["kernel"]})
+    return lines + ([""] + [f"- kernel n/a: {e}" for e in errors] if errors else [])
+
+
+def _run_line(run: dict) -> str:
+    bw = f"{run['copy_bw'] / 1e12:.2f} TB/s" if "copy_bw" in run else "not measured"
+    return (f"`{run['command']}`  \ncopy bandwidth {bw} (f32 `a + 1`, read + write, by {run['timing']}); "
+            f"{run['device']}, jax {run['jax']}, {run['date']}; parts: {', '.join(run['parts'])}"
+            + (f"; models: {', '.join(run['models'])}" if "table" in run["parts"] else ""))
+
+
+def markdown(res: dict) -> str:
+    """kernels.md: the command line(s) and copy bandwidth(s), then one table per model, attention,
+    and the check's verdict."""
+    lines = [_run_line(run) + "\n" for run in res["runs"]]
+    lines += ["µs: time per call = durations of all the kernels the call launches (CUPTI trace; host wall "
+              "time where the run says so), averaged over R calls on distinct buffers (R = `calls` in "
+              "kernels.json, 16+; weights rotated over copies > 2× L2). %BW: bytes the call must move "
+              "(weights: 0.5 B each + one 2-byte scale per 128 for INT4, 2 B for bf16; bf16 activations; "
+              "f32 output) / µs / the copy bandwidth of its run. Speed-ups are time ratios: \"A vs B\" = "
+              "B's µs / A's µs (> 1: A faster). W4A4 includes its activation-quantization kernels. XLA "
+              "int4: `jnp.int4` codes × bf16 group-128 scales, dequantized inside the jit; XLA fuses it as "
+              "it chooses.", ""]
+    models: dict[str, list[dict]] = {}
+    for r in res["table"].values():
+        models.setdefault(r["model"], []).append(r)
+    for model, rows in models.items():
+        lines += [f"## {model}", ""] + _model_table(rows) + [""]
+    if res["attn"]:
+        h, kvh, d = ATTN["heads"]
+        lines += ["## Decode attention", "", f"H {h}, KV {kvh}, d {d}, bf16; the cache holds the context, "
+                  "all visible. Floor: (K + V + q + output bytes) / copy bandwidth. Max rel diff: "
+                  "max |kernel - XLA| / max |XLA|.", ""] + _attn_table(list(res["attn"].values())) + [""]
+    if "check_ok" in res:
+        lines.append(f"GPU correctness checks (`check`, {len(res['check'])} rows in kernels.json): "
+                     f"{'PASSED' if res['check_ok'] else 'FAILED'}")
     return "\n".join(lines)
 
 
-def main(argv=None):
-    global SHAPES, MS, CHECK_CASES, L2_BYTES, CALLS, W4A16_CONFIGS, W4AX_CONFIGS
+def summary(res: dict) -> str:
+    """A short fixed-width table: matmuls at M in SUMMARY_MS, attention at T=1, the check."""
+    head = ("model", "shape", "M", "W4A16 us", "%BW", "W4A4 us", "bf16 us", "int4 us", "vs bf16", "vs int4")
+    fmt = "{:11s} {:8s} {:>4} {:>9} {:>5} {:>8} {:>8} {:>8} {:>8} {:>8}"
+    lines = [fmt.format(*head)] if res["table"] else []
+    for r in res["table"].values():
+        if r["M"] in SUMMARY_MS:
+            lines.append(fmt.format(r["model"], r["shape"], r["M"], _us(r["w4a16"]), _pct(r["w4a16"]),
+                                    _us(r["w4a4"]), _us(r["xla_bf16"]), _us(r["xla_int4"]),
+                                    _ratio(r["xla_bf16"], r["w4a16"]), _ratio(r["xla_int4"], r["w4a16"])))
+    afmt = "attn B={:<3} ctx={:<5} T=1: kernel {:>7} us, {:>6} x floor, XLA {:>7} us ({} vs kernel)"
+    for r in res["attn"].values():
+        if r["T"] == 1:
+            k = r["kernel"]
+            floor = "n/a" if "error" in k else f"{k['us'] / r['floor_us']:.2f}"
+            lines.append(afmt.format(r["B"], r["context"], _us(k), floor, _us(r["xla"]), _ratio(r["xla"], k)))
+    if "check_ok" in res:
+        lines.append(f"GPU correctness checks: {'PASSED' if res['check_ok'] else 'FAILED'}")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------ main
+
+def _smoke() -> None:
+    """Tiny shapes (one a kernel rejects: N=40) in interpret mode: a CPU check of this script."""
+    global MODELS, MS, CHECK_CASES, ATTN, L2_BYTES, CALLS, COPY_ELEMS
+    MODELS = {"tiny": {"a": (32, 256), "odd": (40, 256)}}
+    MS = (1, 16)
+    CHECK_CASES = [("tiny g32 asym", 32, 256, 32, False), ("tiny per-channel", 32, 256, 256, True)]
+    ATTN = {"heads": (4, 2, 64), "batches": (2,), "contexts": (128,), "ts": (1, 4)}
+    L2_BYTES, CALLS, COPY_ELEMS = 1e3, 2, 1 << 20
+    KW["interpret"] = True
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default="bw,check,sweep,table")
-    ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--sweep-budget-s", type=float, default=170.0)
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {PARTS}")
+    ap.add_argument("--models", default=None, help=f"comma-separated, of {tuple(MODELS)} (default all)")
+    ap.add_argument("--ms", default=None, help=f"row counts (default {','.join(map(str, MS))})")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench/results"))
-    ap.add_argument("--ms", default=",".join(map(str, MS)), help="table row counts")
-    ap.add_argument("--sweep-kinds", default="w4a16,w4a4")
-    ap.add_argument("--table-kinds", default="w4a16,w4a4,xla")
-    ap.add_argument("--shapes", default=",".join(SHAPES))
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU check of this script)")
+    ap.add_argument("--resume", type=Path, default=None, help="an earlier kernels.json to merge into")
+    ap.add_argument("--budget-s", type=float, default=480.0, help="start no shape / batch after this")
+    ap.add_argument("--threads", type=int, default=min(8, os.cpu_count() or 1),
+                    help="Pallas compiles at once")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny shapes in interpret mode (CPU check of this script)")
     args = ap.parse_args(argv)
     if args.smoke:
-        SHAPES = {"tiny": (32, 256)}
-        MS = (1, 16)
-        CHECK_CASES = [("tiny g32 asym", 32, 256, 32, False), ("tiny per-channel", 32, 256, 256, True)]
-        L2_BYTES, CALLS = 1e4, 2
-        W4A16_CONFIGS, W4AX_CONFIGS = [(16, 128, 1, 4, 3, 16), (16, 128, 2, 4, 3, 16)], [(16, 128, 2, 4, 3)]
-        KW["interpret"] = True
-    if not args.smoke:
-        MS = tuple(int(v) for v in args.ms.split(","))
-        SHAPES = {s: SHAPES[s] for s in args.shapes.split(",")}
-    SWEEP_KINDS[:] = args.sweep_kinds.split(",")
-    TABLE_KINDS[:] = args.table_kinds.split(",")
-    parts = args.parts.split(",")
-    args.out.mkdir(parents=True, exist_ok=True)
-    seed = int.from_bytes(os.urandom(4), "little")
-    log(f"devices: {jax.devices()}  jax {jax.__version__}  seed {seed}")
-    res = {"seed": seed, "device": str(jax.devices()[0].device_kind)}
-    rng = np.random.default_rng(seed)
+        _smoke()
+    args.parts = [p for p in args.parts.split(",") if p]
+    args.models = args.models.split(",") if args.models else list(MODELS)
+    args.ms = tuple(int(v) for v in args.ms.split(",")) if args.ms else MS
+    for name, got, known in (("part", args.parts, PARTS), ("model", args.models, MODELS)):
+        if set(got) - set(known):
+            ap.error(f"unknown {name}(s) {sorted(set(got) - set(known))}; known: {', '.join(known)}")
+    return args
 
-    def save():
+
+def main(argv: list[str] | None = None) -> int:
+    t0 = time.time()
+    argv = sys.argv[1:] if argv is None else argv
+    args = _args(argv)
+    seed = int.from_bytes(os.urandom(4), "little")
+    res = {"runs": [], "table": {}, "attn": {}} | (json.loads(args.resume.read_text()) if args.resume else {})
+    run = {"command": "PYTHONPATH=. python3 -m bench.kernels " + shlex.join(argv),
+           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+           "device": jax.devices()[0].device_kind, "jax": jax.__version__, "seed": seed,
+           "parts": args.parts, "models": args.models,
+           "timing": "GPU kernel time (CUPTI)" if ON_GPU else "host wall time"}
+    res["runs"].append(run)
+    run_id = len(res["runs"]) - 1
+    log(f"devices: {jax.devices()}  jax {jax.__version__}  seed {seed}")
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
         (args.out / "kernels.json").write_text(json.dumps(res, indent=1))
 
-    import tempfile
-    tmp = Path(tempfile.mkdtemp(prefix="kernels_trace"))
-    steps = [("bw", lambda: copy_bandwidth(res, tmp, 1 << (20 if args.smoke else 30))), ("check", lambda: check(res, rng)),
-             ("sweep", lambda: sweep(res, args.reps, time.time() + args.sweep_budget_s, tmp)),
-             ("table", lambda: table(res, args.reps, tmp))]
-    for name, step in steps:
-        if name not in parts:
-            continue
-        t = time.time()
-        try:
-            step()
-        except Exception:
-            log(f"step {name} FAILED:\n{traceback.format_exc()}")
-            res[f"{name}_error"] = traceback.format_exc()[-3000:]
-        log(f"[{name} took {time.time() - t:.0f}s]")
-        save()
-    md = markdown(res)
-    (args.out / "kernels.md").write_text(md + "\n")
-    log("\n" + md)
-    if "check" in parts:
-        log(f"GPU correctness checks: {'PASSED' if res.get('check_ok') else 'FAILED'}")
+    deadline = t0 + args.budget_s
+    with tempfile.TemporaryDirectory(prefix="kernels_trace") as tmp_dir:
+        tmp = Path(tmp_dir)
+        if {"attn", "table"} & set(args.parts):
+            copy_bandwidth(run, tmp, args.threads)
+        steps = {"check": lambda: check(res, np.random.default_rng(seed)),
+                 "attn": lambda: attention_table(res, run_id, tmp, args.threads, deadline, save),
+                 "table": lambda: matmul_table(res, run_id, args.models, args.ms, tmp, args.threads,
+                                               deadline, save)}
+        for name in [p for p in PARTS if p in args.parts]:
+            t = time.time()
+            try:
+                steps[name]()
+            except Exception:
+                log(f"part {name} FAILED:\n{traceback.format_exc()}")
+                run.setdefault("errors", {})[name] = traceback.format_exc()[-3000:]
+            log(f"[{name} took {time.time() - t:.0f}s]")
+            save()
+    (args.out / "kernels.md").write_text(markdown(res) + "\n")
+    log(f"wrote {args.out / 'kernels.md'} and kernels.json ({time.time() - t0:.0f}s in all)")
+    log("\n" + summary(res))
     return 0
 
 

@@ -32,14 +32,13 @@ float32 partial sums then added left to right by elementwise ops); ``block_n`` /
 ``split_k`` / warps are chosen from ``(N, K, group)`` only, never from M. The W4AX integer
 accumulation is exact anyway, and its epilogue is elementwise per row.
 
-Pallas' Triton backend is deprecated on jax 0.11 and warns when a kernel is lowered; this module
-filters exactly that warning (its message), so users never see it.
+Pallas' Triton backend is deprecated on jax 0.11; :mod:`pallas_kernels.launch` keeps its warning
+from users.
 """
 
 from __future__ import annotations
 
 import functools
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -49,13 +48,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.layout import SYMMETRIC_OFFSET, QuantizedWeight
 from pallas_kernels.reference import quantize_activations
 
-_TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
-# Lowering (where the warning is raised) happens when the caller's jit compiles, outside any
-# ``catch_warnings`` in our functions; so the exact message is also filtered module-wide.
-warnings.filterwarnings("ignore", message=_TRITON_DEPRECATION, category=DeprecationWarning)
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore", DeprecationWarning)
-    from jax.experimental.pallas import triton as pl_triton
+from pallas_kernels.launch import call_kernel, pl_triton
 
 BLOCK_M = 16  # fixed row tile: every row runs in a tile of this shape whatever M is
 MIN_BLOCK_K = 32  # Triton-lowered int8 dots were seen wrong with K blocks of 16 on the H200
@@ -134,6 +127,16 @@ def _w4a16_config(n, k, group, block_n, block_k, split_k):
     return block_n, block_k, split_k
 
 
+def _phases_ok(phases: int, k: int, block_k: int, group: int) -> bool:
+    return k % (8 * phases) == 0 and block_k >= 16 * phases and group >= 4 * phases
+
+
+def _w4a16_phases(k: int, block_k: int, group: int) -> int:
+    """Nibbles per packed word the kernel reads: :data:`W4A16_PHASES` where the shape allows, else 2
+    (0: neither fits)."""
+    return next((p for p in (W4A16_PHASES, 2) if _phases_ok(p, k, block_k, group)), 0)
+
+
 def w4a16_launch(n: int, k: int, group: int) -> tuple[int, int, int]:
     """``(block_m, num_warps, num_stages)`` of the W4A16 kernel for a weight shape (never from M).
 
@@ -150,9 +153,13 @@ def _check(x: jax.Array, w: QuantizedWeight, block_n: int, block_k: int,
         raise ValueError(f"stacked weights are not supported: packed shape {w.packed.shape}")
     w.validate()
     n, k = w.shape
-    g = w.group_size
     if x.shape[1] != k:
         raise ValueError(f"x has K={x.shape[1]} but the weight has in_features {k}")
+    _check_tiles(n, k, w.group_size, block_n, block_k, split_k)
+    return n, k, w.group_size
+
+
+def _check_tiles(n: int, k: int, g: int, block_n: int, block_k: int, split_k: int) -> None:
     if not _is_pow2(block_k) or block_k < MIN_BLOCK_K:
         raise ValueError(f"block_k must be a power of two >= {MIN_BLOCK_K}, got {block_k}")
     if k % block_k:
@@ -168,7 +175,19 @@ def _check(x: jax.Array, w: QuantizedWeight, block_n: int, block_k: int,
     if split_k < 1 or not _split_ok(k, g, block_k, split_k):
         raise ValueError(f"split_k={split_k}: each of the K splits must hold whole groups and whole "
                          f"K blocks (K={k}, group {g}, block_k {block_k})")
-    return n, k, g
+
+
+def supported(kind: str, n: int, k: int, group: int) -> bool:
+    """Whether the ``kind`` ("w4a16", "w4ax" or "dense") kernel can tile an ``[N, K]`` weight with
+    its default tiles (the model falls back to the fixed-tile reference where it cannot)."""
+    try:
+        if kind == "dense":
+            _dense_config(n, k)
+            return True
+        _check_tiles(n, k, group, *default_config(n, k, group, kind))
+        return kind != "w4a16" or _w4a16_phases(k, default_config(n, k, group, kind)[1], group) > 0
+    except ValueError:
+        return False
 
 
 def _unpack(p: jax.Array) -> jax.Array:
@@ -176,14 +195,6 @@ def _unpack(p: jax.Array) -> jax.Array:
     lo = p & np.uint8(0xF)
     hi = p >> np.uint8(4)
     return jnp.stack([lo, hi], axis=-1).reshape(p.shape[0], 2 * p.shape[1])
-
-
-def _call(kernel, out_shape, grid, in_specs, out_specs, interpret, num_warps, num_stages, *args):
-    params = None if interpret else pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_TRITON_DEPRECATION, category=DeprecationWarning)
-        return pl.pallas_call(kernel, out_shape=out_shape, grid=grid, in_specs=in_specs,
-                              out_specs=out_specs, compiler_params=params, interpret=interpret)(*args)
 
 
 # ----------------------------------------------------------------------------------------- W4A16
@@ -320,9 +331,9 @@ def w4a16_matmul(x: jax.Array, w: QuantizedWeight, *, block_n: int | None = None
     n, k, g = _check(x, w, block_n, block_k, split_k)
     if block_m not in (16, 32, 64, 128):
         raise ValueError(f"block_m must be 16, 32, 64 or 128, got {block_m}")
-    phases = W4A16_PHASES if phases is None else phases
+    phases = _w4a16_phases(k, block_k, g) if phases is None else phases
     x_split = (W4A16_X_SPLIT if x_split is None else x_split) or interpret  # no strided loads there
-    if phases not in (2, 8) or k % (8 * phases) or block_k < 16 * phases or g < 4 * phases:
+    if phases not in (2, 8) or not _phases_ok(phases, k, block_k, g):
         raise ValueError(f"phases={phases}: needs 2 or 8, K a multiple of {8 * phases}, block_k >= "
                          f"{16 * phases} and group >= {4 * phases}")
     m = x.shape[0]
@@ -347,7 +358,7 @@ def w4a16_matmul(x: jax.Array, w: QuantizedWeight, *, block_n: int | None = None
         in_specs.append(sspec)
         args.append(w.mins)
     out_shape, out_spec = _split_out(m, n, block_n, split_k, block_m=block_m)
-    out = _call(kernel, out_shape, (-(-m // block_m), n // block_n, split_k), in_specs, out_spec,
+    out = call_kernel(kernel, out_shape, (-(-m // block_m), n // block_n, split_k), in_specs, out_spec,
                 interpret, num_warps, num_stages, *args)
     return out if split_k == 1 else _sum_splits(out)
 
@@ -440,7 +451,7 @@ def w4ax_quantized(qx: jax.Array, sa: jax.Array, w: QuantizedWeight, *, block_n:
         out_spec = pl.BlockSpec((gcount, BLOCK_M, block_n), lambda i, j, s: (0, i, j))
     else:
         out_shape, out_spec = _split_out(m, n, block_n, split_k)
-    out = _call(kernel, out_shape, (-(-m // BLOCK_M), n // block_n, split_k), in_specs, out_spec,
+    out = call_kernel(kernel, out_shape, (-(-m // BLOCK_M), n // block_n, split_k), in_specs, out_spec,
                 interpret, num_warps, num_stages, *args)
     if return_acc or split_k == 1:
         return out
@@ -460,3 +471,58 @@ def w4ax_matmul(x: jax.Array, w: QuantizedWeight, bits: int, *, block_n: int | N
     qx, sa = quantize_activations(x, bits)
     return w4ax_quantized(qx, sa, w, block_n=block_n, block_k=block_k, split_k=split_k,
                           num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+
+
+# ----------------------------------------------------------------------------------------- dense
+
+DENSE_BLOCK_N, DENSE_BLOCK_K = 64, 256
+
+
+def _dense_config(n: int, k: int) -> tuple[int, int, int]:
+    block_n = next((b for b in (DENSE_BLOCK_N, 32, 16) if n % b == 0), None)
+    block_k = next((b for b in (DENSE_BLOCK_K, 128, 64, 32, 16) if k % b == 0), None)
+    if block_n is None or block_k is None:
+        raise ValueError(f"dense_matmul needs N and K multiples of 16, got N={n}, K={k}")
+    split_k = 1
+    for s in (2, 4, 8):
+        if n // block_n * split_k >= W4A16_MIN_PROGRAMS or k % (s * block_k):
+            break
+        split_k = s
+    return block_n, block_k, split_k
+
+
+def _dense_kernel(x_ref, w_ref, o_ref, *, m: int, k: int, block_k: int, split_k: int, precision):
+    """Float weights: ``acc[bn, bm] += W[bn, bk] @ x[bm, bk].T`` over this program's K range."""
+    bm, bn = x_ref.shape[0], w_ref.shape[0]
+    rows = _row_mask(m, bm)
+    steps = k // split_k // block_k
+    base = pl.program_id(2) * steps if split_k > 1 else 0
+
+    def body(i, acc):
+        cols = pl.ds((base + i) * block_k, block_k)
+        w = _load_weight(w_ref, cols)
+        x = _load_rows(x_ref, rows, cols)
+        return acc + jax.lax.dot_general(w, x, (((1,), (1,)), ((), ())), precision=precision,
+                                         preferred_element_type=jnp.float32)
+
+    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bn, bm), jnp.float32))
+    _store_rows(o_ref, rows, acc.T)
+
+
+def dense_matmul(x: jax.Array, w: jax.Array, *, interpret: bool = False) -> jax.Array:
+    """``x[M, K] @ w[N, K].T`` in the weight's float dtype with float32 accumulation -> ``f32[M, N]``
+    (the lm_head and float layers on the decode path: row-count invariant like the INT4 kernels).
+    Tiles come from (N, K) only: 64 x 256 (smaller where K needs), K split until N / 64 * split
+    reaches 264 programs."""
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"expected x [M, K] and w [N, K], got {x.shape} and {w.shape}")
+    (m, k), n = x.shape, w.shape[0]
+    block_n, block_k, split_k = _dense_config(n, k)
+    precision = jax.lax.Precision.HIGHEST if w.dtype == jnp.float32 else None
+    kernel = functools.partial(_dense_kernel, m=m, k=k, block_k=block_k, split_k=split_k, precision=precision)
+    out_shape, out_spec = _split_out(m, n, block_n, split_k)
+    out = call_kernel(kernel, out_shape, (-(-m // BLOCK_M), n // block_n, split_k),
+                      [pl.BlockSpec((BLOCK_M, k), lambda i, j, s: (i, 0)),
+                       pl.BlockSpec((block_n, k), lambda i, j, s: (j, 0))],
+                      out_spec, interpret, 4, 3, x.astype(w.dtype), w)
+    return out if split_k == 1 else _sum_splits(out)

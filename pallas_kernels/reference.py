@@ -88,3 +88,19 @@ def quantized_matmul(x: jax.Array, w: QuantizedWeight, mode: str, row_tile: int 
         qw = signed_codes(w)
         return map_row_tiles(lambda r: _w4ax_rows(r, w, qw, ACT_BITS[mode]), x, row_tile)
     raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
+    """Grouped-query attention ``q[B,T,H,d]`` over ``k, v[B,S,KV,d]``; key ``s`` is visible to query
+    ``t`` iff ``k_pos[b,s] <= q_pos[b,t]``. Scores and softmax in float32, probabilities cast to
+    ``v``'s dtype, float32 accumulation, output in ``q``'s dtype."""
+    b, t, h, d = q.shape
+    kv = k.shape[2]
+    qg = q.reshape(b, t, kv, h // kv, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = scores / np.sqrt(d).astype(np.float32)
+    mask = k_pos[:, None, :] <= q_pos[:, :, None]  # [B, T, S]
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, h, d).astype(q.dtype)

@@ -14,11 +14,13 @@ import numpy as np
 
 from qspec_jax.checkpoint import Checkpoint, load_checkpoint
 from qspec_jax.decode import FINISH_REASONS, DecodeState, Runtime, ar_loop, pad_prompts, prefill
+from qspec_jax.kernels import resolve_kernels
 from qspec_jax.qspec import qspec_loop
 from qspec_jax.sampling import Sampling
 
 METHODS = ("qspec", "w4a16", "w4a8", "w4a4", "w16a16")
 DRAFTS = ("w4a4", "w4a8")
+CACHE_MULTIPLE = 64  # KV cache slots are allocated in multiples of this (the attention kernel's block)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,13 +95,15 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
              max_new_tokens: int, method: str = "qspec", draft: str = "w4a4", gamma: int = 3,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
              eos_token_id: int | None = None, chat: bool = False, max_len: int | None = None,
-             dtype: Any = jnp.float32) -> GenerationResult:
+             dtype: Any = jnp.float32, kernels: str = "auto") -> GenerationResult:
     """Generate continuations of ``prompts`` (strings or token-id sequences) with ``method``.
 
     ``qspec`` drafts ``gamma`` tokens per round in ``draft`` precision and verifies them in W4A16;
     the other methods decode autoregressively in that mode. Prefill runs in W4A16 (W16A16 for
     ``w16a16``). ``max_len`` bounds prompt + new tokens (default: the model's max positions).
     ``eos_token_id`` defaults to the tokenizer's (or config's) EOS; ``-1`` never stops on a token.
+    ``kernels`` picks the Pallas GPU kernels or the jnp references (:mod:`qspec_jax.kernels`;
+    ``"auto"``: the kernels on a GPU).
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
@@ -111,6 +115,7 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     if method != "w16a16" and not model.checkpoint.quantized:
         raise ValueError(f"method {method!r} needs a quantized checkpoint; this one holds float weights")
+    kernels = resolve_kernels(kernels)
     sampling = Sampling(temperature, top_k, top_p)
     ids = _tokenize(model, prompts, chat)
     tokens, lengths = pad_prompts(ids)
@@ -133,13 +138,14 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
                                 [""] * b if model.tokenizer is not None else None, _stats(None, 0.0))
 
     rt = Runtime(cfg, int(max_new_tokens), -1 if eos_token_id is None else int(eos_token_id), sampling, dtype,
-                 model.checkpoint.online_rotation_seed)
+                 model.checkpoint.online_rotation_seed, kernels)
     extra = gamma + 1 if method == "qspec" else 1
     buffer_len = int(lengths.max()) + max_new_tokens + extra
+    cache_len = -(-buffer_len // CACHE_MULTIPLE) * CACHE_MULTIPLE  # whole KV blocks for the kernel
     params = model.checkpoint.params
     start = time.perf_counter()
     state = _prefill(params, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(seed), rt=rt,
-                     buffer_len=buffer_len, cache_len=buffer_len, mode="w16a16" if method == "w16a16" else "w4a16")
+                     buffer_len=buffer_len, cache_len=cache_len, mode="w16a16" if method == "w16a16" else "w4a16")
     if method == "qspec":
         state = qspec_loop(params, state, rt=rt, gamma=int(gamma), draft_mode=draft)
     else:

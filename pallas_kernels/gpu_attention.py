@@ -1,0 +1,161 @@
+"""Decode attention as a Pallas GPU kernel (Triton lowering): 1..γ+1 new queries per sequence
+against that sequence's KV cache, grouped-query, row-count invariant.
+
+``out[b, t, h] = softmax_s(q[b, t, h] . k[b, s, h // G] / sqrt(d)) @ v[b, s, h // G]`` over the
+slots ``s <= q_pos[b, t]`` (slot ``s`` holds position ``s``), ``G = H / KV``. It reproduces
+:func:`pallas_kernels.reference.attention` to float tolerance (online softmax instead of a
+two-pass one).
+
+Layout of the work: one program per (sequence, KV head, split of the cache). The G query heads that
+share a KV head and all T new tokens form the rows ``r = t * G + g`` of that program, cut into row
+tiles of :data:`ROW_TILE`; each KV block is loaded once and applied to every row tile, so the cache
+is read once per sequence per call. A program walks its split's KV blocks in order, only as far as
+the largest query position of its sequence needs; partial results ``(max, sum, acc)`` of the
+splits are merged after the kernel by elementwise ops in a fixed order.
+
+Row-count invariance: a row tile always has the same shape, whatever T is; a KV block that lies
+beyond a row's position is fully masked for that row and leaves its running state bitwise
+unchanged (scale 1, added zeros), so visiting more blocks for a longer call changes nothing; the
+number of splits and the block size depend on the cache length, batch and head counts, never on T.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from pallas_kernels.launch import call_kernel
+
+ROW_TILE = 16  # query rows per MMA tile (the MMA's M side)
+BLOCK_S = 64  # cache slots per KV block
+TARGET_PROGRAMS = 264  # split the cache until B * KV * splits reaches this (2 programs per H200 SM)
+MAX_SPLITS = 16
+
+
+def _next_pow2(v: int) -> int:
+    return 1 << max(0, (v - 1).bit_length())
+
+
+def num_splits(batch: int, kv_heads: int, slots: int, block_s: int = BLOCK_S) -> int:
+    """Cache splits per (sequence, KV head): a function of batch, heads and cache length only."""
+    blocks = slots // block_s
+    want = -(-TARGET_PROGRAMS // (batch * kv_heads))
+    return int(max(1, min(MAX_SPLITS, blocks, _next_pow2(want))))
+
+
+def supported(head_dim: int, slots: int) -> bool:
+    """Whether :func:`decode_attention` takes this head size and cache length."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and slots % 16 == 0
+
+
+def _kernel(q_ref, pos_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, tiles: int, block_s: int,
+            blocks_per_split: int, scale: float, precision):
+    """One (sequence, KV head, split): online softmax over the split's KV blocks for all row tiles."""
+    d = q_ref.shape[-1]
+    split = pl.program_id(2)
+    qs = [q_ref[pl.ds(i * ROW_TILE, ROW_TILE), :] for i in range(tiles)]
+    ps = [pos_ref[pl.ds(i * ROW_TILE, ROW_TILE)] for i in range(tiles)]
+    needed = (jnp.max(pos_ref[...]) // block_s) + 1  # blocks any row of this sequence can see
+    first = split * blocks_per_split
+    last = jnp.minimum(first + blocks_per_split, needed)
+
+    def body(j, carry):
+        k = k_ref[pl.ds(j * block_s, block_s), :]  # [bs, d]
+        v = v_ref[pl.ds(j * block_s, block_s), :]
+        slot = j * block_s + jax.lax.broadcasted_iota(jnp.int32, (1, block_s), 1)
+        out = []
+        for i in range(tiles):
+            m, l, acc = carry[i]
+            s = jax.lax.dot_general(qs[i], k, (((1,), (1,)), ((), ())), precision=precision,
+                                    preferred_element_type=jnp.float32) * np.float32(scale)
+            s = jnp.where(slot <= ps[i][:, None], s, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(s, axis=1))
+            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with nothing visible yet
+            alpha = jnp.exp(m - m_use)
+            p = jnp.exp(s - m_use[:, None])
+            l = alpha * l + jnp.sum(p, axis=1)
+            pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                                     precision=precision, preferred_element_type=jnp.float32)
+            out.append((m_new, l, alpha[:, None] * acc + pv))
+        return tuple(out)
+
+    init = tuple((jnp.full((ROW_TILE,), -jnp.inf, jnp.float32), jnp.zeros((ROW_TILE,), jnp.float32),
+                  jnp.zeros((ROW_TILE, d), jnp.float32)) for _ in range(tiles))
+    final = jax.lax.fori_loop(first, jnp.maximum(first, last), body, init)
+    for i, (m, l, acc) in enumerate(final):
+        rows = pl.ds(i * ROW_TILE, ROW_TILE)
+        m_ref[rows] = m
+        l_ref[rows] = l
+        acc_ref[rows, :] = acc
+
+
+def _merge(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
+    """Combine split partials ``[..., P, R(, d)]`` left to right with elementwise ops only."""
+    top = m[:, :, 0]
+    for p in range(1, m.shape[2]):
+        top = jnp.maximum(top, m[:, :, p])
+    num = den = None
+    for p in range(m.shape[2]):
+        w = jnp.exp(m[:, :, p] - top)  # 0 for a split with nothing visible (m = -inf)
+        a, b = w[..., None] * acc[:, :, p], w * l[:, :, p]
+        num, den = (a, b) if num is None else (num + a, den + b)
+    return num / den[..., None]
+
+
+def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, *,
+                     block_s: int | None = None, splits: int | None = None,
+                     interpret: bool = False) -> jax.Array:
+    """Attention of ``q[B, T, H, d]`` over the cache ``k, v[B, S, KV, d]``; slot ``s`` is visible to
+    query ``t`` iff ``s <= q_pos[b, t]`` (int32 ``[B, T]``, each ``>= 0``). Output like ``q``.
+
+    ``S`` must be a multiple of the KV block (default :data:`BLOCK_S`, or the largest power of two
+    >= 16 dividing S). ``splits`` defaults to :func:`num_splits`."""
+    if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
+        raise ValueError(f"expected q [B,T,H,d] and k, v [B,S,KV,d]; got {q.shape}, {k.shape}, {v.shape}")
+    b, t, h, d = q.shape
+    _, s, kvh, dk = k.shape
+    if k.shape[0] != b or dk != d or h % kvh:
+        raise ValueError(f"q {q.shape} does not match the cache {k.shape} (batch, head_dim, or "
+                         "query heads not a multiple of KV heads)")
+    if q_pos.shape != (b, t):
+        raise ValueError(f"q_pos must be [B, T] = {(b, t)}, got {q_pos.shape}")
+    if not supported(d, s):
+        raise ValueError(f"head_dim must be a power of two >= 16 and the cache length a multiple of "
+                         f"16; got head_dim {d}, cache length {s}")
+    if block_s is None:
+        block_s = next(c for c in (BLOCK_S, 32, 16) if s % c == 0)
+    if s % block_s:
+        raise ValueError(f"cache length {s} is not a multiple of the KV block {block_s}")
+    g = h // kvh
+    rows = t * g
+    tiles = -(-rows // ROW_TILE)
+    rows_pad = _next_pow2(tiles * ROW_TILE)
+    splits = num_splits(b, kvh, s, block_s) if splits is None else splits
+    blocks_per_split = -(-(s // block_s) // splits)
+
+    qr = q.reshape(b, t, kvh, g, d).transpose(0, 2, 1, 3, 4).reshape(b, kvh, rows, d)
+    qr = jnp.pad(qr.astype(k.dtype), ((0, 0), (0, 0), (0, rows_pad - rows), (0, 0)))
+    pos = jnp.pad(jnp.repeat(q_pos.astype(jnp.int32), g, axis=1), ((0, 0), (0, rows_pad - rows)))
+    precision = jax.lax.Precision.HIGHEST if k.dtype == jnp.float32 else None
+    kernel = functools.partial(_kernel, tiles=tiles, block_s=block_s, blocks_per_split=blocks_per_split,
+                               scale=1.0 / math.sqrt(d), precision=precision)
+    kv_spec = pl.BlockSpec((None, s, None, d), lambda i, j, p: (i, 0, j, 0))
+    part = (b, kvh, splits, rows_pad)
+    acc, m, l = call_kernel(
+        kernel,
+        (jax.ShapeDtypeStruct(part + (d,), jnp.float32), jax.ShapeDtypeStruct(part, jnp.float32),
+         jax.ShapeDtypeStruct(part, jnp.float32)),
+        (b, kvh, splits),
+        [pl.BlockSpec((None, None, rows_pad, d), lambda i, j, p: (i, j, 0, 0)),
+         pl.BlockSpec((None, rows_pad), lambda i, j, p: (i, 0)), kv_spec, kv_spec],
+        (pl.BlockSpec((None, None, None, rows_pad, d), lambda i, j, p: (i, j, p, 0, 0)),
+         pl.BlockSpec((None, None, None, rows_pad), lambda i, j, p: (i, j, p, 0)),
+         pl.BlockSpec((None, None, None, rows_pad), lambda i, j, p: (i, j, p, 0))),
+        interpret, 4, 2, qr, pos, k, v)
+    out = _merge(acc, m, l)[:, :, :rows]  # [B, KV, T*G, d]
+    return out.reshape(b, kvh, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, h, d).astype(q.dtype)

@@ -1,0 +1,59 @@
+"""RMSNorm as a Pallas GPU kernel (Triton lowering): each row reduced in one fixed order.
+
+``y = scale * (x * rsqrt(mean(x^2) + eps)).astype(x.dtype)`` with the statistics in float32, as the
+model's jnp RMSNorm computes it. One program per row; the row is read in chunks of a fixed width
+(chosen from the hidden size only), squares summed chunk-wise in a fixed order then across the
+chunk, so a row's result does not depend on how many rows the call has.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from pallas_kernels.launch import call_kernel
+
+MAX_CHUNK = 1024
+
+
+def _chunk(h: int) -> int:
+    c = MAX_CHUNK
+    while c >= 16 and h % c:
+        c //= 2
+    if c < 16:
+        raise ValueError(f"hidden size {h} must be a multiple of 16")
+    return c
+
+
+def _kernel(x_ref, s_ref, o_ref, *, h: int, chunk: int, eps: float):
+    n = h // chunk
+
+    def sq(i, acc):
+        v = x_ref[pl.ds(i * chunk, chunk)].astype(jnp.float32)
+        return acc + v * v
+
+    ss = jnp.sum(jax.lax.fori_loop(0, n, sq, jnp.zeros((chunk,), jnp.float32)))
+    r = jax.lax.rsqrt(ss / np.float32(h) + np.float32(eps))
+
+    def write(i, carry):
+        cols = pl.ds(i * chunk, chunk)
+        v = x_ref[cols]
+        o_ref[cols] = s_ref[cols].astype(v.dtype) * (v.astype(jnp.float32) * r).astype(v.dtype)
+        return carry
+
+    jax.lax.fori_loop(0, n, write, 0)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, *, interpret: bool = False) -> jax.Array:
+    """RMSNorm of the rows of ``x[M, H]`` with ``scale[H]`` -> ``[M, H]`` in ``x.dtype``."""
+    if x.ndim != 2 or scale.shape != (x.shape[1],):
+        raise ValueError(f"expected x [M, H] and scale [H], got {x.shape} and {scale.shape}")
+    m, h = x.shape
+    kernel = functools.partial(_kernel, h=h, chunk=_chunk(h), eps=eps)
+    return call_kernel(kernel, jax.ShapeDtypeStruct((m, h), x.dtype), (m,),
+                       [pl.BlockSpec((None, h), lambda i: (i, 0)), pl.BlockSpec((h,), lambda i: (0,))],
+                       pl.BlockSpec((None, h), lambda i: (i, 0)), interpret, 4, 1, x, scale)

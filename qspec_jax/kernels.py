@@ -1,0 +1,126 @@
+"""The one switch between the jnp reference implementations and the Pallas kernels.
+
+``kernels`` is one of :data:`KERNELS`: ``"auto"`` (the Pallas kernels on a GPU, the references
+elsewhere), ``"reference"`` (:mod:`pallas_kernels.reference` and the model's jnp ops everywhere),
+``"pallas"`` (the GPU kernels) or ``"interpret"`` (the same kernels run by Pallas' interpreter: how
+the CPU tests run them). The kernels serve the decode-time calls, the ones made with a ``row_tile``
+(decode steps, draft steps, verify passes), where a token's result must not depend on how many
+tokens share the call; prefill and evaluation (no ``row_tile``) run the reference math, on a GPU
+with the W4A16 product as an XLA bfloat16 dot (the same products, float32 accumulation). A shape a
+kernel cannot tile (e.g. a head_dim that is not a power of two, a dimension not a multiple of 16)
+runs the fixed-tile reference instead: still row-count invariant, slower on a GPU.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import gpu_attention, gpu_matmul, gpu_norm, reference
+from pallas_kernels.layout import QuantizedWeight, dequantize
+from pallas_kernels.rows import map_row_tiles
+
+KERNELS = ("auto", "reference", "pallas", "interpret")
+MODES = reference.MODES
+
+
+def resolve_kernels(kernels: str) -> str:
+    """``kernels`` with ``"auto"`` replaced by ``"pallas"`` on a GPU and ``"reference"`` elsewhere."""
+    if kernels not in KERNELS:
+        raise ValueError(f"unknown kernels {kernels!r}; expected one of {KERNELS}")
+    if kernels == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "reference"
+    return kernels
+
+
+def check_mode(mode: str) -> str:
+    """Return ``mode`` if it is one of :data:`MODES`, else raise ``ValueError``."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
+    return mode
+
+
+def _on_kernels(kernels: str, row_tile: int | None) -> bool:
+    if kernels == "auto":
+        raise ValueError("resolve 'auto' with resolve_kernels() before tracing")
+    return kernels in ("pallas", "interpret") and row_tile is not None
+
+
+def _matmul_supported(w: QuantizedWeight | jax.Array, mode: str) -> bool:
+    if not isinstance(w, QuantizedWeight) or mode == "w16a16":
+        return gpu_matmul.supported("dense", *w.shape, 0)
+    return gpu_matmul.supported("w4a16" if mode == "w4a16" else "w4ax", *w.shape, w.group_size)
+
+
+def linear(x: jax.Array, w: QuantizedWeight | jax.Array, mode: str, row_tile: int | None = None,
+           kernels: str = "reference") -> jax.Array:
+    """``x @ W.T`` as float32: packed weights in any mode, float weights only in ``w16a16``.
+
+    With ``row_tile`` set the result is row-count invariant: the references run rows in fixed tiles,
+    the kernels are invariant by construction.
+    """
+    check_mode(mode)
+    packed = isinstance(w, QuantizedWeight)
+    if not packed and mode != "w16a16":
+        raise ValueError(
+            f"mode {mode!r} needs packed INT4 weights, but this layer holds float weights "
+            "(convert the checkpoint with quantization)")
+    if not _on_kernels(kernels, row_tile) or not _matmul_supported(w, mode):
+        if packed and mode == "w4a16" and kernels == "pallas" and row_tile is None:
+            wd = dequantize(w, jnp.bfloat16)
+            return jnp.einsum("...k,nk->...n", x.astype(jnp.bfloat16), wd, preferred_element_type=jnp.float32)
+        if packed:
+            return reference.quantized_matmul(x, w, mode, row_tile)
+        return reference.dense_matmul(x, w, row_tile)
+    interpret = kernels == "interpret"
+    rows = x.reshape(-1, x.shape[-1])
+    if not packed:
+        y = gpu_matmul.dense_matmul(rows, w.astype(x.dtype), interpret=interpret)
+    elif mode == "w16a16":
+        y = gpu_matmul.dense_matmul(rows, dequantize(w, x.dtype), interpret=interpret)
+    elif mode == "w4a16":
+        y = gpu_matmul.w4a16_matmul(rows, w, interpret=interpret)
+    else:
+        y = gpu_matmul.w4ax_matmul(rows, w, reference.ACT_BITS[mode], interpret=interpret)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, row_tile: int | None = None,
+              kernels: str = "reference") -> jax.Array:
+    """Attention of ``q[B,T,H,d]`` over a KV cache ``k, v[B,S,KV,d]`` whose slot ``s`` holds position
+    ``s`` (visible to a query iff ``s <= q_pos``). With ``row_tile``, row-count invariant: the
+    reference runs each sequence's queries in padded tiles of ``row_tile``."""
+    if _on_kernels(kernels, row_tile) and gpu_attention.supported(q.shape[-1], k.shape[1]):
+        return gpu_attention.decode_attention(q, k, v, q_pos, interpret=kernels == "interpret")
+    b = q.shape[0]
+    k_pos = jnp.broadcast_to(jnp.arange(k.shape[1]), (b, k.shape[1]))
+    if row_tile is None:
+        return reference.attention(q, k, v, q_pos, k_pos)
+    t = q.shape[1]
+    pad = (-t) % row_tile
+    n = (t + pad) // row_tile
+    qt = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b * n, row_tile, *q.shape[2:])
+    pt = jnp.pad(q_pos, ((0, 0), (0, pad))).reshape(b * n, row_tile)
+
+    def one(i):
+        seq = i // n
+        return reference.attention(qt[i][None], k[seq][None], v[seq][None], pt[i][None], k_pos[seq][None])[0]
+
+    out = jax.lax.map(one, jnp.arange(b * n))
+    return out.reshape(b, t + pad, *q.shape[2:])[:, :t]
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, row_tile: int | None = None,
+             kernels: str = "reference") -> jax.Array:
+    """``scale * (x * rsqrt(mean(x^2) + eps))`` over the last axis, statistics in float32."""
+    scale = scale.astype(x.dtype)
+    if _on_kernels(kernels, row_tile) and x.shape[-1] % 16 == 0:
+        y = gpu_norm.rms_norm(x.reshape(-1, x.shape[-1]), scale, eps, interpret=kernels == "interpret")
+        return y.reshape(x.shape)
+
+    def norm(r):
+        rf = r.astype(jnp.float32)
+        rf = rf * jax.lax.rsqrt(jnp.mean(rf * rf, axis=-1, keepdims=True) + eps)
+        return scale * rf.astype(r.dtype)
+
+    return map_row_tiles(norm, x, row_tile)

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Bring the converted SmolLM2 checkpoint (larger than the device tool's 64 MiB per call) to the GPU
+# machine in parts, one device call per part, made back to back while the machine stays warm.
+#   here:       bash scripts/gpu_carry.sh split      -> .carry/part0 .. .carry/partN (ignored by git)
+#   on the GPU: bash scripts/gpu_carry.sh stash      (each call, carrying one part: copies it to /tmp)
+#               bash scripts/gpu_carry.sh assemble   (after the last part: unpacks into $CACHE)
+# then QSPEC_JAX_CACHE=/tmp/qspec-jax-cache finds it (qspec_jax.embedded.cache_dir).
+set -euo pipefail
+NAME=smollm2-rtn-asym-g32
+PART_BYTES=60500000
+STASH=/tmp/qspec-carry
+CACHE=/tmp/qspec-jax-cache
+cd "$(dirname "$0")/.."
+case "${1:-}" in
+  split)
+    src="${QSPEC_JAX_CACHE:-$HOME/.cache/qspec-jax}/$NAME"
+    [ -f "$src/manifest.json" ] || { echo "no converted checkpoint at $src (run the README's first command)" >&2; exit 1; }
+    rm -rf .carry && mkdir -p .carry
+    tar -C "$(dirname "$src")" -cf - "$NAME" | split -b "$PART_BYTES" -d -a 1 - .carry/tmp.
+    for f in .carry/tmp.*; do i="${f##*.}"; mkdir -p ".carry/part$i"; mv "$f" ".carry/part$i/data"; done
+    ls .carry ;;
+  stash)
+    mkdir -p "$STASH"
+    for d in .carry/part*; do [ -f "$d/data" ] && cp "$d/data" "$STASH/$(basename "$d")"; done
+    ls -la "$STASH" ;;
+  assemble)
+    mkdir -p "$CACHE"
+    cat $(ls "$STASH"/part* | sort -V) | tar -C "$CACHE" -xf -
+    ls -la "$CACHE/$NAME" ;;
+  *) echo "usage: $0 split|stash|assemble" >&2; exit 2 ;;
+esac

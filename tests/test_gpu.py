@@ -1,0 +1,226 @@
+"""GPU-only checks of the Pallas kernels and of the decode path that uses them (skipped without a GPU).
+
+Run on the device: ``PYTHONPATH=. python3 -m pytest -q -s tests/test_gpu.py`` (with
+``QSPEC_JAX_CACHE`` pointing at a converted SmolLM2 for the last test; see scripts/gpu_carry.sh).
+
+* the kernels against the references, on the GPU: W4A4/W4A8 bitwise (symmetric weights, K not
+  split) or to 1e-6 (asymmetric / split K), the int32 group accumulations bitwise, W4A16, the dense
+  kernel, attention and RMSNorm within 1e-2 relative of float64 numpy;
+* row-count invariance, bitwise: every row of an M-row call equals the same row computed alone, for
+  M = 1..256 (matmuls, RMSNorm) and 1..8 queries per sequence (attention);
+* the whole decode-time forward: a verify pass over several tokens gives bitwise the logits and KV
+  of one-token steps (float32 and bfloat16), and greedy QSPEC equals greedy W4A16;
+* SmolLM2: greedy ``generate`` on the GPU with the kernels gives the tokens the CPU gives with the
+  references (``w4a16`` and ``qspec``), reported token by token where they differ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import gpu_attention, gpu_matmul, gpu_norm, reference
+from pallas_kernels.layout import QuantizedWeight, dequantize, pack_codes
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+
+INVARIANCE_MS = (1, 2, 3, 5, 8, 13, 16, 17, 31, 32, 33, 64, 100, 128, 129, 200, 255, 256)
+# (N, K, group, symmetric): SmolLM2 qkv/down, Llama o (g128), a per-channel down
+MATMUL_SHAPES = [(960, 576, 32, False), (576, 1536, 32, False), (4096, 4096, 128, True),
+                 (4096, 14336, 14336, True)]
+
+
+def _weight(rng, n, k, group, symmetric) -> QuantizedWeight:
+    codes = rng.integers(0, 16, (n, k))
+    scales = (0.002 + 0.02 * rng.random((n, k // group))).astype(np.float16)
+    mins = None if symmetric else (0.1 * rng.standard_normal((n, k // group))).astype(np.float16)
+    return QuantizedWeight(jnp.asarray(pack_codes(codes)), jnp.asarray(scales),
+                           None if mins is None else jnp.asarray(mins), group)
+
+
+def _x(rng, m, k, dtype=jnp.float32):
+    x = rng.standard_normal((m, k)) * np.exp(rng.standard_normal((m, 1)))
+    return jnp.asarray(x, dtype)
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.mark.parametrize("n,k,group,symmetric", MATMUL_SHAPES)
+def test_matmul_kernels_match_references(rng, n, k, group, symmetric):
+    w = _weight(rng, n, k, group, symmetric)
+    x = _x(rng, 13, k)
+    wd = np.asarray(dequantize(w, jnp.bfloat16).astype(jnp.float32), np.float64)
+    xb = np.asarray(x.astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+    err = _rel(jax.jit(gpu_matmul.w4a16_matmul)(x, w), xb @ wd.T)
+    print(f"W4A16 {n}x{k} g{group}: rel err {err:.2e} vs float64")
+    assert err <= 1e-2
+    for bits, mode in ((8, "w4a8"), (4, "w4a4")):
+        qx, sa = reference.quantize_activations(x, bits)
+        acc = jax.jit(lambda q, s: gpu_matmul.w4ax_quantized(q, s, w, return_acc=True))(qx, sa)
+        want = reference.group_accumulate(qx, reference.signed_codes(w), group).transpose(1, 0, 2)
+        np.testing.assert_array_equal(np.asarray(acc), np.asarray(want))
+        got = jax.jit(lambda a: gpu_matmul.w4ax_matmul(a, w, bits))(x)
+        exp = jax.jit(lambda a: reference.quantized_matmul(a, w, mode))(x)
+        split = gpu_matmul.default_config(n, k, group, "w4ax")[2]
+        if symmetric and split == 1:
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(exp))
+        else:
+            np.testing.assert_allclose(np.asarray(got), np.asarray(exp), rtol=1e-6, atol=1e-6 * float(jnp.abs(exp).max()))
+    wf = jnp.asarray(rng.standard_normal((n, k)), jnp.bfloat16)
+    err = _rel(jax.jit(gpu_matmul.dense_matmul)(x.astype(jnp.bfloat16), wf),
+               xb @ np.asarray(wf.astype(jnp.float32), np.float64).T)
+    assert err <= 1e-2
+
+
+def _rows_alone(fn, x):
+    """Each row of ``x`` through ``fn`` as a 1-row call (one compiled function)."""
+    one = jax.jit(fn)
+    return np.concatenate([np.asarray(one(x[i:i + 1])) for i in range(x.shape[0])])
+
+
+@pytest.mark.parametrize("kind", ["w4a16", "w4a8", "w4a4", "dense", "rmsnorm"])
+@pytest.mark.parametrize("n,k,group,symmetric", [MATMUL_SHAPES[0], MATMUL_SHAPES[2]])
+def test_row_count_invariance(rng, kind, n, k, group, symmetric):
+    w = _weight(rng, n, k, group, symmetric)
+    dtype = jnp.bfloat16 if kind in ("dense", "rmsnorm") else jnp.float32
+    scale = jnp.asarray(rng.random(k) + 0.5, dtype)
+    fn = {"w4a16": lambda a: gpu_matmul.w4a16_matmul(a, w),
+          "w4a8": lambda a: gpu_matmul.w4ax_matmul(a, w, 8),
+          "w4a4": lambda a: gpu_matmul.w4ax_matmul(a, w, 4),
+          "dense": lambda a: gpu_matmul.dense_matmul(a, dequantize(w, jnp.bfloat16)),
+          "rmsnorm": lambda a: gpu_norm.rms_norm(a, scale, 1e-5)}[kind]
+    x = _x(rng, max(INVARIANCE_MS), k, dtype)
+    alone = _rows_alone(fn, x)
+    for m in INVARIANCE_MS:
+        np.testing.assert_array_equal(np.asarray(jax.jit(fn)(x[:m])), alone[:m], err_msg=f"M={m}")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("heads,kv,d", [(9, 3, 64), (32, 8, 128), (16, 16, 64)])
+def test_attention_kernel(rng, dtype, heads, kv, d):
+    b, s = 4, 320
+    k = jnp.asarray(rng.standard_normal((b, s, kv, d)), dtype)
+    v = jnp.asarray(rng.standard_normal((b, s, kv, d)), dtype)
+    q = jnp.asarray(rng.standard_normal((b, 8, heads, d)), dtype)
+    start = rng.integers(0, s - 8, b)
+    pos = jnp.asarray(start[:, None] + np.arange(8)[None], jnp.int32)
+    att = jax.jit(gpu_attention.decode_attention)
+    full = np.asarray(att(q, k, v, pos))
+    # float64 reference
+    q64, k64, v64 = (np.asarray(a.astype(jnp.float32), np.float64) for a in (q, k, v))
+    g = heads // kv
+    sc = np.einsum("bthd,bshd->bhts", q64, np.repeat(k64, g, axis=2)) / np.sqrt(d)
+    sc = np.where(np.arange(s)[None, None, None] <= np.asarray(pos)[:, None, :, None], sc, -np.inf)
+    p = np.exp(sc - sc.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    want = np.einsum("bhts,bshd->bthd", p, np.repeat(v64, g, axis=2))
+    err = _rel(full, want)
+    print(f"attention H={heads} KV={kv} d={d} {jnp.dtype(dtype).name}: rel err {err:.2e}")
+    assert err <= 1e-2
+    for t in range(1, 9):  # queries 0..t-1 in one call == the same queries of the 8-query call
+        np.testing.assert_array_equal(np.asarray(att(q[:, :t], k, v, pos[:, :t])), full[:, :t], err_msg=f"T={t}")
+
+
+def _random_model(rng, **changes):
+    from convert.pipeline import convert_model
+    from convert.quantize import QuantScheme
+    from convert.sources import SourceModel, expected_shapes
+    from qspec_jax.api import Model
+    from qspec_jax.checkpoint import Checkpoint
+    from qspec_jax.config import LlamaConfig
+
+    c = LlamaConfig(vocab_size=2048, hidden_size=512, intermediate_size=1536, num_layers=4, num_heads=8,
+                    num_kv_heads=2, head_dim=64, max_position_embeddings=1024, tie_word_embeddings=True)
+    c = dataclasses.replace(c, **changes)
+    layers = [{n: (0.05 * rng.standard_normal(s)).astype(np.float32) for n, s in expected_shapes(c).items()}
+              for _ in range(c.num_layers)]
+    for layer in layers:
+        layer["attn_norm"] = layer["mlp_norm"] = np.ones(c.hidden_size, np.float32)
+    src = SourceModel(c, rng.standard_normal((c.vocab_size, c.hidden_size)).astype(np.float32),
+                      np.ones(c.hidden_size, np.float32), None, layers, {}, "random")
+    params, cfg, manifest = convert_model(src, QuantScheme(32, False, "rtn"), None)
+    return Model(Checkpoint(None, cfg, jax.device_put(params), manifest), None)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+def test_verify_pass_row_count_invariant(rng, dtype, mode):
+    from qspec_jax.decode import ROW_TILE
+    from qspec_jax.model import forward, init_cache
+
+    model = _random_model(rng)
+    cfg, params = model.config, model.checkpoint.params
+    b, p, g = 3, 20, 6
+    toks = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, p + g)))
+    cache = init_cache(cfg, b, 64, dtype)
+    _, cache = forward(params, cfg, toks[:, :p], jnp.broadcast_to(jnp.arange(p), (b, p)), cache,
+                       mode="w4a16", dtype=dtype, kernels="pallas")
+    step = jax.jit(lambda t, pos, c: forward(params, cfg, t, pos, c, mode=mode, dtype=dtype,
+                                             row_tile=ROW_TILE, kernels="pallas"))
+    lv, cv = step(toks[:, p:], jnp.broadcast_to(jnp.arange(p, p + g), (b, g)), cache)
+    ca, la = cache, []
+    for i in range(g):
+        l1, ca = step(toks[:, p + i:p + i + 1], jnp.full((b, 1), p + i), ca)
+        la.append(l1)
+    np.testing.assert_array_equal(np.asarray(jnp.concatenate(la, 1)), np.asarray(lv))
+    for a, c in zip(ca, cv):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_greedy_qspec_equals_w4a16_random_model(rng, dtype):
+    from qspec_jax.api import generate
+
+    model = _random_model(rng)
+    prompts = [rng.integers(0, model.config.vocab_size, n).tolist() for n in (5, 17, 9, 30)]
+    ref = generate(model, prompts, max_new_tokens=48, method="w4a16", dtype=dtype, kernels="pallas")
+    for draft in ("w4a8", "w4a4"):
+        for gamma in (1, 3, 5):
+            res = generate(model, prompts, max_new_tokens=48, method="qspec", draft=draft, gamma=gamma,
+                           dtype=dtype, kernels="pallas")
+            for a, b in zip(res.sequences, ref.sequences):
+                np.testing.assert_array_equal(a, b, err_msg=f"{draft} gamma={gamma}")
+
+
+def _smollm2():
+    from qspec_jax.api import load
+    from qspec_jax.embedded import cache_dir
+
+    path = cache_dir() / "smollm2-rtn-asym-g32"
+    if not (path / "manifest.json").is_file():
+        pytest.skip(f"no converted SmolLM2 at {path} (scripts/gpu_carry.sh brings one)")
+    return load(path)
+
+
+def test_smollm2_generate_gpu_kernels_equal_cpu_reference():
+    from qspec_jax.api import Model, generate
+
+    model = _smollm2()
+    prompts = ["What is 15 times 4? Answer briefly.", "Write a haiku about the sea.",
+               "Name three prime numbers.", "Explain what a GPU is in one sentence."]
+    kw = dict(max_new_tokens=64, chat=True, eos_token_id=-1)
+    gpu = {m: generate(model, prompts, method=m, gamma=3, draft="w4a8", kernels="pallas", **kw)
+           for m in ("w4a16", "qspec")}
+    cpu_dev = jax.devices("cpu")[0]
+    cpu_model = Model(dataclasses.replace(model.checkpoint, params=jax.device_put(model.checkpoint.params, cpu_dev)),
+                      model.tokenizer)
+    with jax.default_device(cpu_dev):
+        cpu = generate(cpu_model, prompts, method="w4a16", kernels="reference", **kw)
+    diffs = []
+    for i, want in enumerate(cpu.sequences):
+        for m, res in gpu.items():
+            got = res.sequences[i]
+            if not np.array_equal(got, want):
+                j = int(np.argmax(got != want))
+                diffs.append(f"prompt {i} {m}: first difference at token {j} ({got[j]} vs CPU {want[j]})")
+    print("SmolLM2 GPU kernels vs CPU reference:", diffs or "identical")
+    for i in range(len(prompts)):  # exactness on the GPU itself
+        np.testing.assert_array_equal(gpu["qspec"].sequences[i], gpu["w4a16"].sequences[i])
+    assert not diffs, diffs
