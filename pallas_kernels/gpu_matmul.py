@@ -1,39 +1,39 @@
-"""Pallas GPU matmuls over packed INT4 weights (first version: ``pl.pallas_call`` lowered through Triton).
+"""Pallas GPU matmuls over packed INT4 weights (``pl.pallas_call`` lowered through Triton).
 
-``y[M, N] = x[M, K] @ W[N, K].T`` with ``W`` a :class:`~pallas_kernels.layout.QuantizedWeight`, in
-two modes that reproduce :mod:`pallas_kernels.reference`:
+``y[M, N] = x[M, K] @ W[N, K].T`` with ``W`` a :class:`~pallas_kernels.layout.QuantizedWeight`
+(the nibble-planar layout: in each block of 64 k, the low nibbles of the 32 bytes are k 0..31 and
+the high nibbles k 32..63), in the modes of :mod:`pallas_kernels.reference`:
 
-* :func:`w4a16_matmul`: the nibbles are unpacked and dequantized inside the kernel (``s*(u-8)`` or
-  ``s*u + m`` in float32, cast to bfloat16), multiplied with bfloat16 activations on the bf16 MMA,
-  float32 accumulation. Version 2 (see :func:`_w4a16_kernel`): the weight tile is the MMA's M side
-  and a fixed token tile (``block_m``) its N side; the packed bytes are read as uint32 words and
-  each of the 8 nibble positions feeds its own dot against the matching activation columns (the
-  wrapper splits x into ``[8, M, K/8]``), so nibbles are never interleaved in registers.
-* :func:`w4ax_matmul` (``bits`` 8 or 4): activations quantized per row by
-  :func:`pallas_kernels.reference.quantize_activations` in a small jnp step *before* the kernel
-  (int8 codes + float32 row scales are what the kernel reads; moving it into the kernel is a later
-  step: Triton's default float32 division is not IEEE-rounded, the reference's is); in the kernel,
-  int8 x int8 -> int32 dots, one per weight group (a group wider than ``block_k`` is accumulated
-  over chunks in int32, exact), then the float32 epilogue in the reference's order:
-  ``t = f32(acc_g) * s_g`` (``+ f32(qsum_g) * m_g`` for asymmetric weights), ``tot = tot + t`` for
-  g = 0, 1, ... in order, and ``y = s_act * tot``.
+* :func:`w4a16_matmul`: the packed bytes are read as uint16 elements; nibble ``t`` of two adjacent
+  elements (one register) becomes a bfloat16x2 operand in four PTX instructions (a shift,
+  ``lop3`` masking the nibble under the exponent of 128, ``sub.bf16x2`` leaving the exact code,
+  ``mul.bf16x2`` or ``fma.bf16x2`` applying the bf16 scale (and minimum) with one rounding:
+  :func:`pallas_kernels.layout.w4a16_weights`). The 4 nibble positions feed 4 bf16 MMAs against
+  the matching activation columns (the wrapper permutes x into 4 planes ``[4, M, K/4]``); float32
+  accumulation.
+* :func:`w4ax_matmul` (``bits`` 8 or 4): activations quantized per row in a small jnp step before
+  the kernel (:func:`pallas_kernels.reference.quantize_activations`; int8 codes laid out as the
+  weights' low/high planes ``[2, M, K/2]``, float32 row scales). In the kernel, 4 packed bytes give
+  4 int8 codes ``u`` with one ``and`` (low plane) or a shift and an ``and`` (high plane); each
+  weight group is one int8 x int8 -> int32 MMA per plane over its (>= 32) consecutive k; the code
+  offset is applied exactly in int32 (``acc(u) - 8 * sum(x)``); then the float32 epilogue in the
+  reference's order: ``t = f32(acc_g) * s_g`` (``+ f32(sum_g(x)) * m_g`` for asymmetric weights),
+  ``tot = tot + t`` for g = 0, 1, ..., and ``y = s_act * tot``.
+* :func:`dense_matmul`: float weights (the lm_head on the decode path).
 
-Grid: ``(ceil(M / block_m), N / block_n, split_k)``, the M axis fastest so programs sharing a
-weight tile run together (the tile comes from HBM once, then from L2). Each program loops over its
-K range in chunks of ``block_k`` (a power of two >= 32 that is a multiple of the group size or
-divides it). Tile defaults: :func:`default_config`, :func:`w4a16_launch` (``block_m`` = 16 for
-W4A16, ``BLOCK_M`` = 16 for W4AX).
+The weight tile is the MMA's M side (``block_n`` rows), a 16-token row tile its N side. A program
+holds up to :data:`ROW_TILES` row tiles and applies each weight tile, once loaded and unpacked, to
+all of them. Grid: ``(ceil(M / (16 * tiles)), N / block_n, split_k)``; each program loops over its K
+range in chunks of ``block_k``; with ``split_k`` > 1 the float32 partial sums of the K ranges are
+added left to right after the kernel.
 
-Row-count invariance by construction: every row runs in a row tile of one fixed shape (``block_m``)
-whatever M is (the rows of the last tile beyond M are masked: never read, fed to the MMA as
-zeros, never written; no pad or slice op outside the kernel), and each output element is reduced
-over K in one fixed order (with ``split_k`` > 1, a fixed number of K ranges, each in order, their
-float32 partial sums then added left to right by elementwise ops); ``block_n`` / ``block_k`` /
-``split_k`` / warps are chosen from ``(N, K, group)`` only, never from M. The W4AX integer
-accumulation is exact anyway, and its epilogue is elementwise per row.
+Row-count invariance by construction: every row tile runs the same instruction sequence whatever
+M is and whichever program or tile slot holds it (rows beyond M are masked: never read, fed to the
+MMA as zeros, never written; no pad or slice outside the kernel); each output element is reduced
+over K in one fixed order; tiles, splits and warps are chosen from ``(N, K, group)`` only. The
+W4AX integer accumulation is exact anyway, and its epilogue is elementwise per row.
 
-Pallas' Triton backend is deprecated on jax 0.11; :mod:`pallas_kernels.launch` keeps its warning
-from users.
+In interpret mode (CPU tests) the PTX steps are replaced by the same operations in jnp.
 """
 
 from __future__ import annotations
@@ -45,13 +45,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from pallas_kernels.layout import SYMMETRIC_OFFSET, QuantizedWeight
+from pallas_kernels.layout import PACK_BLOCK, SYMMETRIC_OFFSET, QuantizedWeight, w4a16_weights
+from pallas_kernels.launch import call_kernel, pl_triton
 from pallas_kernels.reference import quantize_activations
 
-from pallas_kernels.launch import call_kernel, pl_triton
-
-BLOCK_M = 16  # fixed row tile: every row runs in a tile of this shape whatever M is
-MIN_BLOCK_K = 32  # Triton-lowered int8 dots were seen wrong with K blocks of 16 on the H200
+BLOCK_M = 16  # rows per row tile (the MMA's N side)
+PLANE_ELEMS = 16  # uint16 elements of a 64-block, each holding 4 nibbles (W4A16)
+ROW_TILES = 4  # row tiles per program at most (a weight tile is unpacked once for 64 rows)
+MIN_PROGRAMS = 264  # split K until N / block_n * split_k reaches this (2 programs per H200 SM)
+WARPS, STAGES = 4, 3
 
 
 def _is_pow2(v: int) -> bool:
@@ -66,108 +68,39 @@ def default_config(n: int, k: int, group: int, kind: str, block_n: int | None = 
                    block_k: int | None = None, split_k: int | None = None) -> tuple[int, int, int]:
     """``(block_n, block_k, split_k)`` for a weight shape; ``kind`` is "w4a16" or "w4ax".
 
-    A function of ``(N, K, group)`` only, never of M (row-count invariance). From the H200 sweeps of
-    2026-11-30 (bench/results/kernels_draft.md), at M=1 on Llama-3-8B shapes: W4A16 (version 2)
-    with 64 x 512 tiles, K split in 2, 4 or 8 until N/64 * split >= 264 programs (2 per SM); W4AX with 32 x 512 tiles and K split
-    in 4 for small N, 64 x 128 tiles unsplit for large N (gate/up). (down, N=4096 K=14336, was not
-    in that sweep: it gets the small-N rule.) Missing values are filled in; given
-    ones are kept.
-    """
+    A function of ``(N, K, group)`` only, never of M (row-count invariance): 64-row weight tiles,
+    512-wide K chunks (halved until they fit K and the group), K split in 2, 4 or 8 until there are
+    :data:`MIN_PROGRAMS` programs. Given values are kept."""
     if kind not in ("w4a16", "w4ax"):
         raise ValueError(f"kind must be 'w4a16' or 'w4ax', got {kind!r}")
-    if kind == "w4a16":
-        return _w4a16_config(n, k, group, block_n, block_k, split_k)
-    large_n = n % 32 == 0 and n // 32 >= 512
     if block_n is None:
-        block_n = 64 if kind == "w4ax" and large_n and n % 64 == 0 else (32 if n % 32 == 0 else 16)
+        block_n = next((b for b in (64, 32, 16) if n % b == 0), 16)
     if block_k is None:
-        want = 128 if kind == "w4ax" and large_n else 512
-        block_k = want
-        while block_k > MIN_BLOCK_K and (k % block_k or not (block_k % group == 0 or group % block_k == 0)
-                                         or (split_k is not None and not _split_ok(k, group, block_k, split_k))):
+        block_k = 512
+        while block_k > PACK_BLOCK and (k % block_k or not (block_k % group == 0 or group % block_k == 0)
+                                        or (split_k is not None and not _split_ok(k, group, block_k, split_k))):
             block_k //= 2
     if split_k is None:
-        # split only when N alone gives < 256 programs (~2 per SM): to >= 512 programs
-        target, max_split = 512, 4
-        programs = max(1, n // block_n)
-        split_k = 1
-        for s in (2, 4):
-            if programs >= 256 or s > max_split or programs * split_k >= target:
-                break
-            if _split_ok(k, group, block_k, s):
-                split_k = s
-    return block_n, block_k, split_k
-
-
-W4A16_BLOCK_N = 64  # weight rows per program (the MMA's M side)
-W4A16_BLOCK_K = 512  # K elements per loop step (256 packed bytes per weight row)
-W4A16_BLOCK_M = 16  # token rows per program (the MMA's N side)
-W4A16_WARPS, W4A16_STAGES = 4, 3
-W4A16_PHASES = 8  # nibbles per packed word read by the kernel: 2 (uint8 bytes) or 8 (uint32 words)
-W4A16_X_SPLIT = True  # activations split into K phases by the wrapper (else stride loads in kernel)
-W4A16_MIN_PROGRAMS = 264  # split K until N / block_n * split_k reaches this (2 per H200 SM)
-
-
-def _w4a16_config(n, k, group, block_n, block_k, split_k):
-    if block_n is None:
-        block_n = next((b for b in (W4A16_BLOCK_N, 32, 16) if n % b == 0), 16)
-    if block_k is None:
-        block_k = W4A16_BLOCK_K
-        while block_k > MIN_BLOCK_K and (k % block_k or not (block_k % group == 0 or group % block_k == 0)
-                                         or (split_k is not None and not _split_ok(k, group, block_k, split_k))):
-            block_k //= 2
-    if split_k is None:
-        programs = max(1, n // block_n)
         split_k = 1
         for s in (2, 4, 8):
-            if programs * split_k >= W4A16_MIN_PROGRAMS:
+            if n // block_n * split_k >= MIN_PROGRAMS:
                 break
             if _split_ok(k, group, block_k, s):
                 split_k = s
     return block_n, block_k, split_k
-
-
-def _phases_ok(phases: int, k: int, block_k: int, group: int) -> bool:
-    return k % (8 * phases) == 0 and block_k >= 16 * phases and group >= 4 * phases
-
-
-def _w4a16_phases(k: int, block_k: int, group: int) -> int:
-    """Nibbles per packed word the kernel reads: :data:`W4A16_PHASES` where the shape allows, else 2
-    (0: neither fits)."""
-    return next((p for p in (W4A16_PHASES, 2) if _phases_ok(p, k, block_k, group)), 0)
-
-
-def w4a16_launch(n: int, k: int, group: int) -> tuple[int, int, int]:
-    """``(block_m, num_warps, num_stages)`` of the W4A16 kernel for a weight shape (never from M).
-
-    block_m = 16 favours decode (M <= 16). Measured 2026-11-30 (H200, 64 x 256 tiles): block_m = 64
-    makes M=64 1.7-2.2x faster (no re-dequantization per 16 rows) but M=1 1.25-1.3x slower."""
-    return W4A16_BLOCK_M, W4A16_WARPS, W4A16_STAGES
-
-
-def _check(x: jax.Array, w: QuantizedWeight, block_n: int, block_k: int,
-           split_k: int = 1) -> tuple[int, int, int]:
-    if x.ndim != 2:
-        raise ValueError(f"x must be [M, K], got shape {x.shape}")
-    if w.packed.ndim != 2:
-        raise ValueError(f"stacked weights are not supported: packed shape {w.packed.shape}")
-    w.validate()
-    n, k = w.shape
-    if x.shape[1] != k:
-        raise ValueError(f"x has K={x.shape[1]} but the weight has in_features {k}")
-    _check_tiles(n, k, w.group_size, block_n, block_k, split_k)
-    return n, k, w.group_size
 
 
 def _check_tiles(n: int, k: int, g: int, block_n: int, block_k: int, split_k: int) -> None:
-    if not _is_pow2(block_k) or block_k < MIN_BLOCK_K:
-        raise ValueError(f"block_k must be a power of two >= {MIN_BLOCK_K}, got {block_k}")
+    if k % PACK_BLOCK:
+        raise ValueError(f"K={k} must be a multiple of the packing block {PACK_BLOCK}")
+    if not _is_pow2(block_k) or block_k < PACK_BLOCK:
+        raise ValueError(f"block_k must be a power of two >= {PACK_BLOCK}, got {block_k}")
     if k % block_k:
         raise ValueError(f"K={k} is not a multiple of the K block {block_k}")
+    if g != 32 and g % PACK_BLOCK:
+        raise ValueError(f"group size {g} must be 32 or a multiple of {PACK_BLOCK}")
     if not (block_k % g == 0 or g % block_k == 0):
         raise ValueError(f"group size {g} must divide the K block {block_k} or be a multiple of it")
-    if min(g, block_k) < MIN_BLOCK_K:
-        raise ValueError(f"group size {g} < {MIN_BLOCK_K} is not supported (int8 dots need K >= 32)")
     if not _is_pow2(block_n) or block_n < 16:
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     if n % block_n:
@@ -183,33 +116,57 @@ def supported(kind: str, n: int, k: int, group: int) -> bool:
     try:
         if kind == "dense":
             _dense_config(n, k)
-            return True
-        _check_tiles(n, k, group, *default_config(n, k, group, kind))
-        return kind != "w4a16" or _w4a16_phases(k, default_config(n, k, group, kind)[1], group) > 0
+        else:
+            _check_tiles(n, k, group, *default_config(n, k, group, kind))
+        return True
     except ValueError:
         return False
 
 
-def _unpack(p: jax.Array) -> jax.Array:
-    """``uint8[R, B]`` packed bytes -> ``uint8[R, 2B]`` codes in k order (low nibble first)."""
-    lo = p & np.uint8(0xF)
-    hi = p >> np.uint8(4)
-    return jnp.stack([lo, hi], axis=-1).reshape(p.shape[0], 2 * p.shape[1])
+def _check(x: jax.Array, w: QuantizedWeight, block_n: int, block_k: int, split_k: int) -> tuple[int, int, int]:
+    if x.ndim != 2:
+        raise ValueError(f"x must be [M, K], got shape {x.shape}")
+    if w.packed.ndim != 2:
+        raise ValueError(f"stacked weights are not supported: packed shape {w.packed.shape}")
+    w.validate()
+    n, k = w.shape
+    if x.shape[1] != k:
+        raise ValueError(f"x has K={x.shape[1]} but the weight has in_features {k}")
+    _check_tiles(n, k, w.group_size, block_n, block_k, split_k)
+    return n, k, w.group_size
 
 
-# ----------------------------------------------------------------------------------------- W4A16
+# ------------------------------------------------------------------------------ shared pieces
 
-def _row_mask(m: int, bm: int) -> jax.Array:
-    """``bool[bm, 1]``: which rows of this program's row tile exist (rows >= M are never read or
-    written; they enter the MMA as zeros, so the tile computes the same values as a padded one)."""
-    rows = pl.program_id(0) * bm + jax.lax.broadcasted_iota(jnp.int32, (bm, 1), 0)
-    return rows < m
+def _stages(tiles: int) -> int:
+    """Software-pipeline depth: 3, or 2 with 3-4 row tiles (shared memory). Only timing depends on
+    it, never the arithmetic, so it may follow M."""
+    return STAGES if tiles <= 2 else 2
 
 
-def _load_rows(ref, mask, cols):
-    """Rows of ``ref[:, cols]`` that exist; zeros for the others."""
-    view = ref.at[:, cols]
+def _tiles(m: int) -> int:
+    """Row tiles per program: as many as M needs, at most ROW_TILES."""
+    return min(ROW_TILES, -(-m // BLOCK_M))
+
+
+def _row_masks(m: int, tiles: int) -> list[jax.Array]:
+    """``bool[16, 1]`` per row tile of this program: which of its rows exist (rows >= M are never
+    read or written; they enter the MMA as zeros)."""
+    first = pl.program_id(0) * tiles * BLOCK_M
+    iota = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, 1), 0)
+    return [first + r * BLOCK_M + iota < m for r in range(tiles)]
+
+
+def _load_rows(view, mask):
     return pl_triton.load(view, mask=jnp.broadcast_to(mask, view.shape), other=0)
+
+
+def _plane_rows(ref, plane: int, r: int, cols, mask, interpret: bool):
+    """Row tile ``r`` of ``ref[plane, :, cols]`` (rows beyond M as zeros). The Triton lowering takes
+    one indexer per load, the interpreter no integer index inside one."""
+    rows = pl.ds(r * BLOCK_M, BLOCK_M)
+    view = ref.at[plane].at[rows, cols] if interpret else ref.at[plane, rows, cols]
+    return _load_rows(view, mask)
 
 
 def _load_weight(ref, cols):
@@ -217,90 +174,19 @@ def _load_weight(ref, cols):
     return pl_triton.load(ref.at[:, cols], eviction_policy="evict_first")
 
 
-def _store_rows(ref, mask, value):
-    pl_triton.store(ref, value, mask=jnp.broadcast_to(mask, value.shape))
+def _store_tiles(o_ref, masks, accs):
+    """Store each row tile's ``acc[bn, 16]`` transposed into its rows of ``o_ref``."""
+    for r, (mask, acc) in enumerate(zip(masks, accs)):
+        view = o_ref.at[pl.ds(r * BLOCK_M, BLOCK_M), :]
+        pl_triton.store(view, acc.T, mask=jnp.broadcast_to(mask, view.shape))
 
 
-_F32_MAGIC = 0x4B000000  # float32 bits of 2**23: (MAGIC | u) is the float 2**23 + u for u < 2**23
-
-
-def _codes_f32(u: jax.Array, offset: float) -> jax.Array:
-    """uint8 codes -> float32 ``u - offset`` with integer ops and one exact float subtract (no
-    int->float conversion instruction): the bits ``0x4B000000 | u`` are the float ``2**23 + u``."""
-    f = jax.lax.bitcast_convert_type(u.astype(jnp.uint32) | np.uint32(_F32_MAGIC), jnp.float32)
-    return f - np.float32(2.0 ** 23 + offset)
-
-
-def _w4a16_kernel(x_ref, p_ref, s_ref, *rest, m: int, k: int, group: int, block_k: int,
-                  symmetric: bool, split_k: int, phases: int = 2, x_split: bool = False,
-                  interpret: bool = False):
-    """One program: weight rows ``[bn]`` x token rows ``[bm]``, over its K range in chunks.
-
-    The weight tile is the MMA's M side, the token tile its N side: ``acc[bn, bm] += sum_t
-    W_t[bn, bk/P] @ x_t[bm, bk/P].T`` over the ``P = phases`` nibble positions of one packed word
-    (P=2: the packed bytes, W_0 / W_1 the low / high nibbles, k = 2j / 2j+1; P=8: the bytes read
-    as uint32 words, nibble t of word j is k = 8j + t), x_t the matching activation columns
-    (stride-P loads, or with ``x_split`` a ``[P, M, K/P]`` copy made by the wrapper), so nibbles
-    are never interleaved. Dequantization per nibble: ``s*(u-8)`` (or ``s*u + m``) in float32,
-    cast to bf16, as the reference does."""
-    m_ref, o_ref = (None, rest[0]) if symmetric else rest
-    bm, bn = x_ref.shape[-2], p_ref.shape[0]
-    rows = _row_mask(m, bm)  # [bm, 1]
-    hb = block_k // phases  # packed words per weight row per chunk
-    steps = k // split_k // block_k  # K chunks of this program
-    base = pl.program_id(2) * steps if split_k > 1 else 0
-    per = max(1, block_k // group)  # groups in one K chunk (1 when the group spans several chunks)
-
-    def scales(ref, i):  # float32, broadcastable to [bn, hb] (a group spans group/P words)
-        if block_k >= group:
-            v = ref[:, pl.ds(i * per, per)].astype(jnp.float32)  # [bn, per]
-            if per == 1:
-                return v
-            return jnp.broadcast_to(v[:, :, None], (bn, per, group // phases)).reshape(bn, hb)
-        return ref[:, pl.ds((i * block_k) // group, 1)].astype(jnp.float32)  # [bn, 1]
-
-    def dequant(u, s, mn):
-        if symmetric:
-            wf = _codes_f32(u, float(SYMMETRIC_OFFSET)) * s
-        else:
-            wf = _codes_f32(u, 0.0) * s + mn
-        return wf.astype(jnp.bfloat16)
-
-    def nibble(p, t):
-        if phases == 2:
-            return p & np.uint8(0xF) if t == 0 else p >> np.uint8(4)
-        return (p >> np.uint32(4 * t)) & np.uint32(0xF)
-
-    dims = (((1,), (1,)), ((), ()))
-
-    def body(i, acc):
-        i = base + i
-        p = _load_weight(p_ref, pl.ds(i * hb, hb))  # [bn, hb] uint8 / uint32
-        s = scales(s_ref, i)
-        mn = None if symmetric else scales(m_ref, i)
-        for t in range(phases):
-            w_t = dequant(nibble(p, t), s, mn)
-            if x_split:
-                if interpret:  # its loads take no integer index inside one indexer
-                    x_t = _load_rows(x_ref.at[t], rows, pl.ds(i * hb, hb))
-                else:  # the Triton lowering takes one indexer only
-                    view = x_ref.at[t, :, pl.ds(i * hb, hb)]
-                    x_t = pl_triton.load(view, mask=jnp.broadcast_to(rows, view.shape), other=0)
-            else:
-                x_t = _load_rows(x_ref, rows, pl.ds(i * block_k + t, hb, stride=phases))  # bf16 [bm, hb]
-            acc = acc + jax.lax.dot_general(w_t, x_t, dims, preferred_element_type=jnp.float32)
-        return acc
-
-    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bn, bm), jnp.float32))
-    _store_rows(o_ref, rows, acc.T)
-
-
-def _split_out(m: int, n: int, block_n: int, split_k: int, dtype=jnp.float32, block_m: int = BLOCK_M):
+def _split_out(m: int, n: int, block_n: int, split_k: int, rows: int):
     """Output shape and spec: ``[M, N]``, or ``[split_k, M, N]`` partial sums when K is split."""
     if split_k == 1:
-        return jax.ShapeDtypeStruct((m, n), dtype), pl.BlockSpec((block_m, block_n), lambda i, j, s: (i, j))
-    return (jax.ShapeDtypeStruct((split_k, m, n), dtype),
-            pl.BlockSpec((None, block_m, block_n), lambda i, j, s: (s, i, j)))
+        return jax.ShapeDtypeStruct((m, n), jnp.float32), pl.BlockSpec((rows, block_n), lambda i, j, s: (i, j))
+    return (jax.ShapeDtypeStruct((split_k, m, n), jnp.float32),
+            pl.BlockSpec((None, rows, block_n), lambda i, j, s: (s, i, j)))
 
 
 def _sum_splits(parts: jax.Array) -> jax.Array:
@@ -311,117 +197,248 @@ def _sum_splits(parts: jax.Array) -> jax.Array:
     return out
 
 
-def w4a16_matmul(x: jax.Array, w: QuantizedWeight, *, block_n: int | None = None,
-                 block_k: int | None = None, split_k: int | None = None, block_m: int | None = None,
-                 num_warps: int | None = None, num_stages: int | None = None,
-                 phases: int | None = None, x_split: bool | None = None,
-                 interpret: bool = False) -> jax.Array:
-    """``x[M, K] @ dequant_bf16(w).T`` with bf16 activations and float32 accumulation -> ``f32[M, N]``.
+def _k_range(k: int, split_k: int, block_k: int) -> tuple[jax.Array | int, int]:
+    """(first chunk, chunks) of this program's K range."""
+    steps = k // split_k // block_k
+    return (pl.program_id(2) * steps if split_k > 1 else 0), steps
 
-    ``block_m`` is the fixed token tile (the MMA's N side; weight rows are its M side). ``split_k``
-    > 1 splits K over that many programs per output tile (more programs for small N); their float32
-    partial sums are added left to right after the kernel. Choose them from (N, K), never from M, to
-    keep rows invariant. Values left as None come from :func:`default_config` /
-    :func:`w4a16_launch`."""
-    block_n, block_k, split_k = default_config(*w.shape, w.group_size, "w4a16", block_n, block_k, split_k)
-    bm_d, nw_d, ns_d = w4a16_launch(*w.shape, w.group_size)
-    block_m = bm_d if block_m is None else block_m
-    num_warps = nw_d if num_warps is None else num_warps
-    num_stages = ns_d if num_stages is None else num_stages
-    n, k, g = _check(x, w, block_n, block_k, split_k)
-    if block_m not in (16, 32, 64, 128):
-        raise ValueError(f"block_m must be 16, 32, 64 or 128, got {block_m}")
-    phases = _w4a16_phases(k, block_k, g) if phases is None else phases
-    x_split = (W4A16_X_SPLIT if x_split is None else x_split) or interpret  # no strided loads there
-    if phases not in (2, 8) or not _phases_ok(phases, k, block_k, g):
-        raise ValueError(f"phases={phases}: needs 2 or 8, K a multiple of {8 * phases}, block_k >= "
-                         f"{16 * phases} and group >= {4 * phases}")
-    m = x.shape[0]
-    xb = x.astype(jnp.bfloat16)
-    if x_split:  # [P, M, K/P]: plane t holds the columns k = P*j + t
-        xb = xb.reshape(m, k // phases, phases).transpose(2, 0, 1)
-        xspec = pl.BlockSpec((phases, block_m, k // phases), lambda i, j, s: (0, i, 0))
+
+# ----------------------------------------------------------------------------------------- W4A16
+
+_BF16_128 = 0x4300  # bfloat16 bits of 128.0: (0x4300 | u) is 128 + u for a nibble u
+_BF16_X2 = lambda v: f"{v << 16 | v:#010x}"  # noqa: E731  (a bf16 constant in both halves)
+
+
+def _nibble_asm(t: int, symmetric: bool) -> str:
+    """PTX (pack=2) for nibble ``t`` of two adjacent uint16 elements (one 32-bit register): shift
+    nibble t down, mask it under 128's exponent (``lop3``: bf16x2 128 + u), subtract the offset
+    exactly, then apply the bf16 scale: ``s*(u-8)`` (mul) or ``s*u + m`` (fma), one rounding."""
+    src = "$1"
+    shift = ""
+    if t:
+        shift, src = f"shr.u32 m, $1, {4 * t};\n", "m"
+    offset = _BF16_X2(0x4308 if symmetric else _BF16_128)  # 136 = 128 + 8, or 128
+    scale = "mul.rn.bf16x2 $0, m, $2;" if symmetric else "fma.rn.bf16x2 $0, m, $2, $3;"
+    return ("{\n.reg .b32 m, c;\n" + shift +
+            f"lop3.b32 m, {src}, 0x000F000F, {_BF16_X2(_BF16_128)}, 0xEA;\n"
+            f"mov.b32 c, {offset};\nsub.rn.bf16x2 m, m, c;\n{scale}\n}}")
+
+
+def _w4a16_operand(p, t, s, mn, interpret):
+    """bf16 weights of nibble ``t`` of the uint16 tile ``p`` with their scales ``s`` (and minimums
+    ``mn``), bf16 tiles of p's shape: :func:`pallas_kernels.layout.w4a16_weights`' values."""
+    if interpret:
+        u = ((p >> np.uint16(4 * t)) & np.uint16(0xF)).astype(jnp.float32)
+        sf = s.astype(jnp.float32)
+        v = (u - SYMMETRIC_OFFSET) * sf if mn is None else u * sf + mn.astype(jnp.float32)
+        return v.astype(jnp.bfloat16)
+    args = [p, s] if mn is None else [p, s, mn]
+    return pl_triton.elementwise_inline_asm(
+        _nibble_asm(t, mn is None), args=args, constraints="=r," + ",".join("r" * len(args)),
+        pack=2, result_shape_dtypes=[jax.ShapeDtypeStruct(p.shape, jnp.bfloat16)])[0]
+
+
+def _plane_group_values(ref, i, t, block_k, group, words, interpret):
+    """Per-element bf16 scale (or minimum) tile ``[bn, words]`` of plane ``t`` in K chunk ``i``.
+
+    Element ``e`` of a chunk's plane ``t`` lies in K block ``e // 16``; with groups of 32 its group
+    is ``2 * block + t % 2`` (low / high half), with groups of >= 64, ``block * 64 // group``."""
+    bn = ref.shape[0]
+    if group >= block_k:  # one group for the whole chunk
+        v = ref[:, pl.ds((i * block_k) // group, 1)]
+        return jnp.broadcast_to(v.astype(jnp.bfloat16), (bn, words))
+    per = block_k // group  # groups in the chunk
+    if group == 32:  # every other group: the plane's half of each block
+        blocks = per // 2
+        if interpret:
+            v = ref[:, pl.ds(i * per, per)][:, t % 2::2]
+        else:
+            v = ref[:, pl.ds(i * per + t % 2, blocks, stride=2)]
+        rep = PLANE_ELEMS
     else:
-        xspec = pl.BlockSpec((block_m, k), lambda i, j, s: (i, 0))
-    packed = w.packed
-    if phases == 8:  # the same bytes read as little-endian uint32 words: nibble t = k 8j + t
-        packed = jax.lax.bitcast_convert_type(packed.reshape(n, k // 8, 4), jnp.uint32)
-    gcount = k // g
-    kernel = functools.partial(_w4a16_kernel, m=m, k=k, group=g, block_k=block_k,
-                               symmetric=w.symmetric, split_k=split_k, phases=phases, x_split=x_split,
-                               interpret=interpret)
-    wspec = pl.BlockSpec((block_n, k // phases), lambda i, j, s: (j, 0))
-    sspec = pl.BlockSpec((block_n, gcount), lambda i, j, s: (j, 0))
-    in_specs = [xspec, wspec, sspec]
-    args = [xb, packed, w.scales]
+        blocks, v, rep = per, ref[:, pl.ds(i * per, per)], group // 4
+    v = v.astype(jnp.bfloat16)
+    return jnp.broadcast_to(v[:, :, None], (bn, blocks, rep)).reshape(bn, words)
+
+
+def _w4a16_kernel(x_ref, p_ref, s_ref, *rest, m: int, k: int, group: int, block_k: int,
+                  split_k: int, tiles: int, interpret: bool):
+    """Weight rows ``[bn]`` x up to ``tiles`` row tiles: ``acc_r[bn, 16] += sum_t W_t @ x_t,r.T``
+    over the 4 nibble planes ``t`` of the chunk's uint16 elements."""
+    symmetric = len(rest) == 1
+    m_ref, o_ref = (None, rest[0]) if symmetric else rest
+    bn = p_ref.shape[0]
+    masks = _row_masks(m, tiles)
+    words = block_k // 4  # uint16 elements per weight row in a chunk
+    base, steps = _k_range(k, split_k, block_k)
+    dims = (((1,), (1,)), ((), ()))
+
+    def body(i, accs):
+        i = base + i
+        p = _load_weight(p_ref, pl.ds(i * words, words))  # uint16 [bn, words]
+        accs = list(accs)
+        for t in range(4):
+            s = _plane_group_values(s_ref, i, t, block_k, group, words, interpret)
+            mn = None if symmetric else _plane_group_values(m_ref, i, t, block_k, group, words, interpret)
+            w_t = _w4a16_operand(p, t, s, mn, interpret)
+            for r in range(tiles):
+                x_t = _plane_rows(x_ref, t, r, pl.ds(i * words, words), masks[r], interpret)
+                accs[r] = accs[r] + jax.lax.dot_general(w_t, x_t, dims, preferred_element_type=jnp.float32)
+        return tuple(accs)
+
+    accs = jax.lax.fori_loop(0, steps, body, tuple(jnp.zeros((bn, BLOCK_M), jnp.float32) for _ in range(tiles)))
+    _store_tiles(o_ref, masks, accs)
+
+
+def activation_planes(x: jax.Array, planes: int) -> jax.Array:
+    """``x[M, K]`` in the order the kernels read it, ``[planes, M, K / planes]``: 2 planes (W4AX:
+    the low / high halves of each 64-block) or 4 (W4A16: nibble ``t`` of uint16 element ``e`` of a
+    block is k = 32 * (t % 2) + 2 * e + t // 2)."""
+    m, k = x.shape
+    nb = k // PACK_BLOCK
+    if planes == 2:
+        return x.reshape(m, nb, 2, 32).transpose(2, 0, 1, 3).reshape(2, m, k // 2)
+    x5 = x.reshape(m, nb, 2, PLANE_ELEMS, 2)  # [m, block, half, element, byte]
+    return x5.transpose(4, 2, 0, 1, 3).reshape(4, m, k // 4)  # plane = 2 * byte + half
+
+
+def w4a16_matmul(x: jax.Array, w: QuantizedWeight, *, block_n: int | None = None,
+                 block_k: int | None = None, split_k: int | None = None,
+                 interpret: bool = False) -> jax.Array:
+    """``x[M, K] @ w4a16_weights(w).T`` with bf16 activations and float32 accumulation -> ``f32[M, N]``.
+
+    Tiles left as None come from :func:`default_config` (a function of N, K and the group size)."""
+    block_n, block_k, split_k = default_config(*w.shape, w.group_size, "w4a16", block_n, block_k, split_k)
+    n, k, g = _check(x, w, block_n, block_k, split_k)
+    m = x.shape[0]
+    tiles = _tiles(m)
+    rows = tiles * BLOCK_M
+    xp = activation_planes(x.astype(jnp.bfloat16), 4)
+    packed = jax.lax.bitcast_convert_type(w.packed.reshape(n, k // 4, 2), jnp.uint16)
+    kernel = functools.partial(_w4a16_kernel, m=m, k=k, group=g, block_k=block_k, split_k=split_k,
+                               tiles=tiles, interpret=interpret)
+    sspec = pl.BlockSpec((block_n, k // g), lambda i, j, s: (j, 0))
+    in_specs = [pl.BlockSpec((4, rows, k // 4), lambda i, j, s: (0, i, 0)),
+                pl.BlockSpec((block_n, k // 4), lambda i, j, s: (j, 0)), sspec]
+    args = [xp, packed, w.scales]
     if not w.symmetric:
         in_specs.append(sspec)
         args.append(w.mins)
-    out_shape, out_spec = _split_out(m, n, block_n, split_k, block_m=block_m)
-    out = call_kernel(kernel, out_shape, (-(-m // block_m), n // block_n, split_k), in_specs, out_spec,
-                interpret, num_warps, num_stages, *args)
+    out_shape, out_spec = _split_out(m, n, block_n, split_k, rows)
+    out = call_kernel(kernel, out_shape, (-(-m // rows), n // block_n, split_k), in_specs, out_spec,
+                      interpret, WARPS, _stages(tiles), *args)
     return out if split_k == 1 else _sum_splits(out)
 
 
 # ----------------------------------------------------------------------------------------- W4AX
 
+_LOW_ASM = "and.b32 $0, $1, 0x0F0F0F0F;"
+_HIGH_ASM = "{\n.reg .b32 t;\nshr.u32 t, $1, 4;\nand.b32 $0, t, 0x0F0F0F0F;\n}"
+
+
+def _codes_int8(p: jax.Array, high: bool, interpret: bool) -> jax.Array:
+    """The low or high nibbles of a uint8 tile as int8 codes ``u`` in [0, 15] (4 bytes per
+    instruction on the GPU)."""
+    if interpret:
+        return ((p >> np.uint8(4)) if high else (p & np.uint8(0xF))).astype(jnp.int8)
+    return pl_triton.elementwise_inline_asm(
+        _HIGH_ASM if high else _LOW_ASM, args=[p], constraints="=r,r", pack=4,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(p.shape, jnp.int8)])[0]
+
+
 def _w4ax_kernel(qx_ref, sa_ref, p_ref, s_ref, *rest, m: int, k: int, group: int, block_k: int,
-                 symmetric: bool, return_acc: bool, split_k: int):
+                 split_k: int, tiles: int, return_acc: bool, interpret: bool):
+    """Weight rows ``[bn]`` x row tiles: per weight group, int8 MMAs into int32, then the epilogue.
+
+    Groups of 32 are the low and high planes of one 64-block (groups 2b and 2b + 1); a group of
+    >= 64 k is the same byte range of both planes (K = g/2 each), read in chunks of ``block_k`` when
+    it is longer than that (int32 accumulation across chunks: exact)."""
+    symmetric = len(rest) == 1
     m_ref, o_ref = (None, rest[0]) if symmetric else rest
-    bm, bn = qx_ref.shape[0], p_ref.shape[0]
-    rows = _row_mask(m, bm)
-    chunk = min(group, block_k)  # K of one int8 dot
-    per = max(1, block_k // group)  # groups per outer iteration, unrolled
-    chunks = group // chunk  # chunks per group (int32 accumulation across them)
+    bn = p_ref.shape[0]
+    masks = _row_masks(m, tiles)
+    dims = (((1,), (1,)), ((), ()))
+    zeros = tuple((jnp.zeros((bn, BLOCK_M), jnp.int32), jnp.zeros((1, BLOCK_M), jnp.int32)) for _ in range(tiles))
 
-    def group_acc(gi):
-        def chunk_body(c, carry):
-            acc, qs = carry
-            k0 = gi * group + c * chunk
-            a = _load_rows(qx_ref, rows, pl.ds(k0, chunk))  # int8 [bm, chunk]
-            u = _unpack(_load_weight(p_ref, pl.ds(k0 // 2, chunk // 2))).astype(jnp.int8)
-            wq = u - np.int8(SYMMETRIC_OFFSET) if symmetric else u  # int8 [bn, chunk]
-            acc = acc + jax.lax.dot_general(a, wq, (((1,), (1,)), ((), ())),
-                                            preferred_element_type=jnp.int32)
-            if not symmetric:
-                qs = qs + jnp.sum(a.astype(jnp.int32), axis=1, keepdims=True)
-            return acc, qs
+    def planes(byte0, nbytes):
+        """``[plane][tile] -> (int32 acc(u) [bn, 16], int32 sum(x) [1, 16])`` of bytes [byte0, +nbytes)."""
+        cols = pl.ds(byte0, nbytes)
+        p = _load_weight(p_ref, cols)  # uint8 [bn, nbytes]
+        out = []
+        for h in (0, 1):
+            wq = _codes_int8(p, h == 1, interpret)
+            res = []
+            for r in range(tiles):
+                xq = _plane_rows(qx_ref, h, r, cols, masks[r], interpret)  # int8 [16, nbytes]
+                res.append((jax.lax.dot_general(wq, xq, dims, preferred_element_type=jnp.int32),
+                            jnp.sum(xq.astype(jnp.int32), axis=1)[None, :]))
+            out.append(res)
+        return out
 
-        init = (jnp.zeros((bm, bn), jnp.int32), jnp.zeros((bm, 1), jnp.int32))
-        if chunks == 1:
-            return chunk_body(0, init)
-        return jax.lax.fori_loop(0, chunks, chunk_body, init)
+    def both(res):
+        return tuple((a0 + a1, s0 + s1) for (a0, s0), (a1, s1) in zip(*res))
 
-    steps = k // split_k // (per * group)  # outer iterations of this program
-    base = pl.program_id(2) * steps if split_k > 1 else 0
-
-    def outer(i, tot):
-        i = base + i
-        for j in range(per):
-            gi = i * per + j
-            acc, qs = group_acc(gi)
+    def epilogue(tots, res, gi):
+        """``tot += f32(acc_g) * s_g (+ f32(sum_g) * m_g)`` per row tile (acc_g = acc(u) - 8 sum)."""
+        s = s_ref[:, pl.ds(gi, 1)].astype(jnp.float32)  # [bn, 1]
+        mn = None if symmetric else m_ref[:, pl.ds(gi, 1)].astype(jnp.float32)
+        out = []
+        for r, (acc, xs) in enumerate(res):
+            if symmetric:
+                acc = acc - SYMMETRIC_OFFSET * xs
             if return_acc:
-                _store_rows(o_ref.at[gi], rows, acc)
+                view = o_ref.at[pl.ds(gi, 1), pl.ds(r * BLOCK_M, BLOCK_M), :]
+                pl_triton.store(view, acc.T[None], mask=jnp.broadcast_to(masks[r][None], view.shape))
+                out.append(tots[r])
                 continue
-            t = acc.astype(jnp.float32) * s_ref[:, gi].astype(jnp.float32)[None, :]
+            t = acc.astype(jnp.float32) * s
             if not symmetric:
-                t = t + qs.astype(jnp.float32) * m_ref[:, gi].astype(jnp.float32)[None, :]
-            tot = tot + t
-        return tot
+                t = t + xs.astype(jnp.float32) * mn
+            out.append(tots[r] + t)
+        return tuple(out)
 
-    tot = jax.lax.fori_loop(0, steps, outer, jnp.zeros((bm, bn), jnp.float32))
+    span = k // split_k  # K elements of this program
+    if group <= block_k:
+        unit = max(group, PACK_BLOCK) // 2  # bytes per group (or per 64-block for groups of 32)
+        base, steps = _k_range(k, split_k, block_k)
+
+        def body(i, tots):
+            for j in range(block_k // 2 // unit):
+                byte0 = (base + i) * (block_k // 2) + j * unit
+                res = planes(byte0, unit)
+                if group == 32:
+                    tots = epilogue(tots, res[0], byte0 // 16)
+                    tots = epilogue(tots, res[1], byte0 // 16 + 1)
+                else:
+                    tots = epilogue(tots, both(res), byte0 * 2 // group)
+            return tots
+    else:
+        steps = span // group
+        gbase = pl.program_id(2) * steps if split_k > 1 else 0
+
+        def body(i, tots):
+            gi = gbase + i
+
+            def chunk(c, carry):
+                res = both(planes(gi * (group // 2) + c * (block_k // 2), block_k // 2))
+                return tuple((a + ra, s + rs) for (a, s), (ra, rs) in zip(carry, res))
+
+            return epilogue(tots, jax.lax.fori_loop(0, group // block_k, chunk, zeros), gi)
+
+    tots = jax.lax.fori_loop(0, steps, body, tuple(jnp.zeros((bn, BLOCK_M), jnp.float32) for _ in range(tiles)))
     if return_acc:
         return
     if split_k > 1:  # partial sums; the wrapper adds them and applies the row scales
-        _store_rows(o_ref, rows, tot)
+        _store_tiles(o_ref, masks, tots)
     else:
-        sa = pl_triton.load(sa_ref, mask=rows, other=1.0)  # [bm, 1]
-        _store_rows(o_ref, rows, sa * tot)
+        sas = [pl_triton.load(sa_ref.at[pl.ds(r * BLOCK_M, BLOCK_M), :], mask=masks[r], other=1.0)
+               for r in range(tiles)]  # [16, 1]
+        _store_tiles(o_ref, masks, [t * sa.T for t, sa in zip(tots, sas)])
 
 
 def w4ax_quantized(qx: jax.Array, sa: jax.Array, w: QuantizedWeight, *, block_n: int | None = None,
-                   block_k: int | None = None, split_k: int | None = None, num_warps: int = 4,
-                   num_stages: int = 3, interpret: bool = False, return_acc: bool = False) -> jax.Array:
+                   block_k: int | None = None, split_k: int | None = None, interpret: bool = False,
+                   return_acc: bool = False) -> jax.Array:
     """The W4AX kernel on pre-quantized rows (``qx`` int8[M, K], ``sa`` f32[M, 1], as
     :func:`pallas_kernels.reference.quantize_activations` returns them) -> ``f32[M, N]``; with
     ``return_acc`` the per-group int32 accumulations ``int32[G, M, N]`` instead (for tests).
@@ -435,32 +452,33 @@ def w4ax_quantized(qx: jax.Array, sa: jax.Array, w: QuantizedWeight, *, block_n:
     if qx.dtype != jnp.int8 or sa.shape != (m, 1):
         raise ValueError(f"qx must be int8[M, K] and sa float32[M, 1], got {qx.dtype}{qx.shape}, "
                          f"{sa.shape}")
+    tiles = _tiles(m)
+    rows = tiles * BLOCK_M
     gcount = k // g
-    kernel = functools.partial(_w4ax_kernel, m=m, k=k, group=g, block_k=block_k,
-                               symmetric=w.symmetric, return_acc=return_acc, split_k=split_k)
-    wspec = pl.BlockSpec((block_n, k // 2), lambda i, j, s: (j, 0))
+    kernel = functools.partial(_w4ax_kernel, m=m, k=k, group=g, block_k=block_k, split_k=split_k,
+                               tiles=tiles, return_acc=return_acc, interpret=interpret)
     sspec = pl.BlockSpec((block_n, gcount), lambda i, j, s: (j, 0))
-    in_specs = [pl.BlockSpec((BLOCK_M, k), lambda i, j, s: (i, 0)),
-                pl.BlockSpec((BLOCK_M, 1), lambda i, j, s: (i, 0)), wspec, sspec]
-    args = [qx, sa.astype(jnp.float32), w.packed, w.scales]
+    in_specs = [pl.BlockSpec((2, rows, k // 2), lambda i, j, s: (0, i, 0)),
+                pl.BlockSpec((rows, 1), lambda i, j, s: (i, 0)),
+                pl.BlockSpec((block_n, k // 2), lambda i, j, s: (j, 0)), sspec]
+    args = [activation_planes(qx, 2), sa.astype(jnp.float32), w.packed, w.scales]
     if not w.symmetric:
         in_specs.append(sspec)
         args.append(w.mins)
     if return_acc:
         out_shape = jax.ShapeDtypeStruct((gcount, m, n), jnp.int32)
-        out_spec = pl.BlockSpec((gcount, BLOCK_M, block_n), lambda i, j, s: (0, i, j))
+        out_spec = pl.BlockSpec((gcount, rows, block_n), lambda i, j, s: (0, i, j))
     else:
-        out_shape, out_spec = _split_out(m, n, block_n, split_k)
-    out = call_kernel(kernel, out_shape, (-(-m // BLOCK_M), n // block_n, split_k), in_specs, out_spec,
-                interpret, num_warps, num_stages, *args)
+        out_shape, out_spec = _split_out(m, n, block_n, split_k, rows)
+    out = call_kernel(kernel, out_shape, (-(-m // rows), n // block_n, split_k), in_specs, out_spec,
+                      interpret, WARPS, STAGES, *args)
     if return_acc or split_k == 1:
         return out
     return sa.astype(jnp.float32) * _sum_splits(out)
 
 
 def w4ax_matmul(x: jax.Array, w: QuantizedWeight, bits: int, *, block_n: int | None = None,
-                block_k: int | None = None, split_k: int | None = None, num_warps: int = 4,
-                num_stages: int = 3, interpret: bool = False) -> jax.Array:
+                block_k: int | None = None, split_k: int | None = None, interpret: bool = False) -> jax.Array:
     """W4A8 (``bits=8``) / W4A4 (``bits=4``): per-row activation quantization (a jnp step before the
     kernel, :func:`pallas_kernels.reference.quantize_activations`), then the int8 kernel with int32
     group accumulation and the float32 epilogue -> ``f32[M, N]``."""
@@ -469,8 +487,7 @@ def w4ax_matmul(x: jax.Array, w: QuantizedWeight, bits: int, *, block_n: int | N
     if x.ndim != 2:
         raise ValueError(f"x must be [M, K], got shape {x.shape}")
     qx, sa = quantize_activations(x, bits)
-    return w4ax_quantized(qx, sa, w, block_n=block_n, block_k=block_k, split_k=split_k,
-                          num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+    return w4ax_quantized(qx, sa, w, block_n=block_n, block_k=block_k, split_k=split_k, interpret=interpret)
 
 
 # ----------------------------------------------------------------------------------------- dense
@@ -485,44 +502,46 @@ def _dense_config(n: int, k: int) -> tuple[int, int, int]:
         raise ValueError(f"dense_matmul needs N and K multiples of 16, got N={n}, K={k}")
     split_k = 1
     for s in (2, 4, 8):
-        if n // block_n * split_k >= W4A16_MIN_PROGRAMS or k % (s * block_k):
+        if n // block_n * split_k >= MIN_PROGRAMS or k % (s * block_k):
             break
         split_k = s
     return block_n, block_k, split_k
 
 
-def _dense_kernel(x_ref, w_ref, o_ref, *, m: int, k: int, block_k: int, split_k: int, precision):
-    """Float weights: ``acc[bn, bm] += W[bn, bk] @ x[bm, bk].T`` over this program's K range."""
-    bm, bn = x_ref.shape[0], w_ref.shape[0]
-    rows = _row_mask(m, bm)
-    steps = k // split_k // block_k
-    base = pl.program_id(2) * steps if split_k > 1 else 0
+def _dense_kernel(x_ref, w_ref, o_ref, *, m: int, k: int, block_k: int, split_k: int, tiles: int, precision):
+    """Float weights: ``acc_r[bn, 16] += W[bn, bk] @ x_r[16, bk].T`` over this program's K range."""
+    bn = w_ref.shape[0]
+    masks = _row_masks(m, tiles)
+    base, steps = _k_range(k, split_k, block_k)
 
-    def body(i, acc):
+    def body(i, accs):
         cols = pl.ds((base + i) * block_k, block_k)
         w = _load_weight(w_ref, cols)
-        x = _load_rows(x_ref, rows, cols)
-        return acc + jax.lax.dot_general(w, x, (((1,), (1,)), ((), ())), precision=precision,
-                                         preferred_element_type=jnp.float32)
+        return tuple(acc + jax.lax.dot_general(
+            w, _load_rows(x_ref.at[pl.ds(r * BLOCK_M, BLOCK_M), cols], masks[r]), (((1,), (1,)), ((), ())),
+            precision=precision, preferred_element_type=jnp.float32) for r, acc in enumerate(accs))
 
-    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bn, bm), jnp.float32))
-    _store_rows(o_ref, rows, acc.T)
+    accs = jax.lax.fori_loop(0, steps, body, tuple(jnp.zeros((bn, BLOCK_M), jnp.float32) for _ in range(tiles)))
+    _store_tiles(o_ref, masks, accs)
 
 
 def dense_matmul(x: jax.Array, w: jax.Array, *, interpret: bool = False) -> jax.Array:
     """``x[M, K] @ w[N, K].T`` in the weight's float dtype with float32 accumulation -> ``f32[M, N]``
     (the lm_head and float layers on the decode path: row-count invariant like the INT4 kernels).
     Tiles come from (N, K) only: 64 x 256 (smaller where K needs), K split until N / 64 * split
-    reaches 264 programs."""
+    reaches :data:`MIN_PROGRAMS`."""
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"expected x [M, K] and w [N, K], got {x.shape} and {w.shape}")
     (m, k), n = x.shape, w.shape[0]
     block_n, block_k, split_k = _dense_config(n, k)
+    tiles = _tiles(m)
+    rows = tiles * BLOCK_M
     precision = jax.lax.Precision.HIGHEST if w.dtype == jnp.float32 else None
-    kernel = functools.partial(_dense_kernel, m=m, k=k, block_k=block_k, split_k=split_k, precision=precision)
-    out_shape, out_spec = _split_out(m, n, block_n, split_k)
-    out = call_kernel(kernel, out_shape, (-(-m // BLOCK_M), n // block_n, split_k),
-                      [pl.BlockSpec((BLOCK_M, k), lambda i, j, s: (i, 0)),
+    kernel = functools.partial(_dense_kernel, m=m, k=k, block_k=block_k, split_k=split_k, tiles=tiles,
+                               precision=precision)
+    out_shape, out_spec = _split_out(m, n, block_n, split_k, rows)
+    out = call_kernel(kernel, out_shape, (-(-m // rows), n // block_n, split_k),
+                      [pl.BlockSpec((rows, k), lambda i, j, s: (i, 0)),
                        pl.BlockSpec((block_n, k), lambda i, j, s: (j, 0))],
-                      out_spec, interpret, 4, 3, x.astype(w.dtype), w)
+                      out_spec, interpret, WARPS, STAGES, x.astype(w.dtype), w)
     return out if split_k == 1 else _sum_splits(out)

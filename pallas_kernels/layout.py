@@ -3,9 +3,13 @@
 A linear layer ``y = x @ W.T`` with ``W`` of shape ``[N, K]`` (out_features, in_features) is
 stored as a :class:`QuantizedWeight`:
 
-* ``packed``: ``uint8[N, K // 2]``, row-major over output channels, K contiguous. Byte ``j`` of
-  row ``n`` holds element ``k = 2j`` in its low nibble and ``k = 2j + 1`` in its high nibble.
-  Every nibble is an unsigned code ``u`` in ``[0, 15]``.
+* ``packed``: ``uint8[N, K // 2]``, row-major over output channels. K is cut into blocks of
+  :data:`PACK_BLOCK` = 64 consecutive elements (the last block may be shorter, of even length
+  ``L``); byte ``j`` of a block holds element ``j`` of the block in its low nibble and element
+  ``j + L/2`` in its high nibble (``L = 64``: k = 64b + j and 64b + 32 + j). So the low nibbles
+  of a block's bytes are 32 consecutive k, as are the high ones: a GPU kernel turns 4 bytes into 4
+  int8 operands with one ``and`` (low) or a shift and an ``and`` (high), and an int8 MMA over 32
+  consecutive k is one weight group of 32. Every nibble is an unsigned code ``u`` in ``[0, 15]``.
 * ``scales``: ``float16[N, K // group_size]``; one scale per output channel and group of
   ``group_size`` consecutive input channels (``group_size == K`` is per-channel).
 * ``mins``: ``float16[N, K // group_size]`` for asymmetric weights, ``None`` for symmetric ones.
@@ -27,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 SCALE_DTYPE = np.float16
+PACK_BLOCK = 64  # K elements per nibble-planar block (see the module docstring)
 SYMMETRIC_OFFSET = 8  # u - 8 maps the unsigned nibble code to the signed INT4 range [-8, 7]
 
 
@@ -66,6 +71,12 @@ class QuantizedWeight:
                 raise ValueError(f"{name} must be {np.dtype(SCALE_DTYPE).name}, got {arr.dtype}")
 
 
+def _blocks(k: int) -> list[tuple[int, int]]:
+    """``(start, length)`` of the K blocks: full blocks of PACK_BLOCK, then the (even) rest."""
+    out = [(b, PACK_BLOCK) for b in range(0, k - k % PACK_BLOCK, PACK_BLOCK)]
+    return out + ([(k - k % PACK_BLOCK, k % PACK_BLOCK)] if k % PACK_BLOCK else [])
+
+
 def pack_codes(codes: np.ndarray) -> np.ndarray:
     """Pack unsigned 4-bit codes ``uint8[..., K]`` (values 0..15, K even) into ``uint8[..., K//2]``."""
     codes = np.asarray(codes)
@@ -74,14 +85,20 @@ def pack_codes(codes: np.ndarray) -> np.ndarray:
     if codes.size and (codes.min() < 0 or codes.max() > 15):
         raise ValueError("4-bit codes must lie in [0, 15]")
     codes = codes.astype(np.uint8)
-    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+    parts = []
+    for start, length in _blocks(codes.shape[-1]):
+        half = length // 2
+        parts.append(codes[..., start:start + half] | (codes[..., start + half:start + length] << 4))
+    return np.concatenate(parts, axis=-1)
 
 
 def unpack_codes(packed: jax.Array) -> jax.Array:
     """Unpack ``uint8[..., K//2]`` into unsigned codes ``uint8[..., K]`` (inverse of pack_codes)."""
-    low = packed & 0xF
-    high = packed >> 4
-    return jnp.stack([low, high], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+    parts = []
+    for start, length in _blocks(packed.shape[-1] * 2):
+        block = packed[..., start // 2:(start + length) // 2]
+        parts += [block & 0xF, block >> 4]
+    return jnp.concatenate(parts, axis=-1)
 
 
 def signed_codes(w: QuantizedWeight) -> jax.Array:
@@ -96,12 +113,23 @@ def signed_codes(w: QuantizedWeight) -> jax.Array:
 
 def dequantize(w: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
     """Float weights ``[..., N, K]``: ``s*q`` or ``s*u + m`` computed in float32, cast to dtype."""
+    return _grouped(w, lambda q, s, m: q * s if m is None else q * s + m).astype(dtype)
+
+
+def w4a16_weights(w: QuantizedWeight) -> jax.Array:
+    """The bfloat16 weight operand of W4A16, ``[..., N, K]``: scales and minimums rounded to
+    bfloat16, then ``s*q`` or ``s*u + m`` rounded once to bfloat16 (what one ``mul.bf16x2`` /
+    ``fma.bf16x2`` of the GPU kernel gives). ``s*q`` and ``s*u`` are exact in float32 (8 + 4
+    significant bits); so is ``s*u + m`` unless the two differ by more than ~2^12 in magnitude."""
+    bf = lambda a: a.astype(jnp.bfloat16).astype(jnp.float32)  # noqa: E731
+    return _grouped(w, lambda q, s, m: q * bf(s) if m is None else q * bf(s) + bf(m)).astype(jnp.bfloat16)
+
+
+def _grouped(w: QuantizedWeight, combine) -> jax.Array:
+    """``combine(q, s, m)`` over float32 codes grouped as ``[..., N, G, group]`` -> ``[..., N, K]``."""
     q = signed_codes(w).astype(jnp.float32)
     n, k = w.shape
-    g = k // w.group_size
-    q = q.reshape(*q.shape[:-1], g, w.group_size)
+    q = q.reshape(*q.shape[:-1], k // w.group_size, w.group_size)
     s = jnp.asarray(w.scales).astype(jnp.float32)[..., None]
-    out = q * s
-    if not w.symmetric:
-        out = out + jnp.asarray(w.mins).astype(jnp.float32)[..., None]
-    return out.reshape(*q.shape[:-2], k).astype(dtype)
+    m = None if w.symmetric else jnp.asarray(w.mins).astype(jnp.float32)[..., None]
+    return combine(q, s, m).reshape(*q.shape[:-2], k)

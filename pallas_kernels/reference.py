@@ -4,7 +4,8 @@ These functions define what every mode computes; the Pallas GPU kernels must rep
 (the W4A4/W4A8 int32 accumulations bitwise, the float results to tolerance).
 
 * ``w16a16``: float weights (dequantized in float32) times activations in their own dtype.
-* ``w4a16``: weights dequantized to bfloat16, activations cast to bfloat16, float32 accumulation.
+* ``w4a16``: weights dequantized in bfloat16 (:func:`pallas_kernels.layout.w4a16_weights`),
+  activations cast to bfloat16, float32 accumulation.
 * ``w4a8`` / ``w4a4``: activations quantized per token (row) to symmetric INT8 / INT4
   (scale = absmax * f32(1/127) or f32(1/7), q = round_half_even(x / scale) with IEEE division, clamp), int8 x int8 -> int32 products
   summed within each weight group, then ``y = s_act * sum_g(s_w[g] * acc[g] + m_w[g] * sum(q_act[g]))``
@@ -17,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.layout import QuantizedWeight, dequantize, signed_codes
+from pallas_kernels.layout import QuantizedWeight, dequantize, signed_codes, w4a16_weights
 from pallas_kernels.rows import map_row_tiles
 
 ACT_BITS = {"w4a8": 8, "w4a4": 4}
@@ -82,7 +83,7 @@ def quantized_matmul(x: jax.Array, w: QuantizedWeight, mode: str, row_tile: int 
     if mode == "w4a16":
         # bf16 x bf16 products are exact in float32: this is a bf16 matmul with f32 accumulation,
         # spelled in float32 because XLA's CPU bf16 dot is slow and takes other code paths.
-        wd = dequantize(w, jnp.bfloat16).astype(jnp.float32)
+        wd = w4a16_weights(w).astype(jnp.float32)
         return map_row_tiles(lambda r: _dot(r.astype(jnp.bfloat16).astype(jnp.float32), wd), x, row_tile)
     if mode in ACT_BITS:
         qw = signed_codes(w)

@@ -25,7 +25,7 @@ from pallas_kernels.layout import QuantizedWeight
 from qspec_jax.config import LlamaConfig
 
 FORMAT = "qspec-jax"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the nibble-planar packed layout of pallas_kernels/layout.py
 MANIFEST = "manifest.json"
 WEIGHTS = "model.safetensors"
 
@@ -170,7 +170,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         raise ValueError(f"{mpath} is corrupt: {e}") from e
     if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{mpath}: format {manifest.get('format')!r} v{manifest.get('format_version')} "
-                         f"is not {FORMAT!r} v{FORMAT_VERSION}")
+                         f"is not {FORMAT!r} v{FORMAT_VERSION}; convert the model again (qspec-convert)")
     for name, digest in manifest["files"].items():
         f = path / name
         if not f.is_file():

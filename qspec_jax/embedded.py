@@ -31,8 +31,17 @@ def default_checkpoint() -> Path:
     from convert.pipeline import convert
     from convert.quantize import QuantScheme
 
+    import json
+    import shutil
+
+    from qspec_jax.checkpoint import FORMAT_VERSION
+
     out = cache_dir() / "smollm2-rtn-asym-g32"
-    if not (out / "manifest.json").is_file():
+    manifest = out / "manifest.json"
+    if manifest.is_file() and json.loads(manifest.read_text()).get("format_version") != FORMAT_VERSION:
+        print(f"{out} was converted by an older version; converting again", flush=True)
+        shutil.rmtree(out)
+    if not manifest.is_file():
         print(f"converting the embedded SmolLM2 into {out} ...", flush=True)
         convert(embedded_gguf(), out, QuantScheme(32, False, "rtn"), None)
     return out

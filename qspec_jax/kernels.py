@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import gpu_attention, gpu_matmul, gpu_norm, reference
-from pallas_kernels.layout import QuantizedWeight, dequantize
+from pallas_kernels.layout import QuantizedWeight, dequantize, w4a16_weights
 from pallas_kernels.rows import map_row_tiles
 
 KERNELS = ("auto", "reference", "pallas", "interpret")
@@ -67,7 +67,7 @@ def linear(x: jax.Array, w: QuantizedWeight | jax.Array, mode: str, row_tile: in
             "(convert the checkpoint with quantization)")
     if not _on_kernels(kernels, row_tile) or not _matmul_supported(w, mode):
         if packed and mode == "w4a16" and kernels == "pallas" and row_tile is None:
-            wd = dequantize(w, jnp.bfloat16)
+            wd = w4a16_weights(w)
             return jnp.einsum("...k,nk->...n", x.astype(jnp.bfloat16), wd, preferred_element_type=jnp.float32)
         if packed:
             return reference.quantized_matmul(x, w, mode, row_tile)

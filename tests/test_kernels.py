@@ -1,4 +1,4 @@
-"""The Pallas GPU matmul kernels (pallas_kernels/gpu_matmul.py), run on the CPU in interpret mode.
+"""The Pallas GPU kernels (pallas_kernels/gpu_*.py), run on the CPU in interpret mode.
 
 W4A8/W4A4: the kernel's epilogue sums the groups in the reference's order (``t = f32(acc)*s
 [+ f32(qsum)*m]``, ``tot += t`` for g = 0, 1, ..., then ``s_act * tot``), so with ``split_k=1`` the
@@ -6,13 +6,13 @@ results are compared bitwise, as are the int32 group accumulations; with K split
 are added after the kernel and results agree to 1e-6 relative. Bitwise holds at M < 16 rows: from
 16 rows on, XLA's CPU code for the reference's ``jnp.sum`` over groups reorders the float sum
 (~1e-7 relative), so the reference then differs from its own M < 16 rows; these tests use M = 5.
-W4A16: against float64 math on the same dequantized weights, and against the reference to float32
-rounding. Row-count invariance: each row of an M=1 call equals the same row inside M = 5, 8, 13
-calls, bitwise. (W4A16 in interpret mode always takes the activations pre-split by the wrapper, as
-the interpreter has no strided loads; the GPU default does too, the stride-load form is only lowered
-here.) GPU-only checks (Triton's shape rules, races, timings) live in bench/kernels.py; the
-last test here only checks that the kernels lower through Triton for the GPU without a deprecation
-warning reaching the user.
+W4A16: against float64 math on the bf16 weights of ``layout.w4a16_weights``, and against the
+reference to float32 rounding. Row-count invariance: each row of an M=1 call equals the same row
+inside M = 5, 8, 13 calls, bitwise (and M = 37, a program holding three row tiles, for the exact
+W4A4 path). Decode attention,
+RMSNorm and the dense matmul against float64 numpy, attention also bitwise across query counts. In
+interpret mode the kernels' PTX steps run as jnp (the GPU tests check the PTX: tests/test_gpu.py);
+the last test lowers every kernel for an H200 and checks no deprecation warning reaches the user.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import gpu_matmul as gm
+from pallas_kernels import gpu_attention, gpu_matmul as gm, gpu_norm
 from pallas_kernels import reference as ref
-from pallas_kernels.layout import QuantizedWeight, dequantize, pack_codes
+from pallas_kernels.layout import QuantizedWeight, pack_codes, w4a16_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 BN = 16  # small N tiles so the interpreted grids have several programs
@@ -49,13 +49,14 @@ def random_x(rng: np.random.Generator, m: int, k: int) -> jnp.ndarray:
 
 
 # (N, K, group, symmetric, block_k): groups 32/64/128 and per-channel, one group per chunk, several
-# groups per chunk, and a group spanning several chunks.
+# groups per chunk, a group spanning several chunks, and K = 576 (SmolLM2: 9 blocks of 64).
 CASES = [
     (32, 256, 32, False, 128),
     (32, 256, 64, True, 128),
     (32, 512, 128, False, 256),
     (32, 256, 256, True, 128),
     (16, 256, 256, False, 64),
+    (32, 576, 32, True, None),
 ]
 
 
@@ -69,44 +70,65 @@ def test_w4ax_bitwise_and_group_accumulations(rng, n, k, group, symmetric, block
         want = np.asarray(ref.quantized_matmul(x, w, mode))
         np.testing.assert_array_equal(got, want, err_msg=mode)
     qx, sa = ref.quantize_activations(x, 4)
-    acc = gm.w4ax_quantized(qx, sa, w, block_n=BN, block_k=block_k, interpret=True, return_acc=True)
+    acc = gm.w4ax_quantized(qx, sa, w, block_n=BN, block_k=block_k, split_k=1, interpret=True, return_acc=True)
     want_acc = ref.group_accumulate(qx, ref.signed_codes(w), group).transpose(1, 0, 2)  # [G, M, N]
     assert acc.dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(acc), np.asarray(want_acc))
 
 
-@pytest.mark.parametrize("phases,block_m", [(8, 16), (2, 32)])
-@pytest.mark.parametrize("n,k,group,symmetric,block_k", CASES[:4])
-def test_w4a16_against_float64(rng, n, k, group, symmetric, block_k, phases, block_m):
-    """Both nibble layouts of the W4A16 kernel (uint32 words / bytes) and two token tiles."""
+@pytest.mark.parametrize("n,k,group,symmetric,block_k", CASES)
+def test_w4a16_against_float64(rng, n, k, group, symmetric, block_k):
     w = random_weight(rng, n, k, group, symmetric)
     x = random_x(rng, 5, k)
-    got = np.asarray(gm.w4a16_matmul(x, w, block_n=BN, block_k=block_k, block_m=block_m, phases=phases,
-                                     interpret=True))
+    got = np.asarray(gm.w4a16_matmul(x, w, block_n=BN, block_k=block_k, interpret=True))
     assert got.dtype == np.float32 and got.shape == (5, n)
-    w64 = np.asarray(dequantize(w, jnp.float32), np.float64)  # s*q (+m): exact in float32
-    exact = np.asarray(x, np.float64) @ w64.T
+    w64 = np.asarray(w4a16_weights(w).astype(jnp.float32), np.float64)
+    x64 = np.asarray(x.astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+    exact = x64 @ w64.T
     rel = np.linalg.norm(got - exact) / np.linalg.norm(exact)
-    assert rel < 1e-2, rel
-    # Same bf16 roundings as the reference: only the float32 summation order differs.
+    assert rel < 1e-5, rel  # same bf16 operands: only the float32 summation differs
     want = np.asarray(ref.quantized_matmul(x, w, "w4a16"), np.float64)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
+
+
+def test_w4a16_weights_are_bf16_products_rounded_once(rng):
+    """The W4A16 operand: bf16 scale (and minimum), one rounding of the exact value (float64 here)."""
+    w = random_weight(rng, 16, 128, 32, False)
+    codes = np.asarray(ref.signed_codes(w)).astype(np.float64).reshape(16, 4, 32)
+    bf = lambda a: np.asarray(jnp.asarray(a).astype(jnp.bfloat16).astype(jnp.float32), np.float64)  # noqa: E731
+    exact = codes * bf(w.scales)[..., None] + bf(w.mins)[..., None]
+    want = _round_bf16(exact.reshape(16, 128))  # float64 -> bf16 (round to nearest even), once
+    np.testing.assert_array_equal(np.asarray(w4a16_weights(w).astype(jnp.float32), np.float64), want)
+
+
+def _round_bf16(a: np.ndarray) -> np.ndarray:
+    """float64 -> nearest bfloat16 (ties to even), with exact integer math on the float64 bits."""
+    m, e = np.frexp(a)  # a = m * 2**e, 0.5 <= |m| < 1
+    scaled = np.ldexp(m, 8)  # 8 significant bits
+    return np.ldexp(np.round(scaled), e - 8)  # np.round: half to even
 
 
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_row_count_invariance(rng, symmetric):
     k, n = 256, 32
     w = random_weight(rng, n, k, 64 if symmetric else 32, symmetric)
-    x = random_x(rng, 13, k)
+    x = random_x(rng, 37, k)
+    wf = jnp.asarray(rng.standard_normal((n, k)), jnp.float32)
     calls = {
         "w4a16": lambda a: gm.w4a16_matmul(a, w, block_n=BN, interpret=True),
         "w4a4": lambda a: gm.w4ax_matmul(a, w, 4, block_n=BN, interpret=True),
+        "dense": lambda a: gm.dense_matmul(a, wf, interpret=True),
     }
     for name, f in calls.items():
-        alone = np.stack([np.asarray(f(x[i:i + 1]))[0] for i in (0, 4, 7)])
-        for m in (5, 8, 13):
+        # Beyond 16 rows a program holds several row tiles; XLA on the CPU may merge the interpreted
+        # per-tile float dots that share a weight tile into one (another summation order), so only
+        # the exact integer path is checked there on the CPU. tests/test_gpu.py checks M = 1..256.
+        ms = (5, 8, 13, 37) if name == "w4a4" else (5, 8, 13)
+        picks = (0, 4, 7, 20, 36)
+        alone = np.stack([np.asarray(f(x[i:i + 1]))[0] for i in picks])
+        for m in ms:
             inside = np.asarray(f(x[:m]))
-            rows = [i for i in (0, 4, 7) if i < m]
+            rows = [i for i in picks if i < m]
             np.testing.assert_array_equal(inside[rows], alone[: len(rows)], err_msg=f"{name} M={m}")
 
 
@@ -138,44 +160,101 @@ def test_unsupported_shapes_raise(rng):
     x = random_x(rng, 2, 256)
     with pytest.raises(ValueError, match="multiple of the K block"):
         gm.w4a16_matmul(x, w, block_k=512, block_n=BN, interpret=True)
-    with pytest.raises(ValueError, match="power of two >= 32"):
-        gm.w4ax_matmul(x, w, 4, block_k=16, block_n=BN, interpret=True)
+    with pytest.raises(ValueError, match="power of two >= 64"):
+        gm.w4ax_matmul(x, w, 4, block_k=32, block_n=BN, interpret=True)
     with pytest.raises(ValueError, match="N block"):
         gm.w4ax_matmul(x, w, 4, block_n=64, interpret=True)
     with pytest.raises(ValueError, match="bits"):
         gm.w4ax_matmul(x, w, 3, interpret=True)
     with pytest.raises(ValueError, match="in_features"):
         gm.w4a16_matmul(random_x(rng, 2, 128), w, interpret=True)
-    w16 = random_weight(rng, 32, 256, 16, True)
     with pytest.raises(ValueError, match="group size 16"):
-        gm.w4ax_matmul(x, w16, 8, block_n=BN, interpret=True)
+        gm.w4ax_matmul(x, random_weight(rng, 32, 256, 16, True), 8, block_n=BN, interpret=True)
     with pytest.raises(ValueError, match="split_k"):
         gm.w4ax_matmul(x, random_weight(rng, 32, 256, 256, True), 4, block_n=BN, split_k=2, interpret=True)
-    w96 = random_weight(rng, 32, 384, 96, True)
-    with pytest.raises(ValueError, match="group size 96"):
-        gm.w4a16_matmul(random_x(rng, 2, 384), w96, block_n=BN, block_k=128, interpret=True)
+    with pytest.raises(ValueError, match="packing block"):
+        gm.w4a16_matmul(random_x(rng, 2, 96), random_weight(rng, 32, 96, 32, True), interpret=True)
+    assert not gm.supported("w4a16", 32, 96, 32) and gm.supported("w4ax", 32, 576, 32)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        gm.dense_matmul(random_x(rng, 2, 40), jnp.zeros((32, 40)), interpret=True)
+
+
+def _attention64(q, k, v, pos) -> np.ndarray:
+    """float64 grouped-query attention over slots s <= pos."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    g = q.shape[2] // k.shape[2]
+    k, v = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
+    sc = np.einsum("bthd,bshd->bhts", q, k) / np.sqrt(q.shape[-1])
+    sc = np.where(np.arange(k.shape[1])[None, None, None] <= np.asarray(pos)[:, None, :, None], sc, -np.inf)
+    p = np.exp(sc - sc.max(-1, keepdims=True))
+    return np.einsum("bhts,bshd->bthd", p / p.sum(-1, keepdims=True), v)
+
+
+@pytest.mark.parametrize("heads,kv,splits", [(6, 2, 1), (4, 4, 3)])
+def test_decode_attention(rng, heads, kv, splits):
+    """Against float64; queries of a T-query call equal the same queries of shorter calls (bitwise);
+    several cache splits; a sequence whose queries see only part of the cache."""
+    b, s, d, t = 2, 96, 16, 5
+    k, v = (jnp.asarray(rng.standard_normal((b, s, kv, d)), jnp.float32) for _ in range(2))
+    q = jnp.asarray(rng.standard_normal((b, t, heads, d)), jnp.float32)
+    pos = jnp.asarray(np.array([3, 60])[:, None] + np.arange(t)[None], jnp.int32)
+    full = np.asarray(gpu_attention.decode_attention(q, k, v, pos, block_s=16, splits=splits, interpret=True))
+    np.testing.assert_allclose(full, _attention64(q, k, v, pos), rtol=1e-4, atol=1e-5)
+    for n in (1, 3):
+        part = gpu_attention.decode_attention(q[:, :n], k, v, pos[:, :n], block_s=16, splits=splits, interpret=True)
+        np.testing.assert_array_equal(np.asarray(part), full[:, :n])
+    with pytest.raises(ValueError, match="power of two"):
+        gpu_attention.decode_attention(q[..., :12], k[..., :12], v[..., :12], pos, interpret=True)
+    with pytest.raises(ValueError, match="q_pos"):
+        gpu_attention.decode_attention(q, k, v, pos[:, :2], interpret=True)
+
+
+def test_rms_norm_kernel(rng):
+    x = jnp.asarray(rng.standard_normal((7, 96)) * 3, jnp.float32)
+    scale = jnp.asarray(rng.random(96) + 0.5, jnp.float32)
+    got = np.asarray(gpu_norm.rms_norm(x, scale, 1e-5, interpret=True))
+    x64 = np.asarray(x, np.float64)
+    want = np.asarray(scale, np.float64) * x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-5)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(gpu_norm.rms_norm(x[3:4], scale, 1e-5, interpret=True))[0], got[3])
+    with pytest.raises(ValueError, match="scale"):
+        gpu_norm.rms_norm(x, scale[:10], 1e-5, interpret=True)
+
+
+def test_dense_kernel_against_float64(rng):
+    x = random_x(rng, 19, 128)
+    w = jnp.asarray(rng.standard_normal((48, 128)), jnp.float32)
+    got = np.asarray(gm.dense_matmul(x, w, interpret=True))
+    np.testing.assert_allclose(got, np.asarray(x, np.float64) @ np.asarray(w, np.float64).T, rtol=1e-5, atol=1e-4)
 
 
 def test_lowers_for_gpu_without_deprecation_warning():
-    """Lower (not compile) both kernels for an H200 on this CPU-only machine, in a fresh process
+    """Lower (not compile) every kernel for an H200 on this CPU-only machine, in a fresh process
     where the Pallas Triton deprecation warning would be an error unless the module filters it."""
     code = textwrap.dedent("""
         import jax, jax.numpy as jnp
         from jax._src.pallas.triton import gpu_info
         h200 = gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200)
         gpu_info.get_gpu_info = lambda: h200
-        from pallas_kernels import gpu_matmul as gm
+        from pallas_kernels import gpu_attention, gpu_matmul as gm, gpu_norm
         from pallas_kernels.layout import QuantizedWeight
+        def lower(f, *args):
+            text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+            assert "triton" in text.lower(), text[:500]
         for n, k, g, sym in [(6144, 4096, 128, True), (4096, 14336, 32, False)]:
             s = jax.ShapeDtypeStruct((n, k // g), jnp.float16)
             w = QuantizedWeight(jax.ShapeDtypeStruct((n, k // 2), jnp.uint8), s, None if sym else s, g)
-            x = jax.ShapeDtypeStruct((3, k), jnp.bfloat16)
-            for f in (gm.w4a16_matmul, lambda x, w: gm.w4ax_matmul(x, w, 4),
-                      lambda x, w: gm.w4a16_matmul(x, w, split_k=2, block_k=128),
-                      lambda x, w: gm.w4a16_matmul(x, w, phases=2, x_split=False, block_m=64),
-                      lambda x, w: gm.w4ax_matmul(x, w, 8, split_k=2)):
-                text = jax.jit(f).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
-                assert "__gpu$xla.gpu.triton" in text or "triton" in text.lower(), text[:500]
+            for m in (3, 40):
+                x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+                for f in (gm.w4a16_matmul, lambda x, w: gm.w4ax_matmul(x, w, 4),
+                          lambda x, w: gm.w4a16_matmul(x, w, split_k=2, block_k=128),
+                          lambda x, w: gm.w4ax_matmul(x, w, 8, split_k=2)):
+                    lower(f, x, w)
+        bf = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
+        lower(gm.dense_matmul, bf(3, 576), bf(49152, 576))
+        lower(lambda x, s: gpu_norm.rms_norm(x, s, 1e-5), bf(3, 576), bf(576))
+        lower(gpu_attention.decode_attention, bf(2, 4, 32, 128), bf(2, 256, 8, 128), bf(2, 256, 8, 128),
+              jax.ShapeDtypeStruct((2, 4), jnp.int32))
         print("lowered")
     """)
     proc = subprocess.run([sys.executable, "-W", "error:The Pallas Triton backend:DeprecationWarning",

@@ -105,11 +105,16 @@ def ref_forward(p: dict, cfg, tokens: np.ndarray, positions: np.ndarray) -> np.n
 
 
 def ref_dequant(w: QuantizedWeight) -> np.ndarray:
-    """float64 weights of a (stacked) packed weight per the layout doc: low nibble = even k."""
+    """float64 weights of a (stacked) packed weight per the layout doc: in each block of 64 k (a
+    shorter last block of length L), byte j holds element j (low nibble) and j + L/2 (high)."""
     packed = np.asarray(w.packed)
-    u = np.empty((*packed.shape[:-1], packed.shape[-1] * 2), np.float64)
-    u[..., 0::2] = packed % 16
-    u[..., 1::2] = packed // 16
+    k = packed.shape[-1] * 2
+    u = np.empty((*packed.shape[:-1], k), np.float64)
+    for start in range(0, k, 64):
+        half = min(64, k - start) // 2
+        block = packed[..., start // 2:start // 2 + half]
+        u[..., start:start + half] = block % 16
+        u[..., start + half:start + 2 * half] = block // 16
     s = np.repeat(np.asarray(w.scales, np.float64), w.group_size, axis=-1)
     if w.mins is None:
         return s * (u - 8.0)

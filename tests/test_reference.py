@@ -17,12 +17,19 @@ def random_weight(rng, n: int, k: int, group: int, symmetric: bool) -> tuple[Qua
     return QuantizedWeight(pack_codes(codes), scales, mins, group), codes
 
 
-def test_pack_unpack_roundtrip(rng):
-    codes = rng.integers(0, 16, (3, 5, 64), dtype=np.uint8)
+@pytest.mark.parametrize("k", [64, 192, 96, 40])
+def test_pack_unpack_roundtrip(rng, k):
+    """The nibble-planar layout, checked nibble by nibble: in each block of 64 k (a shorter last
+    block of length L), byte j holds element j low and element j + L/2 high."""
+    codes = rng.integers(0, 16, (3, 5, k), dtype=np.uint8)
     packed = pack_codes(codes)
-    assert packed.shape == (3, 5, 32) and packed.dtype == np.uint8
-    # independent nibble extraction: element 2j is the low nibble of byte j, 2j+1 the high one
-    assert np.array_equal(packed & 0xF, codes[..., 0::2]) and np.array_equal(packed >> 4, codes[..., 1::2])
+    assert packed.shape == (3, 5, k // 2) and packed.dtype == np.uint8
+    for kk in range(k):
+        start = kk - kk % 64
+        length = min(64, k - start)
+        j, high = (kk - start) % (length // 2), (kk - start) >= length // 2
+        byte = packed[..., start // 2 + j]
+        assert np.array_equal((byte >> 4) if high else (byte & 0xF), codes[..., kk]), kk
     assert np.array_equal(np.asarray(unpack_codes(jnp.asarray(packed))), codes)
 
 

@@ -1,0 +1,92 @@
+"""The kernels switch (qspec_jax/kernels.py): the model on the Pallas kernels (interpret mode on the
+CPU) against the model on the references, row-count invariance and QSPEC exactness on the kernel
+path, the fallback for shapes the kernels cannot tile, and bad switch values."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from convert.pipeline import convert_model
+from convert.quantize import QuantScheme
+from qspec_jax.api import generate
+from qspec_jax.decode import ROW_TILE
+from qspec_jax.kernels import resolve_kernels
+from qspec_jax.model import forward, init_cache
+from pallas_kernels import gpu_attention, gpu_matmul
+from tests.conftest import TINY, memory_model, random_source
+
+# kernel-friendly: head_dim a power of two, K a multiple of 64, N a multiple of 16
+KCFG = dataclasses.replace(TINY, vocab_size=112, hidden_size=64, intermediate_size=128, head_dim=16)
+
+
+def _model(rng, cfg=KCFG, group=32):
+    params, cfg, _ = convert_model(random_source(cfg, rng), QuantScheme(group, False, "rtn"), None)
+    return params, cfg
+
+
+def _prefilled(rng, params, cfg, b=2, p=9, slots=32):
+    toks = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, p + 4)), jnp.int32)
+    cache = init_cache(cfg, b, slots)
+    _, cache = forward(params, cfg, toks[:, :p], jnp.broadcast_to(jnp.arange(p), (b, p)), cache,
+                       mode="w4a16", kernels="reference")
+    return toks[:, p:], jnp.broadcast_to(jnp.arange(p, p + 4), (b, 4)), cache
+
+
+def _check_kernel_path(params, cfg, toks, pos, cache, mode):
+    """The kernel path (interpret) against the references, and bitwise equal to one-token steps."""
+    run = lambda t, p, c, k: forward(params, cfg, t, p, c, mode=mode, row_tile=ROW_TILE, kernels=k)  # noqa: E731
+    got, got_cache = run(toks, pos, cache, "interpret")
+    want, _ = run(toks, pos, cache, "reference")
+    # w16a16 stays in float32; the other modes round activations to bf16 / int codes, which turns
+    # float32-ulp differences between the paths (summation order) into occasional 1-code jumps
+    scale = float(jnp.abs(want).max())
+    assert float(jnp.abs(got - want).max()) <= (1e-4 if mode == "w16a16" else 2e-2) * scale
+    steps, c = [], cache
+    for i in range(toks.shape[1]):  # the same tokens one at a time: bitwise the same logits and KV
+        lg, c = run(toks[:, i:i + 1], pos[:, i:i + 1], c, "interpret")
+        steps.append(lg)
+    np.testing.assert_array_equal(np.asarray(jnp.concatenate(steps, 1)), np.asarray(got))
+    for a, b in zip(c, got_cache):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a8", "w4a4", "w16a16"])
+def test_kernel_path_matches_reference_and_is_row_count_invariant(rng, mode):
+    params, cfg = _model(rng)
+    _check_kernel_path(params, cfg, *_prefilled(rng, params, cfg), mode)
+
+
+def test_greedy_qspec_equals_w4a16_on_kernel_path(rng):
+    params, cfg = _model(rng)
+    model = memory_model(params, cfg)
+    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (3, 7)]
+    ref = generate(model, prompts, max_new_tokens=10, method="w4a16", kernels="interpret", eos_token_id=-1)
+    res = generate(model, prompts, max_new_tokens=10, method="qspec", draft="w4a4", gamma=3,
+                   kernels="interpret", eos_token_id=-1)
+    for a, b in zip(res.sequences, ref.sequences):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_shapes_the_kernels_cannot_tile_fall_back_to_the_references(rng):
+    """TINY: head_dim 12, K = 48 and 80 (not multiples of 64), vocab 97: the matmuls and attention
+    run the fixed-tile references (RMSNorm, hidden 48, still runs its kernel); same checks."""
+    params, cfg = _model(rng, TINY, group=16)
+    assert not gpu_attention.supported(cfg.head_dim, 32)
+    assert not any(gpu_matmul.supported(kind, n, k, 16) for kind in ("w4a16", "w4ax")
+                   for n, k in ((cfg.hidden_size, cfg.hidden_size), (cfg.hidden_size, cfg.intermediate_size)))
+    assert not gpu_matmul.supported("dense", cfg.vocab_size, cfg.hidden_size, 0)
+    _check_kernel_path(params, cfg, *_prefilled(rng, params, cfg), "w4a16")
+
+
+def test_bad_kernels_value_raises(rng):
+    assert resolve_kernels("auto") == ("pallas" if jax.default_backend() == "gpu" else "reference")
+    with pytest.raises(ValueError, match="unknown kernels"):
+        resolve_kernels("triton")
+    params, cfg = _model(rng)
+    with pytest.raises(ValueError, match="unknown kernels"):
+        generate(memory_model(params, cfg), [[1, 2]], max_new_tokens=2, kernels="cuda")
