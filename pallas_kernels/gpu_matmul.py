@@ -24,8 +24,9 @@ the high nibbles k 32..63), in the modes of :mod:`pallas_kernels.reference`:
 The weight tile is the MMA's M side (``block_n`` rows), a 16-token row tile its N side. A program
 holds up to :data:`ROW_TILES` row tiles and applies each weight tile, once loaded and unpacked, to
 all of them. Grid: ``(ceil(M / (16 * tiles)), N / block_n, split_k)``; each program loops over its K
-range in chunks of ``block_k``; with ``split_k`` > 1 the float32 partial sums of the K ranges are
-added left to right after the kernel.
+range in chunks of ``block_k``; with ``split_k`` > 1 (K cut into that many ranges of whole chunks or
+groups, ``ceil(units / split_k)`` each) the float32 partial sums of the K ranges are added left to
+right after the kernel.
 
 Row-count invariance by construction: every row tile runs the same instruction sequence whatever
 M is and whichever program or tile slot holds it (rows beyond M are masked: never read, fed to the
@@ -60,8 +61,15 @@ def _is_pow2(v: int) -> bool:
     return v > 0 and v & (v - 1) == 0
 
 
+def _units(k: int, group: int, block_k: int) -> int:
+    """K ranges that a split never cuts: K chunks, or whole groups when a group spans chunks."""
+    return k // max(group, block_k)
+
+
 def _split_ok(k: int, group: int, block_k: int, split_k: int) -> bool:
-    return k % split_k == 0 and (k // split_k) % max(group, block_k) == 0
+    """K splits hold whole units, ceil(units / split_k) each, the last one fewer but at least one."""
+    units = _units(k, group, block_k)
+    return k % max(group, block_k) == 0 and split_k >= 1 and -(-units // split_k) * (split_k - 1) < units
 
 
 def default_config(n: int, k: int, group: int, kind: str, block_n: int | None = None,
@@ -106,8 +114,8 @@ def _check_tiles(n: int, k: int, g: int, block_n: int, block_k: int, split_k: in
     if n % block_n:
         raise ValueError(f"N={n} is not a multiple of the N block {block_n}")
     if split_k < 1 or not _split_ok(k, g, block_k, split_k):
-        raise ValueError(f"split_k={split_k}: each of the K splits must hold whole groups and whole "
-                         f"K blocks (K={k}, group {g}, block_k {block_k})")
+        raise ValueError(f"split_k={split_k}: K={k} has only {_units(k, g, block_k)} K blocks / groups "
+                         f"(group {g}, block_k {block_k}) to split")
 
 
 def supported(kind: str, n: int, k: int, group: int) -> bool:
@@ -197,10 +205,14 @@ def _sum_splits(parts: jax.Array) -> jax.Array:
     return out
 
 
-def _k_range(k: int, split_k: int, block_k: int) -> tuple[jax.Array | int, int]:
-    """(first chunk, chunks) of this program's K range."""
-    steps = k // split_k // block_k
-    return (pl.program_id(2) * steps if split_k > 1 else 0), steps
+def _k_range(units: int, split_k: int) -> tuple[jax.Array | int, jax.Array | int]:
+    """(first unit, units) of this program's K range: ``ceil(units / split_k)`` per split, the last
+    split the rest (a function of the shape only)."""
+    if split_k == 1:
+        return 0, units
+    per = -(-units // split_k)
+    base = pl.program_id(2) * per
+    return base, jnp.minimum(per, units - base)
 
 
 # ----------------------------------------------------------------------------------------- W4A16
@@ -270,7 +282,7 @@ def _w4a16_kernel(x_ref, p_ref, s_ref, *rest, m: int, k: int, group: int, block_
     bn = p_ref.shape[0]
     masks = _row_masks(m, tiles)
     words = block_k // 4  # uint16 elements per weight row in a chunk
-    base, steps = _k_range(k, split_k, block_k)
+    base, steps = _k_range(k // block_k, split_k)
     dims = (((1,), (1,)), ((), ()))
 
     def body(i, accs):
@@ -397,10 +409,9 @@ def _w4ax_kernel(qx_ref, sa_ref, p_ref, s_ref, *rest, m: int, k: int, group: int
             out.append(tots[r] + t)
         return tuple(out)
 
-    span = k // split_k  # K elements of this program
     if group <= block_k:
         unit = max(group, PACK_BLOCK) // 2  # bytes per group (or per 64-block for groups of 32)
-        base, steps = _k_range(k, split_k, block_k)
+        base, steps = _k_range(k // block_k, split_k)
 
         def body(i, tots):
             for j in range(block_k // 2 // unit):
@@ -413,8 +424,7 @@ def _w4ax_kernel(qx_ref, sa_ref, p_ref, s_ref, *rest, m: int, k: int, group: int
                     tots = epilogue(tots, both(res), byte0 * 2 // group)
             return tots
     else:
-        steps = span // group
-        gbase = pl.program_id(2) * steps if split_k > 1 else 0
+        gbase, steps = _k_range(k // group, split_k)
 
         def body(i, tots):
             gi = gbase + i
@@ -502,9 +512,10 @@ def _dense_config(n: int, k: int) -> tuple[int, int, int]:
         raise ValueError(f"dense_matmul needs N and K multiples of 16, got N={n}, K={k}")
     split_k = 1
     for s in (2, 4, 8):
-        if n // block_n * split_k >= MIN_PROGRAMS or k % (s * block_k):
+        if n // block_n * split_k >= MIN_PROGRAMS:
             break
-        split_k = s
+        if _split_ok(k, block_k, block_k, s):
+            split_k = s
     return block_n, block_k, split_k
 
 
@@ -512,7 +523,7 @@ def _dense_kernel(x_ref, w_ref, o_ref, *, m: int, k: int, block_k: int, split_k:
     """Float weights: ``acc_r[bn, 16] += W[bn, bk] @ x_r[16, bk].T`` over this program's K range."""
     bn = w_ref.shape[0]
     masks = _row_masks(m, tiles)
-    base, steps = _k_range(k, split_k, block_k)
+    base, steps = _k_range(k // block_k, split_k)
 
     def body(i, accs):
         cols = pl.ds((base + i) * block_k, block_k)

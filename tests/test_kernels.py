@@ -133,12 +133,14 @@ def test_row_count_invariance(rng, symmetric):
 
 
 @pytest.mark.parametrize("symmetric", [True, False])
-def test_split_k(rng, symmetric):
-    """K split over 2 or 4 programs (fixed per weight shape): partial sums added after the kernel."""
-    k, n, group = 512, 32, 64
+@pytest.mark.parametrize("k,splits", [(512, (2, 4)), (384, (2,)), (896, (4,))])
+def test_split_k(rng, symmetric, k, splits):
+    """K split over 2 or 4 programs (fixed per weight shape; 384 = 3 chunks of 128 split 2 + 1, 896 =
+    7 chunks split 2+2+2+1): partial sums added after the kernel."""
+    n, group = 32, 64
     w = random_weight(rng, n, k, group, symmetric)
     x = random_x(rng, 13, k)
-    for split in (2, 4):
+    for split in splits:
         got = np.asarray(gm.w4ax_matmul(x, w, 4, block_n=BN, split_k=split, interpret=True))
         want = np.asarray(ref.quantized_matmul(x, w, "w4a4"))
         assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
