@@ -33,7 +33,7 @@ def draft(params, state: DecodeState, rt: Runtime, gamma: int, mode: str, key: j
 
     def step(i, carry):
         tok, cache, drafts, qs = carry
-        logits, cache = rt.run(params, tok[:, None], (state.lengths - 1 + i)[:, None], cache, mode, row_tile=None)
+        logits, cache = rt.run(params, tok[:, None], (state.lengths - 1 + i)[:, None], cache, mode)
         nxt, q = choose(logits[:, 0], rt.sampling, jax.random.fold_in(key, i))
         drafts = drafts.at[:, i].set(nxt)
         if stochastic:
