@@ -16,6 +16,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from qspec_jax.decode import DecodeState, Runtime, commit, last_tokens
 from qspec_jax.sampling import accept_greedy, accept_stochastic, choose
@@ -44,14 +45,24 @@ def draft(params, state: DecodeState, rt: Runtime, gamma: int, mode: str, key: j
     return drafts, (qs if stochastic else None), cache
 
 
-def qspec_round(params, state: DecodeState, rt: Runtime, gamma: int, draft_mode: str) -> DecodeState:
-    """One draft / verify / accept / commit round for the whole batch (finished rows commit nothing)."""
+def qspec_round(params, state: DecodeState, rt: Runtime, gamma: int, draft_mode: str,
+                replay: jax.Array | None = None) -> DecodeState:
+    """One draft / verify / accept / commit round for the whole batch (finished rows commit nothing).
+
+    ``replay`` (benchmarks only, greedy): ``int32[R, B]`` accepted-draft counts recorded on real
+    weights; round ``r`` of sequence ``b`` accepts ``replay[r, b]`` drafts (the last row repeats)
+    instead of comparing tokens. Every draft step and the verify pass still run."""
     key, k_draft, k_accept = jax.random.split(state.key, 3)
     drafts, qs, cache = draft(params, state, rt, gamma, draft_mode, k_draft)
     verify_tokens = jnp.concatenate([last_tokens(state), drafts], axis=1)
     positions = state.lengths[:, None] - 1 + jnp.arange(gamma + 1)[None, :]
     logits, cache = rt.run(params, verify_tokens, positions, cache, TARGET_MODE)
-    if rt.sampling.greedy:
+    if replay is not None:
+        row = replay[jnp.minimum(state.rounds, replay.shape[0] - 1), jnp.arange(drafts.shape[0])]
+        accepted = jnp.clip(row, 0, gamma).astype(jnp.int32)
+        target = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        extra = jnp.take_along_axis(target, accepted[:, None], axis=-1)[:, 0]
+    elif rt.sampling.greedy:
         accepted, extra = accept_greedy(drafts, logits)
     else:
         accepted, extra = accept_stochastic(drafts, qs, logits, rt.sampling, k_accept)
@@ -66,7 +77,22 @@ def qspec_round(params, state: DecodeState, rt: Runtime, gamma: int, draft_mode:
 
 
 @functools.partial(jax.jit, static_argnames=("rt", "gamma", "draft_mode"), donate_argnames=("state",))
-def qspec_loop(params, state: DecodeState, *, rt: Runtime, gamma: int, draft_mode: str) -> DecodeState:
-    """QSPEC decoding until every sequence is done: one ``lax.while_loop``, one round per iteration."""
+def qspec_loop(params, state: DecodeState, *, rt: Runtime, gamma: int, draft_mode: str,
+               replay: jax.Array | None = None) -> DecodeState:
+    """QSPEC decoding until every sequence is done: one ``lax.while_loop``, one round per iteration
+    (``replay``: see :func:`qspec_round`)."""
     return jax.lax.while_loop(lambda s: ~jnp.all(s.done),
-                              lambda s: qspec_round(params, s, rt, gamma, draft_mode), state)
+                              lambda s: qspec_round(params, s, rt, gamma, draft_mode, replay), state)
+
+
+def acceptance_trace(params, state: DecodeState, *, rt: Runtime, gamma: int, draft_mode: str) -> np.ndarray:
+    """Greedy QSPEC round by round from the host, recording ``int32[rounds, B]``: the drafts each
+    sequence accepted in each round (its value is unused once the sequence is done). The input to
+    :func:`qspec_round`'s ``replay``, e.g. recorded on real weights and replayed on random ones."""
+    step = jax.jit(functools.partial(qspec_round, rt=rt, gamma=gamma, draft_mode=draft_mode))
+    rows = []
+    while not bool(jnp.all(state.done)):
+        before = state.accepted
+        state = step(params, state)
+        rows.append(np.asarray(state.accepted - before))
+    return np.stack(rows).astype(np.int32) if rows else np.zeros((0, state.lengths.shape[0]), np.int32)

@@ -486,3 +486,29 @@ def test_qspec_loop_is_one_while_loop_and_compiles_once(tiny_model, rng):
     assert after_first == before + 1
     assert qspec_loop._cache_size() == after_first
     assert [len(s) for s in a.sequences] == [len(s) for s in b.sequences] == [7, 7]
+
+
+def test_replayed_acceptance_trace(tiny_model, rng):
+    """A trace recorded round by round, replayed in the loop, reproduces the greedy run exactly; a
+    made-up trace drives the counters (every round accepts what the trace says)."""
+    cfg, params = tiny_model.config, tiny_model.checkpoint.params
+    rt = Runtime(cfg, 12, -1, Sampling())
+    tokens = rng.integers(0, cfg.vocab_size, (3, 6)).astype(np.int32)
+    lengths = np.array([6, 4, 5], np.int32)
+
+    def fresh():
+        return _prefill_jit(params, tokens, lengths, jax.random.key(0), rt=rt, buffer_len=22, cache_len=22,
+                            mode="w4a16")
+
+    trace = qspec_mod.acceptance_trace(params, fresh(), rt=rt, gamma=3, draft_mode="w4a4")
+    greedy = qspec_loop(params, fresh(), rt=rt, gamma=3, draft_mode="w4a4")
+    replayed = qspec_loop(params, fresh(), rt=rt, gamma=3, draft_mode="w4a4", replay=jnp.asarray(trace))
+    for a, b in zip((greedy.tokens, greedy.lengths, greedy.rounds, greedy.accepted),
+                    (replayed.tokens, replayed.lengths, replayed.rounds, replayed.accepted)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert trace.shape == (int(np.asarray(greedy.rounds).max()), 3)
+    made_up = np.array([[3, 0, 2]], np.int32)  # every round: 3, 0 and 2 accepted drafts
+    st = qspec_loop(params, fresh(), rt=rt, gamma=3, draft_mode="w4a4", replay=jnp.asarray(made_up))
+    # 11 tokens after the prefill's first: rounds of 4, 1 and 3 tokens -> 3, 11 and 4 rounds
+    np.testing.assert_array_equal(np.asarray(st.rounds), [3, 11, 4])
+    np.testing.assert_array_equal(np.asarray(st.lengths - lengths), [12, 12, 12])
