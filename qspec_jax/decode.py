@@ -56,11 +56,12 @@ class Runtime:
     dtype: Any = jnp.float32
     online_rotation_seed: int | None = None
     kernels: str = "auto"  # see qspec_jax.kernels
+    invariant: bool = True  # False: plain XLA decode steps, not row-count invariant (benchmark baselines)
 
     def run(self, params, tokens, positions, cache, mode: str, row_tile: int | None = ROW_TILE):
         return forward(params, self.config, tokens, positions, cache, mode=mode, dtype=self.dtype,
-                       online_rotation_seed=self.online_rotation_seed, row_tile=row_tile,
-                       kernels=self.kernels)
+                       online_rotation_seed=self.online_rotation_seed,
+                       row_tile=row_tile if self.invariant else None, kernels=self.kernels)
 
 
 def commit(state: DecodeState, cand: jax.Array, n_new: jax.Array, rt: Runtime) -> tuple[DecodeState, jax.Array]:

@@ -49,16 +49,16 @@ def qspec_round(params, state: DecodeState, rt: Runtime, gamma: int, draft_mode:
                 replay: jax.Array | None = None) -> DecodeState:
     """One draft / verify / accept / commit round for the whole batch (finished rows commit nothing).
 
-    ``replay`` (benchmarks only, greedy): ``int32[R, B]`` accepted-draft counts recorded on real
-    weights; round ``r`` of sequence ``b`` accepts ``replay[r, b]`` drafts (the last row repeats)
-    instead of comparing tokens. Every draft step and the verify pass still run."""
+    ``replay`` (benchmarks only, greedy): ``int32[R, C]`` accepted-draft counts recorded on real
+    weights; round ``r`` of sequence ``b`` accepts ``replay[r % R, b % C]`` drafts instead of
+    comparing tokens. Every draft step and the verify pass still run."""
     key, k_draft, k_accept = jax.random.split(state.key, 3)
     drafts, qs, cache = draft(params, state, rt, gamma, draft_mode, k_draft)
     verify_tokens = jnp.concatenate([last_tokens(state), drafts], axis=1)
     positions = state.lengths[:, None] - 1 + jnp.arange(gamma + 1)[None, :]
     logits, cache = rt.run(params, verify_tokens, positions, cache, TARGET_MODE)
     if replay is not None:
-        row = replay[jnp.minimum(state.rounds, replay.shape[0] - 1), jnp.arange(drafts.shape[0])]
+        row = replay[state.rounds % replay.shape[0], jnp.arange(drafts.shape[0]) % replay.shape[1]]
         accepted = jnp.clip(row, 0, gamma).astype(jnp.int32)
         target = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         extra = jnp.take_along_axis(target, accepted[:, None], axis=-1)[:, 0]
@@ -87,12 +87,12 @@ def qspec_loop(params, state: DecodeState, *, rt: Runtime, gamma: int, draft_mod
 
 def acceptance_trace(params, state: DecodeState, *, rt: Runtime, gamma: int, draft_mode: str) -> np.ndarray:
     """Greedy QSPEC round by round from the host, recording ``int32[rounds, B]``: the drafts each
-    sequence accepted in each round (its value is unused once the sequence is done). The input to
-    :func:`qspec_round`'s ``replay``, e.g. recorded on real weights and replayed on random ones."""
+    sequence accepted in each round, -1 once it is done. The input to :func:`qspec_round`'s
+    ``replay``, e.g. recorded on real weights and replayed on random ones."""
     step = jax.jit(functools.partial(qspec_round, rt=rt, gamma=gamma, draft_mode=draft_mode))
     rows = []
     while not bool(jnp.all(state.done)):
-        before = state.accepted
+        before, done = state.accepted, state.done
         state = step(params, state)
-        rows.append(np.asarray(state.accepted - before))
+        rows.append(np.where(np.asarray(done), -1, np.asarray(state.accepted - before)))
     return np.stack(rows).astype(np.int32) if rows else np.zeros((0, state.lengths.shape[0]), np.int32)

@@ -1,0 +1,342 @@
+"""End-to-end decode throughput: W16A16 (XLA bf16), W4A16 / W4A8 / W4A4 autoregressive, and QSPEC
+(both draft precisions, several gamma), for Llama-shaped models with random weights.
+
+    PYTHONPATH=. python3 -m bench.decode --trace bench/results/acceptance_trace.json \
+        [--models llama3-8b,llama2-7b,llama2-13b] [--batches 1,8,16,32,64] [--contexts 512]
+        [--new 512] [--gammas 1,3,5] [--drafts w4a8,w4a4] [--out DIR]
+    python -m bench.decode --record-trace bench/results/acceptance_trace.json \
+        --gsm8k ../shared/data/gsm8k_test_dev.jsonl      # the trace, on SmolLM2's real weights
+
+Per (model, context P, batch B): a decode state holding P committed tokens per sequence is made
+directly (random tokens, a zeroed KV cache: decode time does not depend on the values), then each
+method generates ``--new`` tokens in its jitted ``while_loop`` (compiled ahead, timed on a fresh
+state): tokens/s, ms per step (AR) or per round (QSPEC), and the ratio to W4A16 AR measured in the
+same run. QSPEC's accept decisions are **replayed** from a per-round accepted-draft trace recorded
+on SmolLM2's real weights (``--record-trace``; every draft step and verify pass still runs, only
+the accept decision is replayed): random weights would accept nothing. Phases: one draft step
+(1 token per sequence, draft mode) and one verify pass (gamma + 1 tokens, W4A16) timed alone, the
+rest of a round is overhead; the speed-up model of DESIGN.md §2,
+``S = E[L] * T_w4a16 / (gamma * T_draft + T_verify + T_overhead)`` with E[L] the measured tokens
+per round, next to the measured speed-up. Floor per step: the bytes one W4A16 step must move
+(packed weights + scales + bf16 lm_head + the KV cache read) over the copy bandwidth measured in the
+same run. Peak GPU memory (``memory_stats``) after each (model, context, batch).
+
+Writes ``decode.json`` / ``decode.md`` under ``--out`` (default ``$OUT``, else bench/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.layout import QuantizedWeight, dequantize
+from qspec_jax.config import LlamaConfig
+from qspec_jax.decode import DecodeState, Runtime, ar_loop
+from qspec_jax.model import forward
+from qspec_jax.qspec import acceptance_trace, qspec_loop
+from qspec_jax.sampling import Sampling
+
+MODELS = {
+    "llama2-7b": LlamaConfig(32000, 4096, 11008, 32, 32, 32, 128, max_position_embeddings=8192),
+    "llama3-8b": LlamaConfig(128256, 4096, 14336, 32, 32, 8, 128, rope_theta=500000.0, max_position_embeddings=8192),
+    "llama2-13b": LlamaConfig(32000, 5120, 13824, 40, 40, 40, 128, max_position_embeddings=8192),
+    "smoke": LlamaConfig(256, 128, 256, 2, 4, 2, 32, max_position_embeddings=1024),
+}
+GROUP = 128  # random weights: symmetric, group 128
+CACHE_MULTIPLE = 64
+MEM_LIMIT = 120e9  # skip a configuration whose weights + KV cache would exceed this
+
+
+def log(*a: Any) -> None:
+    print(*a, flush=True)
+
+
+# ------------------------------------------------------------------------------ model and state
+
+def _packed(key, layers: int, n: int, k: int) -> QuantizedWeight:
+    k1, k2 = jax.random.split(key)
+    packed = jax.random.bits(k1, (layers, n, k // 2), jnp.uint8)
+    scales = jax.random.uniform(k2, (layers, n, k // GROUP), jnp.float32, 0.001, 0.01).astype(jnp.float16)
+    return QuantizedWeight(packed, scales, None, GROUP)
+
+
+def random_params(cfg: LlamaConfig, key: jax.Array) -> dict:
+    """A packed-INT4 params pytree in the converter's layout, random (symmetric, group 128)."""
+    ks = jax.random.split(key, 6)
+    h, f, l = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    ones = jnp.ones((l, h), jnp.bfloat16)
+    return {
+        "embed": (0.02 * jax.random.normal(ks[0], (cfg.vocab_size, h))).astype(jnp.bfloat16),
+        "layers": {"attn_norm": {"scale": ones}, "mlp_norm": {"scale": ones},
+                   "attn": {"qkv": {"w": _packed(ks[1], l, qkv, h)},
+                            "o": {"w": _packed(ks[2], l, h, cfg.num_heads * cfg.head_dim)}},
+                   "mlp": {"gate_up": {"w": _packed(ks[3], l, 2 * f, h)}, "down": {"w": _packed(ks[4], l, h, f)}}},
+        "final_norm": {"scale": jnp.ones((h,), jnp.bfloat16)},
+        "lm_head": (0.02 * jax.random.normal(ks[5], (cfg.vocab_size, h))).astype(jnp.bfloat16),
+    }
+
+
+def float_params(params: dict) -> dict:
+    """The same weights dequantized to bf16 (the W16A16 baseline's layer weights)."""
+    return jax.tree.map(lambda a: dequantize(a, jnp.bfloat16) if isinstance(a, QuantizedWeight) else a,
+                        params, is_leaf=lambda a: isinstance(a, QuantizedWeight))
+
+
+def weight_bytes(params: dict) -> int:
+    return int(sum(a.nbytes for a in jax.tree.leaves(params)) - params["embed"].nbytes)
+
+
+def kv_bytes(cfg: LlamaConfig, batch: int, slots: int) -> int:
+    return 2 * cfg.num_layers * batch * slots * cfg.num_kv_heads * cfg.head_dim * 2
+
+
+def fresh_state(cfg: LlamaConfig, batch: int, context: int, new: int, gamma: int, seed: int) -> DecodeState:
+    """``context`` committed tokens per sequence (random), a zeroed bf16 KV cache sized for ``new``
+    more tokens plus a QSPEC round."""
+    buffer_len = context + new + gamma + 1
+    slots = -(-buffer_len // CACHE_MULTIPLE) * CACHE_MULTIPLE
+    key = jax.random.key(seed)
+    tokens = jax.random.randint(key, (batch, buffer_len), 0, cfg.vocab_size, jnp.int32)
+    shape = (cfg.num_layers, batch, slots, cfg.num_kv_heads, cfg.head_dim)
+    zeros = lambda: jnp.zeros((batch,), jnp.int32)  # noqa: E731  (distinct buffers: the state is donated)
+    lengths = lambda: jnp.full((batch,), context, jnp.int32)  # noqa: E731
+    return DecodeState(tokens, lengths(), lengths(), zeros(),
+                       (jnp.zeros(shape, jnp.bfloat16), jnp.zeros(shape, jnp.bfloat16)), key, zeros(), zeros(), zeros())
+
+
+# ------------------------------------------------------------------------------ timing
+
+def time_loop(run, params, make_state, reps: int = 2) -> tuple[float, DecodeState]:
+    """Seconds of one jitted decode loop ``run(params, state)`` (compiled ahead; best of ``reps``
+    runs, each on a fresh state)."""
+    compiled = jax.jit(run, donate_argnums=1).lower(params, make_state()).compile()
+    best, out = float("inf"), None
+    for _ in range(reps):
+        st = jax.block_until_ready(make_state())
+        t = time.perf_counter()
+        out = jax.block_until_ready(compiled(params, st))
+        best = min(best, time.perf_counter() - t)
+    return best, out
+
+
+def time_forward(params, rt: Runtime, state: DecodeState, tokens: int, mode: str, reps: int = 16) -> float:
+    """ms of one decode-time forward over ``tokens`` new tokens per sequence: ``reps`` of them in one
+    jitted ``fori_loop`` (no host dispatch between them, as inside the decode loops), best of 3."""
+    pos = state.lengths[:, None] + jnp.arange(tokens)[None]
+    toks = state.tokens[:, :tokens]
+
+    def many(p, c):
+        return jax.lax.fori_loop(0, reps, lambda i, c: rt.run(p, toks, pos, c, mode)[1], c)
+
+    fn = jax.jit(many, donate_argnums=1)
+    cache = jax.block_until_ready(fn(params, state.cache))
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        cache = jax.block_until_ready(fn(params, cache))
+        best = min(best, time.perf_counter() - t)
+    return 1e3 * best / reps
+
+
+def copy_bandwidth() -> float:
+    a = jnp.zeros((1 << 28,), jnp.float32)
+    f = jax.jit(lambda v: v + 1.0)
+    jax.block_until_ready(f(a))
+    t = time.perf_counter()
+    for _ in range(10):
+        a = f(a)
+    jax.block_until_ready(a)
+    return 10 * 8 * a.size / (time.perf_counter() - t)
+
+
+def peak_memory() -> float | None:
+    stats = jax.local_devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+# ------------------------------------------------------------------------------ one configuration
+
+def bench_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None, batch: int, context: int,
+                 args, trace: dict, bw: float) -> dict:
+    """Every method at one (model, context, batch)."""
+    res: dict = {"model": name, "batch": batch, "context": context, "new": args.new, "methods": {}}
+    gmax = max(args.gammas)
+    rt = Runtime(cfg, args.new, -1, Sampling(), jnp.bfloat16, None, args.kernels)
+    make = lambda: fresh_state(cfg, batch, context, args.new, gmax, 0)  # noqa: E731
+    slots = context + args.new + gmax + 1
+    floor_ms = 1e3 * (weight_bytes(params) + kv_bytes(cfg, batch, context + args.new // 2)) / bw
+    res["floor_ms_per_step"] = floor_ms
+    for method in args.ar:
+        p = fparams if method == "w16a16" else params
+        if p is None:
+            continue
+        # the W16A16 baseline is plain XLA (bf16 dots, XLA attention), not row-count invariant
+        rt_m = dataclasses.replace(rt, kernels="reference", invariant=False) if method == "w16a16" else rt
+        secs, _ = time_loop(lambda q, s, rt_m=rt_m, method=method: ar_loop(q, s, rt=rt_m, mode=method), p, make)
+        res["methods"][method] = {"tokens_per_s": batch * args.new / secs, "ms_per_step": 1e3 * secs / args.new}
+        log(f"  {method}: {res['methods'][method]['ms_per_step']:.2f} ms/step, "
+            f"{res['methods'][method]['tokens_per_s']:.0f} tok/s (floor {floor_ms:.2f} ms/step)")
+    base = res["methods"].get("w4a16", {}).get("ms_per_step")
+    t_target = time_forward(params, rt, make(), 1, "w4a16") if base else None
+    for draft in args.drafts:
+        t_draft = time_forward(params, rt, make(), 1, draft)
+        for g in args.gammas:
+            key = f"{draft} g={g}"
+            replay = jnp.asarray(trace[draft][str(g)], jnp.int32)
+            secs, out = time_loop(lambda q, s, g=g, draft=draft, replay=replay: qspec_loop(
+                q, s, rt=rt, gamma=g, draft_mode=draft, replay=replay), params, make)
+            rounds = float(np.asarray(out.rounds).mean())
+            t_round = 1e3 * secs / rounds
+            t_verify = time_forward(params, rt, make(), g + 1, "w4a16")
+            overhead = t_round - g * t_draft - t_verify
+            tpr = args.new / rounds
+            entry = {"tokens_per_s": batch * args.new / secs, "ms_per_round": t_round, "tokens_per_round": tpr,
+                     "draft_ms": t_draft, "verify_ms": t_verify, "overhead_ms": overhead}
+            if base:
+                entry["speedup_vs_w4a16"] = base * args.new / (1e3 * secs)
+                entry["model_speedup"] = tpr * t_target / (g * t_draft + t_verify + overhead)
+            res["methods"][f"qspec {key}"] = entry
+            log(f"  qspec {key}: {t_round:.2f} ms/round ({g} x {t_draft:.2f} draft + {t_verify:.2f} verify + "
+                f"{overhead:.2f}), {tpr:.2f} tok/round, {entry['tokens_per_s']:.0f} tok/s, "
+                f"x{entry.get('speedup_vs_w4a16', float('nan')):.2f} vs w4a16 (replayed acceptance)")
+    res["peak_bytes"] = peak_memory()
+    res["cache_bytes"] = kv_bytes(cfg, batch, -(-slots // CACHE_MULTIPLE) * CACHE_MULTIPLE)
+    return res
+
+
+# ------------------------------------------------------------------------------ the trace
+
+def record_trace(args) -> None:
+    """Per-round accepted drafts of greedy QSPEC on SmolLM2 (GSM8K-dev prompts, chat template)."""
+    from qspec_jax.api import _prefill, _tokenize, load
+    from qspec_jax.decode import pad_prompts
+
+    model = load(args.checkpoint)
+    qs = [json.loads(line)["question"] for line in args.gsm8k.read_text().splitlines() if line.strip()]
+    ids = _tokenize(model, qs[: args.prompts], chat=True)
+    tokens, lengths = pad_prompts(ids)
+    cfg = model.config
+    out: dict = {"source": "SmolLM2-135M-Instruct (embedded, default checkpoint), greedy, chat template, "
+                           f"{len(ids)} GSM8K-dev prompts x {args.new} new tokens", "device": jax.devices()[0].device_kind}
+    for draft in args.drafts:
+        out[draft] = {}
+        for g in args.gammas:
+            rt = Runtime(cfg, args.new, -1, Sampling(), jnp.float32, model.checkpoint.online_rotation_seed, args.kernels)
+            buf = int(lengths.max()) + args.new + g + 1
+            cache_len = -(-buf // CACHE_MULTIPLE) * CACHE_MULTIPLE
+            st = _prefill(model.checkpoint.params, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(0),
+                          rt=rt, buffer_len=buf, cache_len=cache_len, mode="w4a16")
+            tr = acceptance_trace(model.checkpoint.params, st, rt=rt, gamma=g, draft_mode=draft)
+            # each sequence's own rounds, cut to the shortest: no row of a finished sequence is replayed
+            cols = [c[c >= 0] for c in tr.T]
+            rounds = min(len(c) for c in cols)
+            tr = np.stack([c[:rounds] for c in cols], axis=1)
+            out[draft][str(g)] = tr.tolist()
+            log(f"{draft} gamma={g}: {rounds} rounds kept, mean accepted {tr.mean():.2f} "
+                f"({1 + tr.mean():.2f} tokens per round)")
+    args.record_trace.parent.mkdir(parents=True, exist_ok=True)
+    args.record_trace.write_text(json.dumps(out))
+
+
+# ------------------------------------------------------------------------------ report
+
+def markdown(run: dict) -> str:
+    lines = [f"# Decode throughput ({run['device']})", "", f"`{run['command']}`", "",
+             f"Copy bandwidth {run['copy_bw'] / 1e12:.2f} TB/s (same run). Random weights (symmetric INT4, "
+             f"group {GROUP}); QSPEC acceptance **replayed** from {run['trace_source']}. tok/s counts "
+             "generated tokens of the whole batch; speed-ups are against W4A16 AR in the same run; "
+             "floor = bytes one W4A16 step moves (weights + KV read at the mid context) / copy bandwidth.", ""]
+    for r in run["results"]:
+        lines += [f"## {r['model']}, batch {r['batch']}, context {r['context']} + {r['new']}", "",
+                  f"W4A16 step floor {r['floor_ms_per_step']:.2f} ms; peak GPU memory "
+                  f"{(r.get('peak_bytes') or 0) / 1e9:.1f} GB (KV cache {r['cache_bytes'] / 1e9:.1f} GB)", "",
+                  "| method | tok/s | ms/step or round | tokens/round | draft / verify / overhead ms | vs W4A16 | model |",
+                  "|---|---|---|---|---|---|---|"]
+        for m, e in r["methods"].items():
+            if "ms_per_step" in e:
+                ratio = r["methods"].get("w4a16", {}).get("ms_per_step", float("nan")) / e["ms_per_step"]
+                lines.append(f"| {m} | {e['tokens_per_s']:.0f} | {e['ms_per_step']:.2f} | 1 | | {ratio:.2f}× | |")
+            else:
+                lines.append(f"| qspec {m[6:]} (replayed) | {e['tokens_per_s']:.0f} | {e['ms_per_round']:.2f} | "
+                             f"{e['tokens_per_round']:.2f} | {e['draft_ms']:.2f} / {e['verify_ms']:.2f} / "
+                             f"{e['overhead_ms']:.2f} | {e.get('speedup_vs_w4a16', float('nan')):.2f}× | "
+                             f"{e.get('model_speedup', float('nan')):.2f}× |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="llama3-8b,llama2-7b,llama2-13b")
+    ap.add_argument("--batches", default="1,8,16,32,64")
+    ap.add_argument("--contexts", default="512")
+    ap.add_argument("--new", type=int, default=512)
+    ap.add_argument("--gammas", default="1,3,5")
+    ap.add_argument("--drafts", default="w4a8,w4a4")
+    ap.add_argument("--ar", default="w16a16,w4a16,w4a8,w4a4", help="autoregressive methods")
+    ap.add_argument("--kernels", default="auto")
+    ap.add_argument("--trace", type=Path, help="acceptance trace JSON (from --record-trace)")
+    ap.add_argument("--record-trace", type=Path, help="record the trace on SmolLM2 into this file and exit")
+    ap.add_argument("--gsm8k", type=Path, help="GSM8K-dev JSONL (for --record-trace)")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--checkpoint", type=Path, default=None)
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench/results"))
+    args = ap.parse_args(argv)
+    args.gammas = [int(g) for g in args.gammas.split(",")]
+    args.drafts = [d for d in args.drafts.split(",") if d]
+    args.ar = [m for m in args.ar.split(",") if m]
+    if args.record_trace:
+        if not args.gsm8k:
+            raise SystemExit("--record-trace needs --gsm8k")
+        record_trace(args)
+        return
+    if args.drafts and not args.trace:
+        raise SystemExit("QSPEC needs --trace (make one with --record-trace)")
+    trace = json.loads(args.trace.read_text()) if args.trace else {}
+    for d in args.drafts:
+        missing = [g for g in args.gammas if str(g) not in trace.get(d, {})]
+        if missing:
+            raise SystemExit(f"the trace has no {d} rounds for gamma {missing}")
+    bw = copy_bandwidth()
+    run = {"command": " ".join(["python3 -m bench.decode", *sys.argv[1:]]), "device": jax.devices()[0].device_kind,
+           "copy_bw": bw, "trace_source": trace.get("source", "-"), "results": []}
+    log(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+    for name in args.models.split(","):
+        cfg = MODELS[name]
+        params = random_params(cfg, jax.random.key(1))
+        fparams = float_params(params) if "w16a16" in args.ar else None
+        for context in (int(c) for c in args.contexts.split(",")):
+            for batch in (int(b) for b in args.batches.split(",")):
+                need = weight_bytes(params) * (3 if fparams else 1) + kv_bytes(cfg, batch, context + args.new + 64)
+                if need > MEM_LIMIT:
+                    log(f"{name} B={batch} ctx={context}: skipped, needs ~{need / 1e9:.0f} GB")
+                    run["results"].append({"model": name, "batch": batch, "context": context, "new": args.new,
+                                           "skipped": f"needs ~{need / 1e9:.0f} GB"})
+                    continue
+                log(f"{name} B={batch} ctx={context}")
+                run["results"].append(bench_config(name, cfg, params, fparams, batch, context, args, trace, bw))
+                save(run, args.out)
+        del params, fparams
+    save(run, args.out)
+    print(markdown({**run, "results": [r for r in run["results"] if "skipped" not in r]}))
+
+
+def save(run: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "decode.json").write_text(json.dumps(run, indent=1))
+    (out / "decode.md").write_text(markdown({**run, "results": [r for r in run["results"] if "skipped" not in r]}))
+
+
+if __name__ == "__main__":
+    main()
