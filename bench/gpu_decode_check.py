@@ -1,6 +1,8 @@
-"""GPU check of the decode path with the jnp reference matmuls (no Pallas kernels yet): on a random
-model of Llama-like proportions, is the verify pass row-count invariant (bitwise) and is greedy QSPEC
-identical to greedy W4A16?  ``PYTHONPATH=. python3 -m bench.gpu_decode_check``"""
+"""GPU check of the decode path on the jnp references (``kernels="reference"``: XLA's own GPU
+kernels, no Pallas): on a random model of Llama-like proportions, is the verify pass row-count
+invariant (bitwise) and is greedy QSPEC identical to greedy W4A16?
+``PYTHONPATH=. python3 -m bench.gpu_decode_check``. (The same checks on the Pallas kernels are
+tests/test_gpu.py, which reuses :func:`random_model`.)"""
 
 from __future__ import annotations
 
@@ -42,8 +44,9 @@ def main() -> None:
         toks = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, p + g)))
         cache = init_cache(cfg, b, 64, dtype)
         _, cache = forward(params, cfg, toks[:, :p], jnp.broadcast_to(jnp.arange(p), (b, p)), cache,
-                           mode="w4a16", dtype=dtype)
-        step = jax.jit(lambda t, pos, c: forward(params, cfg, t, pos, c, mode="w4a16", dtype=dtype, row_tile=ROW_TILE))
+                           mode="w4a16", dtype=dtype, kernels="reference")
+        step = jax.jit(lambda t, pos, c: forward(params, cfg, t, pos, c, mode="w4a16", dtype=dtype, row_tile=ROW_TILE,
+                                                     kernels="reference"))
         lv, cv = step(toks[:, p:], jnp.broadcast_to(jnp.arange(p, p + g), (b, g)), cache)
         ca, la = cache, []
         for i in range(g):
@@ -54,10 +57,11 @@ def main() -> None:
               f"(max diff {float(jnp.abs(la - lv).max()):.3g}); KV bitwise: "
               f"{bool(jnp.array_equal(ca[0], cv[0]) and jnp.array_equal(ca[1], cv[1]))}")
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (5, 17, 9, 30)]
-    ref = generate(model, prompts, max_new_tokens=48, method="w4a16")
+    ref = generate(model, prompts, max_new_tokens=48, method="w4a16", kernels="reference")
     for draft in ("w4a8", "w4a4"):
         for gamma in (1, 3, 5):
-            res = generate(model, prompts, max_new_tokens=48, method="qspec", draft=draft, gamma=gamma)
+            res = generate(model, prompts, max_new_tokens=48, method="qspec", draft=draft, gamma=gamma,
+                           kernels="reference")
             same = all(np.array_equal(a, b) for a, b in zip(res.sequences, ref.sequences))
             print(f"qspec {draft} gamma={gamma}: identical to w4a16 {same}, acceptance "
                   f"{res.stats['acceptance_rate']:.3f}")

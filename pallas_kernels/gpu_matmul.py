@@ -89,13 +89,20 @@ def default_config(n: int, k: int, group: int, kind: str, block_n: int | None = 
                                         or (split_k is not None and not _split_ok(k, group, block_k, split_k))):
             block_k //= 2
     if split_k is None:
-        split_k = 1
-        for s in (2, 4, 8):
-            if n // block_n * split_k >= MIN_PROGRAMS:
-                break
-            if _split_ok(k, group, block_k, s):
-                split_k = s
+        split_k = _default_split(n // block_n, lambda s: _split_ok(k, group, block_k, s))
     return block_n, block_k, split_k
+
+
+def _default_split(programs: int, ok) -> int:
+    """The largest of 1, 2, 4, 8 that ``ok`` allows, stopping once ``programs * split`` reaches
+    :data:`MIN_PROGRAMS`."""
+    split_k = 1
+    for s in (2, 4, 8):
+        if programs * split_k >= MIN_PROGRAMS:
+            break
+        if ok(s):
+            split_k = s
+    return split_k
 
 
 def _check_tiles(n: int, k: int, g: int, block_n: int, block_k: int, split_k: int) -> None:
@@ -510,13 +517,7 @@ def _dense_config(n: int, k: int) -> tuple[int, int, int]:
     block_k = next((b for b in (DENSE_BLOCK_K, 128, 64, 32, 16) if k % b == 0), None)
     if block_n is None or block_k is None:
         raise ValueError(f"dense_matmul needs N and K multiples of 16, got N={n}, K={k}")
-    split_k = 1
-    for s in (2, 4, 8):
-        if n // block_n * split_k >= MIN_PROGRAMS:
-            break
-        if _split_ok(k, block_k, block_k, s):
-            split_k = s
-    return block_n, block_k, split_k
+    return block_n, block_k, _default_split(n // block_n, lambda s: _split_ok(k, block_k, block_k, s))
 
 
 def _dense_kernel(x_ref, w_ref, o_ref, *, m: int, k: int, block_k: int, split_k: int, tiles: int, precision):

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from bench.gpu_decode_check import random_model
 from pallas_kernels import gpu_attention, gpu_matmul, gpu_norm, reference
 from pallas_kernels.layout import QuantizedWeight, dequantize, pack_codes, w4a16_weights
 
@@ -130,34 +131,13 @@ def test_attention_kernel(rng, dtype, heads, kv, d):
         np.testing.assert_array_equal(np.asarray(att(q[:, :t], k, v, pos[:, :t])), full[:, :t], err_msg=f"T={t}")
 
 
-def _random_model(rng, **changes):
-    from convert.pipeline import convert_model
-    from convert.quantize import QuantScheme
-    from convert.sources import SourceModel, expected_shapes
-    from qspec_jax.api import Model
-    from qspec_jax.checkpoint import Checkpoint
-    from qspec_jax.config import LlamaConfig
-
-    c = LlamaConfig(vocab_size=2048, hidden_size=512, intermediate_size=1536, num_layers=4, num_heads=8,
-                    num_kv_heads=2, head_dim=64, max_position_embeddings=1024, tie_word_embeddings=True)
-    c = dataclasses.replace(c, **changes)
-    layers = [{n: (0.05 * rng.standard_normal(s)).astype(np.float32) for n, s in expected_shapes(c).items()}
-              for _ in range(c.num_layers)]
-    for layer in layers:
-        layer["attn_norm"] = layer["mlp_norm"] = np.ones(c.hidden_size, np.float32)
-    src = SourceModel(c, rng.standard_normal((c.vocab_size, c.hidden_size)).astype(np.float32),
-                      np.ones(c.hidden_size, np.float32), None, layers, {}, "random")
-    params, cfg, manifest = convert_model(src, QuantScheme(32, False, "rtn"), None)
-    return Model(Checkpoint(None, cfg, jax.device_put(params), manifest), None)
-
-
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
 def test_verify_pass_row_count_invariant(rng, dtype, mode):
     from qspec_jax.decode import ROW_TILE
     from qspec_jax.model import forward, init_cache
 
-    model = _random_model(rng)
+    model = random_model(rng)
     cfg, params = model.config, model.checkpoint.params
     b, p, g = 3, 20, 6
     toks = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, p + g)))
@@ -180,7 +160,7 @@ def test_verify_pass_row_count_invariant(rng, dtype, mode):
 def test_greedy_qspec_equals_w4a16_random_model(rng, dtype):
     from qspec_jax.api import generate
 
-    model = _random_model(rng)
+    model = random_model(rng)
     prompts = [rng.integers(0, model.config.vocab_size, n).tolist() for n in (5, 17, 9, 30)]
     ref = generate(model, prompts, max_new_tokens=48, method="w4a16", dtype=dtype, kernels="pallas")
     for draft in ("w4a8", "w4a4"):
