@@ -624,7 +624,13 @@ def _args(argv: list[str]) -> argparse.Namespace:
                     help="Pallas compiles at once")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shapes in interpret mode (CPU check of this script)")
+    ap.add_argument("--row-tiles", type=int, default=None,
+                    help=f"16-row tiles per matmul program (default gpu_matmul.ROW_TILES = {gm.ROW_TILES})")
     args = ap.parse_args(argv)
+    if args.row_tiles is not None:
+        if not 1 <= args.row_tiles <= 4:
+            ap.error("--row-tiles must be 1..4 (shared memory)")
+        gm.ROW_TILES = args.row_tiles
     if args.smoke:
         _smoke()
     args.parts = [p for p in args.parts.split(",") if p]
