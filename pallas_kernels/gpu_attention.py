@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from pallas_kernels.launch import call_kernel
+from pallas_kernels.launch import LAYER_SPEC, at_layer, call_kernel, pl_triton, stacked_input
 
 ROW_TILE = 16  # query rows per MMA tile (the MMA's M side)
 BLOCK_S = 64  # cache slots per KV block
@@ -53,11 +53,12 @@ def supported(head_dim: int, slots: int) -> bool:
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and slots % 16 == 0
 
 
-def _kernel(q_ref, pos_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, tiles: int, block_s: int,
-            blocks_per_split: int, scale: float, precision):
+def _kernel(layer_ref, q_ref, pos_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, tiles: int, block_s: int,
+            blocks_per_split: int, scale: float, precision, interpret: bool):
     """One (sequence, KV head, split): online softmax over the split's KV blocks for all row tiles."""
     d = q_ref.shape[-1]
     split = pl.program_id(2)
+    layer = layer_ref[0]
     qs = [q_ref[pl.ds(i * ROW_TILE, ROW_TILE), :] for i in range(tiles)]
     ps = [pos_ref[pl.ds(i * ROW_TILE, ROW_TILE)] for i in range(tiles)]
     needed = (jnp.max(pos_ref[...]) // block_s) + 1  # blocks any row of this sequence can see
@@ -65,8 +66,9 @@ def _kernel(q_ref, pos_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, tiles: int, 
     last = jnp.minimum(first + blocks_per_split, needed)
 
     def body(j, carry):
-        k = k_ref[pl.ds(j * block_s, block_s), :]  # [bs, d]
-        v = v_ref[pl.ds(j * block_s, block_s), :]
+        slots = (pl.ds(j * block_s, block_s), slice(None))
+        k = pl_triton.load(at_layer(k_ref, layer, slots, interpret))  # [bs, d]
+        v = pl_triton.load(at_layer(v_ref, layer, slots, interpret))
         slot = j * block_s + jax.lax.broadcasted_iota(jnp.int32, (1, block_s), 1)
         out = []
         for i in range(tiles):
@@ -108,18 +110,23 @@ def _merge(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
 
 
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, *,
-                     block_s: int | None = None, splits: int | None = None,
-                     interpret: bool = False) -> jax.Array:
+                     layer: jax.Array | None = None, block_s: int | None = None,
+                     splits: int | None = None, interpret: bool = False) -> jax.Array:
     """Attention of ``q[B, T, H, d]`` over the cache ``k, v[B, S, KV, d]``; slot ``s`` is visible to
     query ``t`` iff ``s <= q_pos[b, t]`` (int32 ``[B, T]``, each ``>= 0``). Output like ``q``.
+    With ``layer`` (an int32 scalar) the cache is the model's stack ``[L, B, S, KV, d]``, read at
+    that layer in place.
 
     ``S`` must be a multiple of the KV block (default :data:`BLOCK_S`, or the largest power of two
     >= 16 dividing S). ``splits`` defaults to :func:`num_splits`."""
-    if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
-        raise ValueError(f"expected q [B,T,H,d] and k, v [B,S,KV,d]; got {q.shape}, {k.shape}, {v.shape}")
+    cache_dims = 4 if layer is None else 5
+    if q.ndim != 4 or k.ndim != cache_dims or v.shape != k.shape:
+        raise ValueError(f"expected q [B,T,H,d] and k, v {'[B,S,KV,d]' if layer is None else '[L,B,S,KV,d]'}; "
+                         f"got {q.shape}, {k.shape}, {v.shape}")
+    (k, v), lidx = stacked_input((k, v), layer)
     b, t, h, d = q.shape
-    _, s, kvh, dk = k.shape
-    if k.shape[0] != b or dk != d or h % kvh:
+    nl, _, s, kvh, dk = k.shape
+    if k.shape[1] != b or dk != d or h % kvh:
         raise ValueError(f"q {q.shape} does not match the cache {k.shape} (batch, head_dim, or "
                          "query heads not a multiple of KV heads)")
     if q_pos.shape != (b, t):
@@ -143,19 +150,19 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
     pos = jnp.pad(jnp.repeat(q_pos.astype(jnp.int32), g, axis=1), ((0, 0), (0, rows_pad - rows)))
     precision = jax.lax.Precision.HIGHEST if k.dtype == jnp.float32 else None
     kernel = functools.partial(_kernel, tiles=tiles, block_s=block_s, blocks_per_split=blocks_per_split,
-                               scale=1.0 / math.sqrt(d), precision=precision)
-    kv_spec = pl.BlockSpec((None, s, None, d), lambda i, j, p: (i, 0, j, 0))
+                               scale=1.0 / math.sqrt(d), precision=precision, interpret=interpret)
+    kv_spec = pl.BlockSpec((nl, None, s, None, d), lambda i, j, p: (0, i, 0, j, 0))
     part = (b, kvh, splits, rows_pad)
     acc, m, l = call_kernel(
         kernel,
         (jax.ShapeDtypeStruct(part + (d,), jnp.float32), jax.ShapeDtypeStruct(part, jnp.float32),
          jax.ShapeDtypeStruct(part, jnp.float32)),
         (b, kvh, splits),
-        [pl.BlockSpec((None, None, rows_pad, d), lambda i, j, p: (i, j, 0, 0)),
+        [LAYER_SPEC, pl.BlockSpec((None, None, rows_pad, d), lambda i, j, p: (i, j, 0, 0)),
          pl.BlockSpec((None, rows_pad), lambda i, j, p: (i, 0)), kv_spec, kv_spec],
         (pl.BlockSpec((None, None, None, rows_pad, d), lambda i, j, p: (i, j, p, 0, 0)),
          pl.BlockSpec((None, None, None, rows_pad), lambda i, j, p: (i, j, p, 0)),
          pl.BlockSpec((None, None, None, rows_pad), lambda i, j, p: (i, j, p, 0))),
-        interpret, 4, 2, qr, pos, k, v)
+        interpret, 4, 2, lidx, qr, pos, k, v)
     out = _merge(acc, m, l)[:, :, :rows]  # [B, KV, T*G, d]
     return out.reshape(b, kvh, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, h, d).astype(q.dtype)

@@ -21,9 +21,9 @@ the high nibbles k 32..63), in the modes of :mod:`pallas_kernels.reference`:
   ``tot = tot + t`` for g = 0, 1, ..., and ``y = s_act * tot``.
 * :func:`dense_matmul`: float weights (the lm_head on the decode path).
 
-The weight tile is the MMA's M side (``block_n`` rows), a 16-token row tile its N side. A program
-holds up to :data:`ROW_TILES` row tiles and applies each weight tile, once loaded and unpacked, to
-all of them. Grid: ``(ceil(M / (16 * tiles)), N / block_n, split_k)``; each program loops over its K
+The weight tile is the MMA's M side (``block_n`` rows), a row tile of :data:`BLOCK_M` tokens its N
+side. A program holds up to :data:`ROW_TILES` row tiles and applies each weight tile, once loaded and unpacked, to
+all of them. Grid: ``(ceil(M / (BLOCK_M * tiles)), N / block_n, split_k)``; each program loops over its K
 range in chunks of ``block_k``; with ``split_k`` > 1 (K cut into that many ranges of whole chunks or
 groups, ``ceil(units / split_k)`` each) the float32 partial sums of the K ranges are added left to
 right after the kernel.
@@ -47,12 +47,14 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_kernels.layout import PACK_BLOCK, SYMMETRIC_OFFSET, QuantizedWeight, w4a16_weights
-from pallas_kernels.launch import call_kernel, pl_triton
+from pallas_kernels.launch import LAYER_SPEC, at_layer, call_kernel, pl_triton, stacked_input, stacked_spec
 from pallas_kernels.reference import quantize_activations
 
-BLOCK_M = 16  # rows per row tile (the MMA's N side)
+# rows per row tile (the MMA's N side): one 32-row tile per program beat two 16-row tiles at M = 32
+# on the H200 (bench/results/kernels_history.md, 2026-11-30)
+BLOCK_M = 32
 PLANE_ELEMS = 16  # uint16 elements of a 64-block, each holding 4 nibbles (W4A16)
-ROW_TILES = 4  # row tiles per program at most (a weight tile is unpacked once for 64 rows)
+ROW_TILES = 1  # row tiles per program at most (>1: a weight tile unpacked once for more rows)
 MIN_PROGRAMS = 264  # split K until N / block_n * split_k reaches this (2 programs per H200 SM)
 WARPS, STAGES = 4, 3
 
@@ -141,8 +143,6 @@ def supported(kind: str, n: int, k: int, group: int) -> bool:
 def _check(x: jax.Array, w: QuantizedWeight, block_n: int, block_k: int, split_k: int) -> tuple[int, int, int]:
     if x.ndim != 2:
         raise ValueError(f"x must be [M, K], got shape {x.shape}")
-    if w.packed.ndim != 2:
-        raise ValueError(f"stacked weights are not supported: packed shape {w.packed.shape}")
     w.validate()
     n, k = w.shape
     if x.shape[1] != k:
@@ -177,20 +177,28 @@ def _load_rows(view, mask):
 
 
 def _plane_rows(ref, plane: int, r: int, cols, mask, interpret: bool):
-    """Row tile ``r`` of ``ref[plane, :, cols]`` (rows beyond M as zeros). The Triton lowering takes
-    one indexer per load, the interpreter no integer index inside one."""
-    rows = pl.ds(r * BLOCK_M, BLOCK_M)
-    view = ref.at[plane].at[rows, cols] if interpret else ref.at[plane, rows, cols]
-    return _load_rows(view, mask)
+    """Row tile ``r`` of ``ref[plane, :, cols]`` (rows beyond M as zeros)."""
+    return _load_rows(at_layer(ref, plane, (pl.ds(r * BLOCK_M, BLOCK_M), cols), interpret), mask)
 
 
-def _load_weight(ref, cols):
-    """A weight tile, read once per program: ask the cache to evict it first."""
-    return pl_triton.load(ref.at[:, cols], eviction_policy="evict_first")
+def _load_weight(ref, layer, cols, interpret: bool):
+    """A weight tile (of ``layer``, if stacked), read once per program: ask the cache to evict it first."""
+    return pl_triton.load(at_layer(ref, layer, (slice(None), cols), interpret), eviction_policy="evict_first")
+
+
+def _load_layer(ref, layer, cols, interpret: bool):
+    """Columns ``cols`` of ``ref[layer]`` (scales, minimums)."""
+    return pl_triton.load(at_layer(ref, layer, (slice(None), cols), interpret))
+
+
+def _stacked_weight(w: QuantizedWeight, layer) -> tuple[QuantizedWeight, jax.Array]:
+    if layer is not None and w.packed.ndim != 3:
+        raise ValueError(f"a layer index needs stacked weights [L, N, K/2], got packed {w.packed.shape}")
+    return stacked_input(w, layer)
 
 
 def _store_tiles(o_ref, masks, accs):
-    """Store each row tile's ``acc[bn, 16]`` transposed into its rows of ``o_ref``."""
+    """Store each row tile's ``acc[bn, BLOCK_M]`` transposed into its rows of ``o_ref``."""
     for r, (mask, acc) in enumerate(zip(masks, accs)):
         view = o_ref.at[pl.ds(r * BLOCK_M, BLOCK_M), :]
         pl_triton.store(view, acc.T, mask=jnp.broadcast_to(mask, view.shape))
@@ -257,36 +265,37 @@ def _w4a16_operand(p, t, s, mn, interpret):
         pack=2, result_shape_dtypes=[jax.ShapeDtypeStruct(p.shape, jnp.bfloat16)])[0]
 
 
-def _plane_group_values(ref, i, t, block_k, group, words, interpret):
+def _plane_group_values(ref, layer, i, t, block_k, group, words, interpret):
     """Per-element bf16 scale (or minimum) tile ``[bn, words]`` of plane ``t`` in K chunk ``i``.
 
     Element ``e`` of a chunk's plane ``t`` lies in K block ``e // 16``; with groups of 32 its group
     is ``2 * block + t % 2`` (low / high half), with groups of >= 64, ``block * 64 // group``."""
-    bn = ref.shape[0]
+    bn = ref.shape[1]
     if group >= block_k:  # one group for the whole chunk
-        v = ref[:, pl.ds((i * block_k) // group, 1)]
+        v = _load_layer(ref, layer, pl.ds((i * block_k) // group, 1), interpret)
         return jnp.broadcast_to(v.astype(jnp.bfloat16), (bn, words))
     per = block_k // group  # groups in the chunk
     if group == 32:  # every other group: the plane's half of each block
         blocks = per // 2
         if interpret:
-            v = ref[:, pl.ds(i * per, per)][:, t % 2::2]
+            v = _load_layer(ref, layer, pl.ds(i * per, per), interpret)[:, t % 2::2]
         else:
-            v = ref[:, pl.ds(i * per + t % 2, blocks, stride=2)]
+            v = _load_layer(ref, layer, pl.ds(i * per + t % 2, blocks, stride=2), interpret)
         rep = PLANE_ELEMS
     else:
-        blocks, v, rep = per, ref[:, pl.ds(i * per, per)], group // 4
+        blocks, v, rep = per, _load_layer(ref, layer, pl.ds(i * per, per), interpret), group // 4
     v = v.astype(jnp.bfloat16)
     return jnp.broadcast_to(v[:, :, None], (bn, blocks, rep)).reshape(bn, words)
 
 
-def _w4a16_kernel(x_ref, p_ref, s_ref, *rest, m: int, k: int, group: int, block_k: int,
+def _w4a16_kernel(l_ref, x_ref, p_ref, s_ref, *rest, m: int, k: int, group: int, block_k: int,
                   split_k: int, tiles: int, interpret: bool):
-    """Weight rows ``[bn]`` x up to ``tiles`` row tiles: ``acc_r[bn, 16] += sum_t W_t @ x_t,r.T``
+    """Weight rows ``[bn]`` x up to ``tiles`` row tiles: ``acc_r[bn, BLOCK_M] += sum_t W_t @ x_t,r.T``
     over the 4 nibble planes ``t`` of the chunk's uint16 elements."""
     symmetric = len(rest) == 1
     m_ref, o_ref = (None, rest[0]) if symmetric else rest
-    bn = p_ref.shape[0]
+    layer = l_ref[0]
+    bn = p_ref.shape[1]
     masks = _row_masks(m, tiles)
     words = block_k // 4  # uint16 elements per weight row in a chunk
     base, steps = _k_range(k // block_k, split_k)
@@ -294,11 +303,11 @@ def _w4a16_kernel(x_ref, p_ref, s_ref, *rest, m: int, k: int, group: int, block_
 
     def body(i, accs):
         i = base + i
-        p = _load_weight(p_ref, pl.ds(i * words, words))  # uint16 [bn, words]
+        p = _load_weight(p_ref, layer, pl.ds(i * words, words), interpret)  # uint16 [bn, words]
         accs = list(accs)
         for t in range(4):
-            s = _plane_group_values(s_ref, i, t, block_k, group, words, interpret)
-            mn = None if symmetric else _plane_group_values(m_ref, i, t, block_k, group, words, interpret)
+            s = _plane_group_values(s_ref, layer, i, t, block_k, group, words, interpret)
+            mn = None if symmetric else _plane_group_values(m_ref, layer, i, t, block_k, group, words, interpret)
             w_t = _w4a16_operand(p, t, s, mn, interpret)
             for r in range(tiles):
                 x_t = _plane_rows(x_ref, t, r, pl.ds(i * words, words), masks[r], interpret)
@@ -321,25 +330,28 @@ def activation_planes(x: jax.Array, planes: int) -> jax.Array:
     return x5.transpose(4, 2, 0, 1, 3).reshape(4, m, k // 4)  # plane = 2 * byte + half
 
 
-def w4a16_matmul(x: jax.Array, w: QuantizedWeight, *, block_n: int | None = None,
-                 block_k: int | None = None, split_k: int | None = None,
+def w4a16_matmul(x: jax.Array, w: QuantizedWeight, *, layer: jax.Array | None = None,
+                 block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
                  interpret: bool = False) -> jax.Array:
     """``x[M, K] @ w4a16_weights(w).T`` with bf16 activations and float32 accumulation -> ``f32[M, N]``.
 
-    Tiles left as None come from :func:`default_config` (a function of N, K and the group size)."""
+    With ``layer`` (an int32 scalar), ``w`` is a stack ``[L, N, ...]`` and layer ``layer`` is read in
+    place. Tiles left as None come from :func:`default_config` (a function of N, K and the group size)."""
+    w, lidx = _stacked_weight(w, layer)
+    nl = w.packed.shape[0]
     block_n, block_k, split_k = default_config(*w.shape, w.group_size, "w4a16", block_n, block_k, split_k)
     n, k, g = _check(x, w, block_n, block_k, split_k)
     m = x.shape[0]
     tiles = _tiles(m)
     rows = tiles * BLOCK_M
     xp = activation_planes(x.astype(jnp.bfloat16), 4)
-    packed = jax.lax.bitcast_convert_type(w.packed.reshape(n, k // 4, 2), jnp.uint16)
+    packed = jax.lax.bitcast_convert_type(w.packed.reshape(nl, n, k // 4, 2), jnp.uint16)
     kernel = functools.partial(_w4a16_kernel, m=m, k=k, group=g, block_k=block_k, split_k=split_k,
                                tiles=tiles, interpret=interpret)
-    sspec = pl.BlockSpec((block_n, k // g), lambda i, j, s: (j, 0))
-    in_specs = [pl.BlockSpec((4, rows, k // 4), lambda i, j, s: (0, i, 0)),
-                pl.BlockSpec((block_n, k // 4), lambda i, j, s: (j, 0)), sspec]
-    args = [xp, packed, w.scales]
+    sspec = stacked_spec(nl, (block_n, k // g), lambda i, j, s: (j, 0))
+    in_specs = [LAYER_SPEC, pl.BlockSpec((4, rows, k // 4), lambda i, j, s: (0, i, 0)),
+                stacked_spec(nl, (block_n, k // 4), lambda i, j, s: (j, 0)), sspec]
+    args = [lidx, xp, packed, w.scales]
     if not w.symmetric:
         in_specs.append(sspec)
         args.append(w.mins)
@@ -365,7 +377,7 @@ def _codes_int8(p: jax.Array, high: bool, interpret: bool) -> jax.Array:
         result_shape_dtypes=[jax.ShapeDtypeStruct(p.shape, jnp.int8)])[0]
 
 
-def _w4ax_kernel(qx_ref, sa_ref, p_ref, s_ref, *rest, m: int, k: int, group: int, block_k: int,
+def _w4ax_kernel(l_ref, qx_ref, sa_ref, p_ref, s_ref, *rest, m: int, k: int, group: int, block_k: int,
                  split_k: int, tiles: int, return_acc: bool, interpret: bool):
     """Weight rows ``[bn]`` x row tiles: per weight group, int8 MMAs into int32, then the epilogue.
 
@@ -374,15 +386,16 @@ def _w4ax_kernel(qx_ref, sa_ref, p_ref, s_ref, *rest, m: int, k: int, group: int
     it is longer than that (int32 accumulation across chunks: exact)."""
     symmetric = len(rest) == 1
     m_ref, o_ref = (None, rest[0]) if symmetric else rest
-    bn = p_ref.shape[0]
+    layer = l_ref[0]
+    bn = p_ref.shape[1]
     masks = _row_masks(m, tiles)
     dims = (((1,), (1,)), ((), ()))
     zeros = tuple((jnp.zeros((bn, BLOCK_M), jnp.int32), jnp.zeros((1, BLOCK_M), jnp.int32)) for _ in range(tiles))
 
     def planes(byte0, nbytes):
-        """``[plane][tile] -> (int32 acc(u) [bn, 16], int32 sum(x) [1, 16])`` of bytes [byte0, +nbytes)."""
+        """``[plane][tile] -> (int32 acc(u) [bn, BLOCK_M], int32 sum(x) [1, BLOCK_M])`` of bytes [byte0, +nbytes)."""
         cols = pl.ds(byte0, nbytes)
-        p = _load_weight(p_ref, cols)  # uint8 [bn, nbytes]
+        p = _load_weight(p_ref, layer, cols, interpret)  # uint8 [bn, nbytes]
         out = []
         for h in (0, 1):
             wq = _codes_int8(p, h == 1, interpret)
@@ -399,8 +412,8 @@ def _w4ax_kernel(qx_ref, sa_ref, p_ref, s_ref, *rest, m: int, k: int, group: int
 
     def epilogue(tots, res, gi):
         """``tot += f32(acc_g) * s_g (+ f32(sum_g) * m_g)`` per row tile (acc_g = acc(u) - 8 sum)."""
-        s = s_ref[:, pl.ds(gi, 1)].astype(jnp.float32)  # [bn, 1]
-        mn = None if symmetric else m_ref[:, pl.ds(gi, 1)].astype(jnp.float32)
+        s = _load_layer(s_ref, layer, pl.ds(gi, 1), interpret).astype(jnp.float32)  # [bn, 1]
+        mn = None if symmetric else _load_layer(m_ref, layer, pl.ds(gi, 1), interpret).astype(jnp.float32)
         out = []
         for r, (acc, xs) in enumerate(res):
             if symmetric:
@@ -453,16 +466,19 @@ def _w4ax_kernel(qx_ref, sa_ref, p_ref, s_ref, *rest, m: int, k: int, group: int
         _store_tiles(o_ref, masks, [t * sa.T for t, sa in zip(tots, sas)])
 
 
-def w4ax_quantized(qx: jax.Array, sa: jax.Array, w: QuantizedWeight, *, block_n: int | None = None,
-                   block_k: int | None = None, split_k: int | None = None, interpret: bool = False,
-                   return_acc: bool = False) -> jax.Array:
+def w4ax_quantized(qx: jax.Array, sa: jax.Array, w: QuantizedWeight, *, layer: jax.Array | None = None,
+                   block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
+                   interpret: bool = False, return_acc: bool = False) -> jax.Array:
     """The W4AX kernel on pre-quantized rows (``qx`` int8[M, K], ``sa`` f32[M, 1], as
     :func:`pallas_kernels.reference.quantize_activations` returns them) -> ``f32[M, N]``; with
     ``return_acc`` the per-group int32 accumulations ``int32[G, M, N]`` instead (for tests).
 
     ``split_k`` > 1: each of that many programs per output tile sums its own groups in order; the
     partial sums are added left to right after the kernel, then scaled by ``sa`` (so the group sum
-    is no longer one left-to-right chain as in the reference: ~1e-7 relative, not bitwise)."""
+    is no longer one left-to-right chain as in the reference: ~1e-7 relative, not bitwise). ``layer``:
+    as in :func:`w4a16_matmul`."""
+    w, lidx = _stacked_weight(w, layer)
+    nl = w.packed.shape[0]
     block_n, block_k, split_k = default_config(*w.shape, w.group_size, "w4ax", block_n, block_k, split_k)
     n, k, g = _check(qx, w, block_n, block_k, split_k)
     m = qx.shape[0]
@@ -474,11 +490,11 @@ def w4ax_quantized(qx: jax.Array, sa: jax.Array, w: QuantizedWeight, *, block_n:
     gcount = k // g
     kernel = functools.partial(_w4ax_kernel, m=m, k=k, group=g, block_k=block_k, split_k=split_k,
                                tiles=tiles, return_acc=return_acc, interpret=interpret)
-    sspec = pl.BlockSpec((block_n, gcount), lambda i, j, s: (j, 0))
-    in_specs = [pl.BlockSpec((2, rows, k // 2), lambda i, j, s: (0, i, 0)),
+    sspec = stacked_spec(nl, (block_n, gcount), lambda i, j, s: (j, 0))
+    in_specs = [LAYER_SPEC, pl.BlockSpec((2, rows, k // 2), lambda i, j, s: (0, i, 0)),
                 pl.BlockSpec((rows, 1), lambda i, j, s: (i, 0)),
-                pl.BlockSpec((block_n, k // 2), lambda i, j, s: (j, 0)), sspec]
-    args = [activation_planes(qx, 2), sa.astype(jnp.float32), w.packed, w.scales]
+                stacked_spec(nl, (block_n, k // 2), lambda i, j, s: (j, 0)), sspec]
+    args = [lidx, activation_planes(qx, 2), sa.astype(jnp.float32), w.packed, w.scales]
     if not w.symmetric:
         in_specs.append(sspec)
         args.append(w.mins)
@@ -494,8 +510,9 @@ def w4ax_quantized(qx: jax.Array, sa: jax.Array, w: QuantizedWeight, *, block_n:
     return sa.astype(jnp.float32) * _sum_splits(out)
 
 
-def w4ax_matmul(x: jax.Array, w: QuantizedWeight, bits: int, *, block_n: int | None = None,
-                block_k: int | None = None, split_k: int | None = None, interpret: bool = False) -> jax.Array:
+def w4ax_matmul(x: jax.Array, w: QuantizedWeight, bits: int, *, layer: jax.Array | None = None,
+                block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
+                interpret: bool = False) -> jax.Array:
     """W4A8 (``bits=8``) / W4A4 (``bits=4``): per-row activation quantization (a jnp step before the
     kernel, :func:`pallas_kernels.reference.quantize_activations`), then the int8 kernel with int32
     group accumulation and the float32 epilogue -> ``f32[M, N]``."""
@@ -504,7 +521,8 @@ def w4ax_matmul(x: jax.Array, w: QuantizedWeight, bits: int, *, block_n: int | N
     if x.ndim != 2:
         raise ValueError(f"x must be [M, K], got shape {x.shape}")
     qx, sa = quantize_activations(x, bits)
-    return w4ax_quantized(qx, sa, w, block_n=block_n, block_k=block_k, split_k=split_k, interpret=interpret)
+    return w4ax_quantized(qx, sa, w, layer=layer, block_n=block_n, block_k=block_k, split_k=split_k,
+                          interpret=interpret)
 
 
 # ----------------------------------------------------------------------------------------- dense
@@ -521,14 +539,14 @@ def _dense_config(n: int, k: int) -> tuple[int, int, int]:
 
 
 def _dense_kernel(x_ref, w_ref, o_ref, *, m: int, k: int, block_k: int, split_k: int, tiles: int, precision):
-    """Float weights: ``acc_r[bn, 16] += W[bn, bk] @ x_r[16, bk].T`` over this program's K range."""
+    """Float weights: ``acc_r[bn, BLOCK_M] += W[bn, bk] @ x_r[BLOCK_M, bk].T`` over this program's K range."""
     bn = w_ref.shape[0]
     masks = _row_masks(m, tiles)
     base, steps = _k_range(k // block_k, split_k)
 
     def body(i, accs):
         cols = pl.ds((base + i) * block_k, block_k)
-        w = _load_weight(w_ref, cols)
+        w = _load_weight(w_ref, None, cols, False)
         return tuple(acc + jax.lax.dot_general(
             w, _load_rows(x_ref.at[pl.ds(r * BLOCK_M, BLOCK_M), cols], masks[r]), (((1,), (1,)), ((), ())),
             precision=precision, preferred_element_type=jnp.float32) for r, acc in enumerate(accs))

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from pallas_kernels.launch import call_kernel
+from pallas_kernels.launch import LAYER_SPEC, at_layer, call_kernel, pl_triton, stacked_input, stacked_spec
 
 MAX_CHUNK = 1024
 
@@ -29,8 +29,9 @@ def _chunk(h: int) -> int:
     return c
 
 
-def _kernel(x_ref, s_ref, o_ref, *, h: int, chunk: int, eps: float):
+def _kernel(l_ref, x_ref, s_ref, o_ref, *, h: int, chunk: int, eps: float, interpret: bool):
     n = h // chunk
+    layer = l_ref[0]
 
     def sq(i, acc):
         v = x_ref[pl.ds(i * chunk, chunk)].astype(jnp.float32)
@@ -42,18 +43,25 @@ def _kernel(x_ref, s_ref, o_ref, *, h: int, chunk: int, eps: float):
     def write(i, carry):
         cols = pl.ds(i * chunk, chunk)
         v = x_ref[cols]
-        o_ref[cols] = s_ref[cols].astype(v.dtype) * (v.astype(jnp.float32) * r).astype(v.dtype)
+        s = pl_triton.load(at_layer(s_ref, layer, (cols,), interpret))
+        o_ref[cols] = s.astype(v.dtype) * (v.astype(jnp.float32) * r).astype(v.dtype)
         return carry
 
     jax.lax.fori_loop(0, n, write, 0)
 
 
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float, *, interpret: bool = False) -> jax.Array:
-    """RMSNorm of the rows of ``x[M, H]`` with ``scale[H]`` -> ``[M, H]`` in ``x.dtype``."""
-    if x.ndim != 2 or scale.shape != (x.shape[1],):
-        raise ValueError(f"expected x [M, H] and scale [H], got {x.shape} and {scale.shape}")
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, *, layer: jax.Array | None = None,
+             interpret: bool = False) -> jax.Array:
+    """RMSNorm of the rows of ``x[M, H]`` with ``scale[H]`` -> ``[M, H]`` in ``x.dtype``; with
+    ``layer`` (an int32 scalar), ``scale`` is a stack ``[L, H]`` read at that layer in place."""
+    want = (x.shape[-1],) if layer is None else (scale.shape[0], x.shape[-1])
+    if x.ndim != 2 or scale.shape != want or scale.ndim != (1 if layer is None else 2):
+        raise ValueError(f"expected x [M, H] and scale {'[H]' if layer is None else '[L, H]'}, "
+                         f"got {x.shape} and {scale.shape}")
     m, h = x.shape
-    kernel = functools.partial(_kernel, h=h, chunk=_chunk(h), eps=eps)
+    scale, lidx = stacked_input(scale, layer)
+    kernel = functools.partial(_kernel, h=h, chunk=_chunk(h), eps=eps, interpret=interpret)
     return call_kernel(kernel, jax.ShapeDtypeStruct((m, h), x.dtype), (m,),
-                       [pl.BlockSpec((None, h), lambda i: (i, 0)), pl.BlockSpec((h,), lambda i: (0,))],
-                       pl.BlockSpec((None, h), lambda i: (i, 0)), interpret, 4, 1, x, scale)
+                       [LAYER_SPEC, pl.BlockSpec((None, h), lambda i: (i, 0)),
+                        stacked_spec(scale.shape[0], (h,), lambda i: (0,))],
+                       pl.BlockSpec((None, h), lambda i: (i, 0)), interpret, 4, 1, lidx, x, scale)

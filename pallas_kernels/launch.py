@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import warnings
 
+import jax
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 _TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
@@ -26,3 +28,32 @@ def call_kernel(kernel, out_shape, grid, in_specs, out_specs, interpret: bool, n
         warnings.filterwarnings("ignore", message=_TRITON_DEPRECATION, category=DeprecationWarning)
         return pl.pallas_call(kernel, out_shape=out_shape, grid=grid, in_specs=in_specs,
                               out_specs=out_specs, compiler_params=params, interpret=interpret)(*args)
+
+
+def stacked_input(a, layer) -> tuple:
+    """``(stack, int32[1] layer index)`` for a kernel input that may be one layer of a stack.
+
+    The model keeps its layers stacked ``[L, ...]`` and the kernels read layer ``layer`` in place:
+    a slice passed to a ``pallas_call`` would be copied out first (a full copy of every weight and
+    of the KV cache per decode step). An unstacked input (``layer`` None) becomes a stack of one;
+    ``a`` may be a pytree of arrays (a :class:`~pallas_kernels.layout.QuantizedWeight`)."""
+    if layer is None:
+        return jax.tree.map(lambda v: v[None], a), jnp.zeros((1,), jnp.int32)
+    return a, jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+
+
+def at_layer(ref, layer, idx: tuple, interpret: bool):
+    """The view ``ref[layer][idx]`` of a stacked kernel input. One indexer on the GPU (the Triton
+    lowering takes one per load); the layer index first in interpret mode (Pallas' interpreter takes
+    no integer index beside slices in one indexer). ``layer`` None: an unstacked ``ref[idx]``."""
+    if layer is None:
+        return ref.at[idx]
+    return ref.at[layer].at[idx] if interpret else ref.at[(layer, *idx)]
+
+
+def stacked_spec(layers: int, block: tuple, index_map) -> pl.BlockSpec:
+    """A BlockSpec over a stacked input: ``block`` of every layer (the kernel picks its layer)."""
+    return pl.BlockSpec((layers, *block), lambda *g: (0, *index_map(*g)))
+
+
+LAYER_SPEC = pl.BlockSpec((1,), lambda *g: (0,))  # the int32[1] layer index

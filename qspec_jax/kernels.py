@@ -13,6 +13,9 @@ runs the fixed-tile reference instead: still row-count invariant, slower on a GP
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
@@ -22,6 +25,30 @@ from pallas_kernels.rows import map_row_tiles
 
 KERNELS = ("auto", "reference", "pallas", "interpret")
 MODES = reference.MODES
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """Layer ``index`` of ``stacked``, a per-layer array (or :class:`QuantizedWeight`) stacked along
+    axis 0, left unsliced: the kernels read it in place (a slice handed to a kernel would be copied
+    out first, every weight and the KV cache once per decode step); the references slice it."""
+
+    stacked: Any
+    index: jax.Array
+
+    def get(self) -> Any:
+        """The layer's own arrays (a slice: what the reference implementations take)."""
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, self.index, keepdims=False), self.stacked)
+
+
+def unstack(v: Any) -> Any:
+    """``v.get()`` for a :class:`Layer`, ``v`` itself otherwise."""
+    return v.get() if isinstance(v, Layer) else v
+
+
+def _split_layer(v: Any) -> tuple[Any, jax.Array | None]:
+    return (v.stacked, v.index) if isinstance(v, Layer) else (v, None)
 
 
 def resolve_kernels(kernels: str) -> str:
@@ -48,24 +75,29 @@ def _on_kernels(kernels: str, row_tile: int | None) -> bool:
 
 def _matmul_supported(w: QuantizedWeight | jax.Array, mode: str) -> bool:
     if not isinstance(w, QuantizedWeight) or mode == "w16a16":
-        return gpu_matmul.supported("dense", *w.shape, 0)
+        return gpu_matmul.supported("dense", *w.shape[-2:], 0)
     return gpu_matmul.supported("w4a16" if mode == "w4a16" else "w4ax", *w.shape, w.group_size)
 
 
-def linear(x: jax.Array, w: QuantizedWeight | jax.Array, mode: str, row_tile: int | None = None,
+def linear(x: jax.Array, w: QuantizedWeight | jax.Array | Layer, mode: str, row_tile: int | None = None,
            kernels: str = "reference") -> jax.Array:
-    """``x @ W.T`` as float32: packed weights in any mode, float weights only in ``w16a16``.
+    """``x @ W.T`` as float32: packed weights in any mode, float weights only in ``w16a16``; ``w`` may
+    be a :class:`Layer` of stacked weights.
 
     With ``row_tile`` set the result is row-count invariant: the references run rows in fixed tiles,
     the kernels are invariant by construction.
     """
     check_mode(mode)
+    w, layer = _split_layer(w)
     packed = isinstance(w, QuantizedWeight)
     if not packed and mode != "w16a16":
         raise ValueError(
             f"mode {mode!r} needs packed INT4 weights, but this layer holds float weights "
             "(convert the checkpoint with quantization)")
-    if not _on_kernels(kernels, row_tile) or not _matmul_supported(w, mode):
+    on_kernel = _on_kernels(kernels, row_tile) and _matmul_supported(w, mode)
+    if layer is not None and not (on_kernel and packed and mode != "w16a16"):
+        w = Layer(w, layer).get()  # only the INT4 kernels read a stacked weight in place
+    if not on_kernel:
         if packed and mode == "w4a16" and kernels == "pallas" and row_tile is None:
             wd = w4a16_weights(w)
             return jnp.einsum("...k,nk->...n", x.astype(jnp.bfloat16), wd, preferred_element_type=jnp.float32)
@@ -79,19 +111,23 @@ def linear(x: jax.Array, w: QuantizedWeight | jax.Array, mode: str, row_tile: in
     elif mode == "w16a16":
         y = gpu_matmul.dense_matmul(rows, dequantize(w, x.dtype), interpret=interpret)
     elif mode == "w4a16":
-        y = gpu_matmul.w4a16_matmul(rows, w, interpret=interpret)
+        y = gpu_matmul.w4a16_matmul(rows, w, layer=layer, interpret=interpret)
     else:
-        y = gpu_matmul.w4ax_matmul(rows, w, reference.ACT_BITS[mode], interpret=interpret)
+        y = gpu_matmul.w4ax_matmul(rows, w, reference.ACT_BITS[mode], layer=layer, interpret=interpret)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, row_tile: int | None = None,
-              kernels: str = "reference") -> jax.Array:
-    """Attention of ``q[B,T,H,d]`` over a KV cache ``k, v[B,S,KV,d]`` whose slot ``s`` holds position
-    ``s`` (visible to a query iff ``s <= q_pos``). With ``row_tile``, row-count invariant: the
-    reference runs each sequence's queries in padded tiles of ``row_tile``."""
-    if _on_kernels(kernels, row_tile) and gpu_attention.supported(q.shape[-1], k.shape[1]):
-        return gpu_attention.decode_attention(q, k, v, q_pos, interpret=kernels == "interpret")
+def attention(q: jax.Array, k: jax.Array | Layer, v: jax.Array | Layer, q_pos: jax.Array,
+              row_tile: int | None = None, kernels: str = "reference") -> jax.Array:
+    """Attention of ``q[B,T,H,d]`` over a KV cache ``k, v[B,S,KV,d]`` (or :class:`Layer` views of
+    the model's stacked cache) whose slot ``s`` holds position ``s`` (visible to a query iff
+    ``s <= q_pos``). With ``row_tile``, row-count invariant: the reference runs each sequence's
+    queries in padded tiles of ``row_tile``."""
+    (ks, layer), (vs, _) = _split_layer(k), _split_layer(v)
+    if (_on_kernels(kernels, row_tile) and ks.dtype == q.dtype
+            and gpu_attention.supported(q.shape[-1], ks.shape[-3])):
+        return gpu_attention.decode_attention(q, ks, vs, q_pos, layer=layer, interpret=kernels == "interpret")
+    k, v = unstack(k).astype(q.dtype), unstack(v).astype(q.dtype)
     b = q.shape[0]
     k_pos = jnp.broadcast_to(jnp.arange(k.shape[1]), (b, k.shape[1]))
     if row_tile is None:
@@ -110,13 +146,16 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, row_ti
     return out.reshape(b, t + pad, *q.shape[2:])[:, :t]
 
 
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float, row_tile: int | None = None,
+def rms_norm(x: jax.Array, scale: jax.Array | Layer, eps: float, row_tile: int | None = None,
              kernels: str = "reference") -> jax.Array:
-    """``scale * (x * rsqrt(mean(x^2) + eps))`` over the last axis, statistics in float32."""
-    scale = scale.astype(x.dtype)
+    """``scale * (x * rsqrt(mean(x^2) + eps))`` over the last axis, statistics in float32; ``scale``
+    may be a :class:`Layer` of stacked scales."""
     if _on_kernels(kernels, row_tile) and x.shape[-1] % 16 == 0:
-        y = gpu_norm.rms_norm(x.reshape(-1, x.shape[-1]), scale, eps, interpret=kernels == "interpret")
+        stacked, layer = _split_layer(scale)
+        y = gpu_norm.rms_norm(x.reshape(-1, x.shape[-1]), stacked.astype(x.dtype), eps, layer=layer,
+                              interpret=kernels == "interpret")
         return y.reshape(x.shape)
+    scale = unstack(scale).astype(x.dtype)
 
     def norm(r):
         rf = r.astype(jnp.float32)

@@ -24,8 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from qspec_jax.config import LlamaConfig
-from qspec_jax.kernels import attention, check_mode, linear, resolve_kernels, rms_norm
+from qspec_jax.kernels import Layer, attention, check_mode, linear, resolve_kernels, rms_norm, unstack
 from pallas_kernels import reference
+from pallas_kernels.layout import QuantizedWeight
 from pallas_kernels.rows import map_row_tiles
 from qspec_jax.rotation import apply_transform
 
@@ -65,6 +66,14 @@ def _dense_init(key, shape, dtype=jnp.float32):
     return 0.02 * jax.random.normal(key, shape, dtype)
 
 
+def _param(module: nn.Module, name: str, init, *init_args) -> Any:
+    """The module's param ``name`` as stored when it exists (packed weights and :class:`Layer` views,
+    which linen's ``param()`` would check against the float init's shape), else initialized."""
+    if module.has_variable("params", name):
+        return module.get_variable("params", name)
+    return module.param(name, init, *init_args)
+
+
 class Linear(nn.Module):
     """``y = x @ W.T (+ b)`` over a float or packed-INT4 weight ``[features, in]``."""
 
@@ -76,13 +85,10 @@ class Linear(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        if self.has_variable("params", "w"):  # packed weights: linen's shape check knows dense only
-            w = self.get_variable("params", "w")
-        else:
-            w = self.param("w", _dense_init, (self.features, x.shape[-1]))
+        w = _param(self, "w", _dense_init, (self.features, x.shape[-1]))
         y = linear(x, w, self.mode, self.row_tile, self.kernels)
         if self.use_bias:
-            y = y + self.param("b", nn.initializers.zeros, (self.features,)).astype(jnp.float32)
+            y = y + unstack(_param(self, "b", nn.initializers.zeros, (self.features,))).astype(jnp.float32)
         return y.astype(x.dtype)
 
 
@@ -93,7 +99,7 @@ class RMSNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
+        scale = _param(self, "scale", nn.initializers.ones, (x.shape[-1],))
         return rms_norm(x, scale, self.eps, self.row_tile, self.kernels)
 
 
@@ -105,7 +111,8 @@ class Attention(nn.Module):
     kernels: str = "reference"
 
     @nn.compact
-    def __call__(self, x, positions, cache: KVCache | None):
+    def __call__(self, x, positions, cache: tuple[Layer, Layer] | None):
+        """``cache``: views of this layer in the stacked cache; returned updated (the whole stack)."""
         c = self.config
         b, t, _ = x.shape
         hq, hk, d = c.num_heads, c.num_kv_heads, c.head_dim
@@ -115,13 +122,12 @@ class Attention(nn.Module):
         q = apply_rope(q.reshape(b, t, hq, d), positions, inv_freq)
         k = apply_rope(k.reshape(b, t, hk, d), positions, inv_freq)
         v = v.reshape(b, t, hk, d)
-        if cache is not None:
+        if cache is not None:  # write this layer's slots in place, then attend over the layer
             rows = jnp.arange(b)[:, None]
-            keys = cache[0].at[rows, positions].set(k.astype(cache[0].dtype), mode="drop")
-            values = cache[1].at[rows, positions].set(v.astype(cache[1].dtype), mode="drop")
-            cache = (keys, values)
+            cache = tuple(Layer(kv.stacked.at[kv.index, rows, positions].set(new.astype(kv.stacked.dtype), mode="drop"),
+                                kv.index) for kv, new in zip(cache, (k, v)))
         out = (reference.attention(q, k, v, positions, positions) if cache is None else
-               attention(q, keys.astype(q.dtype), values.astype(q.dtype), positions, self.row_tile, self.kernels))
+               attention(q, *cache, positions, self.row_tile, self.kernels))
         out = out.reshape(b, t, hq * d)
         if self.online_rotation_seed is not None:  # per head: [.., hq*d] -> [.., hq, d] rows
             per_head = lambda r: apply_transform(r.reshape(r.shape[0], hq, d), self.online_rotation_seed)  # noqa: E731
@@ -156,7 +162,7 @@ class DecoderLayer(nn.Module):
     kernels: str = "reference"
 
     @nn.compact
-    def __call__(self, x, cache: KVCache | None, positions):
+    def __call__(self, x, cache: tuple[Layer, Layer] | None, positions):
         c, tile, kern = self.config, self.row_tile, self.kernels
         h, cache = Attention(c, self.mode, self.online_rotation_seed, tile, kern, name="attn")(
             RMSNorm(c.rms_norm_eps, tile, kern, name="attn_norm")(x), positions, cache)
@@ -195,15 +201,17 @@ class Llama(nn.Module):
             init_one = lambda key: layer.init(key, x, None, positions)["params"]  # noqa: E731
             return jax.vmap(init_one)(jax.random.split(rng, c.num_layers))
 
-        def body(h, xs):
-            layer_params, layer_cache = xs
-            return layer.apply({"params": layer_params}, h, layer_cache, positions)
+        def body(carry, i):
+            h, kv = carry
+            views = jax.tree.map(lambda a: Layer(a, i), stacked, is_leaf=lambda a: isinstance(a, QuantizedWeight))
+            h, kv = layer.apply({"params": views}, h, None if kv is None else (Layer(kv[0], i), Layer(kv[1], i)),
+                                positions)
+            return (h, None if kv is None else (kv[0].stacked, kv[1].stacked)), None
 
-        # a plain lax.scan over the stacked layers (flax's nn.scan cannot hold a pallas_call); packed
-        # weights are read as they are (linen's param() would re-run the float init to check shapes)
-        stacked = (self.get_variable("params", "layers") if self.has_variable("params", "layers")
-                   else self.param("layers", init_layers))
-        x, cache = jax.lax.scan(body, x, (stacked, cache))
+        # a plain lax.scan over the layer index (flax's nn.scan cannot hold a pallas_call); each layer
+        # sees Layer views of the stacked weights and cache, which the kernels read in place
+        stacked = _param(self, "layers", init_layers)
+        (x, cache), _ = jax.lax.scan(body, (x, cache), jnp.arange(c.num_layers))
         x = RMSNorm(c.rms_norm_eps, self.row_tile, self.kernels, name="final_norm")(x)
         head = embed if c.tie_word_embeddings else self.param(
             "lm_head", _dense_init, (c.vocab_size, c.hidden_size))

@@ -8,7 +8,7 @@ are added after the kernel and results agree to 1e-6 relative. Bitwise holds at 
 (~1e-7 relative), so the reference then differs from its own M < 16 rows; these tests use M = 5.
 W4A16: against float64 math on the bf16 weights of ``layout.w4a16_weights``, and against the
 reference to float32 rounding. Row-count invariance: each row of an M=1 call equals the same row
-inside M = 5, 8, 13 calls, bitwise (and M = 37, a program holding three row tiles, for the exact
+inside M = 5, 8, 13 calls, bitwise (and M = 37, more than one row tile, for the exact
 W4A4 path). Decode attention,
 RMSNorm and the dense matmul against float64 numpy, attention also bitwise across query counts. In
 interpret mode the kernels' PTX steps run as jnp (the GPU tests check the PTX: tests/test_gpu.py);
