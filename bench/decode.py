@@ -42,7 +42,7 @@ import numpy as np
 from pallas_kernels.layout import QuantizedWeight, dequantize
 from qspec_jax.config import LlamaConfig
 from qspec_jax.decode import DecodeState, Runtime, ar_loop
-from qspec_jax.model import forward
+from qspec_jax.model import unstack_layers
 from qspec_jax.qspec import acceptance_trace, qspec_loop
 from qspec_jax.sampling import Sampling
 
@@ -88,9 +88,10 @@ def random_params(cfg: LlamaConfig, key: jax.Array) -> dict:
 
 
 def float_params(params: dict) -> dict:
-    """The same weights dequantized to bf16 (the W16A16 baseline's layer weights)."""
-    return jax.tree.map(lambda a: dequantize(a, jnp.bfloat16) if isinstance(a, QuantizedWeight) else a,
-                        params, is_leaf=lambda a: isinstance(a, QuantizedWeight))
+    """The same weights dequantized to bf16, one tree per layer (the W16A16 baseline runs plain XLA
+    dots, which would copy a layer out of a stack first: :func:`qspec_jax.model.unstack_layers`)."""
+    return unstack_layers(jax.tree.map(lambda a: dequantize(a, jnp.bfloat16) if isinstance(a, QuantizedWeight) else a,
+                                       params, is_leaf=lambda a: isinstance(a, QuantizedWeight)))
 
 
 def weight_bytes(params: dict) -> int:

@@ -21,18 +21,21 @@ the high nibbles k 32..63), in the modes of :mod:`pallas_kernels.reference`:
   ``tot = tot + t`` for g = 0, 1, ..., and ``y = s_act * tot``.
 * :func:`dense_matmul`: float weights (the lm_head on the decode path).
 
-The weight tile is the MMA's M side (``block_n`` rows), a row tile of :data:`BLOCK_M` tokens its N
-side. A program holds up to :data:`ROW_TILES` row tiles and applies each weight tile, once loaded and unpacked, to
-all of them. Grid: ``(ceil(M / (BLOCK_M * tiles)), N / block_n, split_k)``; each program loops over its K
-range in chunks of ``block_k``; with ``split_k`` > 1 (K cut into that many ranges of whole chunks or
-groups, ``ceil(units / split_k)`` each) the float32 partial sums of the K ranges are added left to
-right after the kernel.
+The weight tile is the MMA's M side (``block_n`` rows), a row tile of ``bm`` tokens its N side
+(:data:`BLOCK_M` rows, or :data:`WIDE_BLOCK_M` for M > 16). A program holds up to :data:`ROW_TILES`
+row tiles and applies each weight tile, once loaded and unpacked, to all of them. Grid:
+``(ceil(M / (bm * tiles)), N / block_n, split_k)``; each program loops over its K range in chunks
+of ``block_k``; with ``split_k`` > 1 (K cut into that many ranges of whole chunks or groups,
+``ceil(units / split_k)`` each) the float32 partial sums of the K ranges are added left to right
+after the kernel.
 
-Row-count invariance by construction: every row tile runs the same instruction sequence whatever
-M is and whichever program or tile slot holds it (rows beyond M are masked: never read, fed to the
-MMA as zeros, never written; no pad or slice outside the kernel); each output element is reduced
-over K in one fixed order; tiles, splits and warps are chosen from ``(N, K, group)`` only. The
-W4AX integer accumulation is exact anyway, and its epilogue is elementwise per row.
+Row-count invariance: a row's products and their K order are the same whatever M is and whichever
+program, tile slot or tile width holds it (rows beyond M are masked: never read, fed to the MMA as
+zeros, never written; no pad or slice outside the kernel); each output element is reduced over K
+in one fixed order; K tiles, splits and warps are chosen from ``(N, K, group)`` only. That the MMA
+gives an element the same bits in a 16- and a 32-column tile is checked on the GPU, bitwise
+(tests/test_gpu.py). The W4AX integer accumulation is exact anyway, and its epilogue is
+elementwise per row.
 
 In interpret mode (CPU tests) the PTX steps are replaced by the same operations in jnp.
 """
@@ -50,9 +53,11 @@ from pallas_kernels.layout import PACK_BLOCK, SYMMETRIC_OFFSET, QuantizedWeight,
 from pallas_kernels.launch import LAYER_SPEC, at_layer, call_kernel, pl_triton, stacked_input, stacked_spec
 from pallas_kernels.reference import quantize_activations
 
-# rows per row tile (the MMA's N side): one 32-row tile per program beat two 16-row tiles at M = 32
-# on the H200 (bench/results/kernels_history.md, 2026-11-30)
-BLOCK_M = 32
+# Rows per row tile (the MMA's N side): 16 for M <= 16, 32 above (on the H200 a 32-row tile cost
+# 1.5-2x at M = 8, two 16-row tiles 2x at M = 32: bench/results/kernels_history.md). A token's result
+# does not depend on the tile width (each output element is the same MMA k-sequence; checked bitwise
+# for M = 1..256 on the GPU by tests/test_gpu.py), so choosing it from M keeps row-count invariance.
+BLOCK_M, WIDE_BLOCK_M = 16, 32
 PLANE_ELEMS = 16  # uint16 elements of a 64-block, each holding 4 nibbles (W4A16)
 ROW_TILES = 1  # row tiles per program at most (>1: a weight tile unpacked once for more rows)
 MIN_PROGRAMS = 264  # split K until N / block_n * split_k reaches this (2 programs per H200 SM)
@@ -159,17 +164,19 @@ def _stages(tiles: int) -> int:
     return STAGES if tiles <= 2 else 2
 
 
-def _tiles(m: int) -> int:
-    """Row tiles per program: as many as M needs, at most ROW_TILES."""
-    return min(ROW_TILES, -(-m // BLOCK_M))
+def _tiles(m: int) -> tuple[int, int]:
+    """``(rows per tile, row tiles per program)``: the tile height for M, as many tiles as M needs,
+    at most ROW_TILES."""
+    bm = BLOCK_M if m <= BLOCK_M else WIDE_BLOCK_M
+    return bm, min(ROW_TILES, -(-m // bm))
 
 
-def _row_masks(m: int, tiles: int) -> list[jax.Array]:
+def _row_masks(m: int, bm: int, tiles: int) -> list[jax.Array]:
     """``bool[16, 1]`` per row tile of this program: which of its rows exist (rows >= M are never
     read or written; they enter the MMA as zeros)."""
-    first = pl.program_id(0) * tiles * BLOCK_M
-    iota = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, 1), 0)
-    return [first + r * BLOCK_M + iota < m for r in range(tiles)]
+    first = pl.program_id(0) * tiles * bm
+    iota = jax.lax.broadcasted_iota(jnp.int32, (bm, 1), 0)
+    return [first + r * bm + iota < m for r in range(tiles)]
 
 
 def _load_rows(view, mask):
@@ -178,7 +185,8 @@ def _load_rows(view, mask):
 
 def _plane_rows(ref, plane: int, r: int, cols, mask, interpret: bool):
     """Row tile ``r`` of ``ref[plane, :, cols]`` (rows beyond M as zeros)."""
-    return _load_rows(at_layer(ref, plane, (pl.ds(r * BLOCK_M, BLOCK_M), cols), interpret), mask)
+    bm = mask.shape[0]
+    return _load_rows(at_layer(ref, plane, (pl.ds(r * bm, bm), cols), interpret), mask)
 
 
 def _load_weight(ref, layer, cols, interpret: bool):
@@ -198,9 +206,9 @@ def _stacked_weight(w: QuantizedWeight, layer) -> tuple[QuantizedWeight, jax.Arr
 
 
 def _store_tiles(o_ref, masks, accs):
-    """Store each row tile's ``acc[bn, BLOCK_M]`` transposed into its rows of ``o_ref``."""
+    """Store each row tile's ``acc[bn, bm]`` transposed into its rows of ``o_ref``."""
     for r, (mask, acc) in enumerate(zip(masks, accs)):
-        view = o_ref.at[pl.ds(r * BLOCK_M, BLOCK_M), :]
+        view = o_ref.at[pl.ds(r * mask.shape[0], mask.shape[0]), :]
         pl_triton.store(view, acc.T, mask=jnp.broadcast_to(mask, view.shape))
 
 
@@ -289,14 +297,14 @@ def _plane_group_values(ref, layer, i, t, block_k, group, words, interpret):
 
 
 def _w4a16_kernel(l_ref, x_ref, p_ref, s_ref, *rest, m: int, k: int, group: int, block_k: int,
-                  split_k: int, tiles: int, interpret: bool):
-    """Weight rows ``[bn]`` x up to ``tiles`` row tiles: ``acc_r[bn, BLOCK_M] += sum_t W_t @ x_t,r.T``
+                  split_k: int, bm: int, tiles: int, interpret: bool):
+    """Weight rows ``[bn]`` x up to ``tiles`` row tiles: ``acc_r[bn, bm] += sum_t W_t @ x_t,r.T``
     over the 4 nibble planes ``t`` of the chunk's uint16 elements."""
     symmetric = len(rest) == 1
     m_ref, o_ref = (None, rest[0]) if symmetric else rest
     layer = l_ref[0]
     bn = p_ref.shape[1]
-    masks = _row_masks(m, tiles)
+    masks = _row_masks(m, bm, tiles)
     words = block_k // 4  # uint16 elements per weight row in a chunk
     base, steps = _k_range(k // block_k, split_k)
     dims = (((1,), (1,)), ((), ()))
@@ -314,7 +322,7 @@ def _w4a16_kernel(l_ref, x_ref, p_ref, s_ref, *rest, m: int, k: int, group: int,
                 accs[r] = accs[r] + jax.lax.dot_general(w_t, x_t, dims, preferred_element_type=jnp.float32)
         return tuple(accs)
 
-    accs = jax.lax.fori_loop(0, steps, body, tuple(jnp.zeros((bn, BLOCK_M), jnp.float32) for _ in range(tiles)))
+    accs = jax.lax.fori_loop(0, steps, body, tuple(jnp.zeros((bn, bm), jnp.float32) for _ in range(tiles)))
     _store_tiles(o_ref, masks, accs)
 
 
@@ -342,12 +350,12 @@ def w4a16_matmul(x: jax.Array, w: QuantizedWeight, *, layer: jax.Array | None = 
     block_n, block_k, split_k = default_config(*w.shape, w.group_size, "w4a16", block_n, block_k, split_k)
     n, k, g = _check(x, w, block_n, block_k, split_k)
     m = x.shape[0]
-    tiles = _tiles(m)
-    rows = tiles * BLOCK_M
+    bm, tiles = _tiles(m)
+    rows = tiles * bm
     xp = activation_planes(x.astype(jnp.bfloat16), 4)
     packed = jax.lax.bitcast_convert_type(w.packed.reshape(nl, n, k // 4, 2), jnp.uint16)
     kernel = functools.partial(_w4a16_kernel, m=m, k=k, group=g, block_k=block_k, split_k=split_k,
-                               tiles=tiles, interpret=interpret)
+                               bm=bm, tiles=tiles, interpret=interpret)
     sspec = stacked_spec(nl, (block_n, k // g), lambda i, j, s: (j, 0))
     in_specs = [LAYER_SPEC, pl.BlockSpec((4, rows, k // 4), lambda i, j, s: (0, i, 0)),
                 stacked_spec(nl, (block_n, k // 4), lambda i, j, s: (j, 0)), sspec]
@@ -378,7 +386,7 @@ def _codes_int8(p: jax.Array, high: bool, interpret: bool) -> jax.Array:
 
 
 def _w4ax_kernel(l_ref, qx_ref, sa_ref, p_ref, s_ref, *rest, m: int, k: int, group: int, block_k: int,
-                 split_k: int, tiles: int, return_acc: bool, interpret: bool):
+                 split_k: int, bm: int, tiles: int, return_acc: bool, interpret: bool):
     """Weight rows ``[bn]`` x row tiles: per weight group, int8 MMAs into int32, then the epilogue.
 
     Groups of 32 are the low and high planes of one 64-block (groups 2b and 2b + 1); a group of
@@ -388,12 +396,12 @@ def _w4ax_kernel(l_ref, qx_ref, sa_ref, p_ref, s_ref, *rest, m: int, k: int, gro
     m_ref, o_ref = (None, rest[0]) if symmetric else rest
     layer = l_ref[0]
     bn = p_ref.shape[1]
-    masks = _row_masks(m, tiles)
+    masks = _row_masks(m, bm, tiles)
     dims = (((1,), (1,)), ((), ()))
-    zeros = tuple((jnp.zeros((bn, BLOCK_M), jnp.int32), jnp.zeros((1, BLOCK_M), jnp.int32)) for _ in range(tiles))
+    zeros = tuple((jnp.zeros((bn, bm), jnp.int32), jnp.zeros((1, bm), jnp.int32)) for _ in range(tiles))
 
     def planes(byte0, nbytes):
-        """``[plane][tile] -> (int32 acc(u) [bn, BLOCK_M], int32 sum(x) [1, BLOCK_M])`` of bytes [byte0, +nbytes)."""
+        """``[plane][tile] -> (int32 acc(u) [bn, bm], int32 sum(x) [1, bm])`` of bytes [byte0, +nbytes)."""
         cols = pl.ds(byte0, nbytes)
         p = _load_weight(p_ref, layer, cols, interpret)  # uint8 [bn, nbytes]
         out = []
@@ -419,7 +427,7 @@ def _w4ax_kernel(l_ref, qx_ref, sa_ref, p_ref, s_ref, *rest, m: int, k: int, gro
             if symmetric:
                 acc = acc - SYMMETRIC_OFFSET * xs
             if return_acc:
-                view = o_ref.at[pl.ds(gi, 1), pl.ds(r * BLOCK_M, BLOCK_M), :]
+                view = o_ref.at[pl.ds(gi, 1), pl.ds(r * bm, bm), :]
                 pl_triton.store(view, acc.T[None], mask=jnp.broadcast_to(masks[r][None], view.shape))
                 out.append(tots[r])
                 continue
@@ -455,13 +463,13 @@ def _w4ax_kernel(l_ref, qx_ref, sa_ref, p_ref, s_ref, *rest, m: int, k: int, gro
 
             return epilogue(tots, jax.lax.fori_loop(0, group // block_k, chunk, zeros), gi)
 
-    tots = jax.lax.fori_loop(0, steps, body, tuple(jnp.zeros((bn, BLOCK_M), jnp.float32) for _ in range(tiles)))
+    tots = jax.lax.fori_loop(0, steps, body, tuple(jnp.zeros((bn, bm), jnp.float32) for _ in range(tiles)))
     if return_acc:
         return
     if split_k > 1:  # partial sums; the wrapper adds them and applies the row scales
         _store_tiles(o_ref, masks, tots)
     else:
-        sas = [pl_triton.load(sa_ref.at[pl.ds(r * BLOCK_M, BLOCK_M), :], mask=masks[r], other=1.0)
+        sas = [pl_triton.load(sa_ref.at[pl.ds(r * bm, bm), :], mask=masks[r], other=1.0)
                for r in range(tiles)]  # [16, 1]
         _store_tiles(o_ref, masks, [t * sa.T for t, sa in zip(tots, sas)])
 
@@ -485,11 +493,11 @@ def w4ax_quantized(qx: jax.Array, sa: jax.Array, w: QuantizedWeight, *, layer: j
     if qx.dtype != jnp.int8 or sa.shape != (m, 1):
         raise ValueError(f"qx must be int8[M, K] and sa float32[M, 1], got {qx.dtype}{qx.shape}, "
                          f"{sa.shape}")
-    tiles = _tiles(m)
-    rows = tiles * BLOCK_M
+    bm, tiles = _tiles(m)
+    rows = tiles * bm
     gcount = k // g
     kernel = functools.partial(_w4ax_kernel, m=m, k=k, group=g, block_k=block_k, split_k=split_k,
-                               tiles=tiles, return_acc=return_acc, interpret=interpret)
+                               bm=bm, tiles=tiles, return_acc=return_acc, interpret=interpret)
     sspec = stacked_spec(nl, (block_n, gcount), lambda i, j, s: (j, 0))
     in_specs = [LAYER_SPEC, pl.BlockSpec((2, rows, k // 2), lambda i, j, s: (0, i, 0)),
                 pl.BlockSpec((rows, 1), lambda i, j, s: (i, 0)),
@@ -538,20 +546,21 @@ def _dense_config(n: int, k: int) -> tuple[int, int, int]:
     return block_n, block_k, _default_split(n // block_n, lambda s: _split_ok(k, block_k, block_k, s))
 
 
-def _dense_kernel(x_ref, w_ref, o_ref, *, m: int, k: int, block_k: int, split_k: int, tiles: int, precision):
-    """Float weights: ``acc_r[bn, BLOCK_M] += W[bn, bk] @ x_r[BLOCK_M, bk].T`` over this program's K range."""
+def _dense_kernel(x_ref, w_ref, o_ref, *, m: int, k: int, block_k: int, split_k: int, bm: int, tiles: int,
+                  precision):
+    """Float weights: ``acc_r[bn, bm] += W[bn, bk] @ x_r[bm, bk].T`` over this program's K range."""
     bn = w_ref.shape[0]
-    masks = _row_masks(m, tiles)
+    masks = _row_masks(m, bm, tiles)
     base, steps = _k_range(k // block_k, split_k)
 
     def body(i, accs):
         cols = pl.ds((base + i) * block_k, block_k)
         w = _load_weight(w_ref, None, cols, False)
         return tuple(acc + jax.lax.dot_general(
-            w, _load_rows(x_ref.at[pl.ds(r * BLOCK_M, BLOCK_M), cols], masks[r]), (((1,), (1,)), ((), ())),
+            w, _load_rows(x_ref.at[pl.ds(r * bm, bm), cols], masks[r]), (((1,), (1,)), ((), ())),
             precision=precision, preferred_element_type=jnp.float32) for r, acc in enumerate(accs))
 
-    accs = jax.lax.fori_loop(0, steps, body, tuple(jnp.zeros((bn, BLOCK_M), jnp.float32) for _ in range(tiles)))
+    accs = jax.lax.fori_loop(0, steps, body, tuple(jnp.zeros((bn, bm), jnp.float32) for _ in range(tiles)))
     _store_tiles(o_ref, masks, accs)
 
 
@@ -564,10 +573,10 @@ def dense_matmul(x: jax.Array, w: jax.Array, *, interpret: bool = False) -> jax.
         raise ValueError(f"expected x [M, K] and w [N, K], got {x.shape} and {w.shape}")
     (m, k), n = x.shape, w.shape[0]
     block_n, block_k, split_k = _dense_config(n, k)
-    tiles = _tiles(m)
-    rows = tiles * BLOCK_M
+    bm, tiles = _tiles(m)
+    rows = tiles * bm
     precision = jax.lax.Precision.HIGHEST if w.dtype == jnp.float32 else None
-    kernel = functools.partial(_dense_kernel, m=m, k=k, block_k=block_k, split_k=split_k, tiles=tiles,
+    kernel = functools.partial(_dense_kernel, m=m, k=k, block_k=block_k, split_k=split_k, bm=bm, tiles=tiles,
                                precision=precision)
     out_shape, out_spec = _split_out(m, n, block_n, split_k, rows)
     out = call_kernel(kernel, out_shape, (-(-m // rows), n // block_n, split_k),

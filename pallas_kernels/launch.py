@@ -11,6 +11,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
 _TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
@@ -39,6 +40,9 @@ def stacked_input(a, layer) -> tuple:
     ``a`` may be a pytree of arrays (a :class:`~pallas_kernels.layout.QuantizedWeight`)."""
     if layer is None:
         return jax.tree.map(lambda v: v[None], a), jnp.zeros((1,), jnp.int32)
+    layers = jax.tree.leaves(a)[0].shape[0]
+    if isinstance(layer, (int, np.integer)) and not 0 <= layer < layers:  # a traced index is the caller's
+        raise ValueError(f"layer {layer} out of range for a stack of {layers}")
     return a, jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
 
 

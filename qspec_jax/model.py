@@ -201,21 +201,38 @@ class Llama(nn.Module):
             init_one = lambda key: layer.init(key, x, None, positions)["params"]  # noqa: E731
             return jax.vmap(init_one)(jax.random.split(rng, c.num_layers))
 
-        def body(carry, i):
+        def body(carry, i, layer_params=None):
             h, kv = carry
-            views = jax.tree.map(lambda a: Layer(a, i), stacked, is_leaf=lambda a: isinstance(a, QuantizedWeight))
-            h, kv = layer.apply({"params": views}, h, None if kv is None else (Layer(kv[0], i), Layer(kv[1], i)),
-                                positions)
+            if layer_params is None:
+                layer_params = jax.tree.map(lambda a: Layer(a, i), stacked,
+                                            is_leaf=lambda a: isinstance(a, QuantizedWeight))
+            h, kv = layer.apply({"params": layer_params}, h,
+                                None if kv is None else (Layer(kv[0], i), Layer(kv[1], i)), positions)
             return (h, None if kv is None else (kv[0].stacked, kv[1].stacked)), None
 
-        # a plain lax.scan over the layer index (flax's nn.scan cannot hold a pallas_call); each layer
-        # sees Layer views of the stacked weights and cache, which the kernels read in place
         stacked = _param(self, "layers", init_layers)
-        (x, cache), _ = jax.lax.scan(body, (x, cache), jnp.arange(c.num_layers))
+        if isinstance(stacked, (list, tuple)):  # per-layer trees: an unrolled loop (see unstack_layers)
+            for i, layer_params in enumerate(stacked):
+                (x, cache), _ = body((x, cache), i, layer_params)
+        else:
+            # a plain lax.scan over the layer index (flax's nn.scan cannot hold a pallas_call); each
+            # layer sees Layer views of the stacked weights and cache, which the kernels read in place
+            (x, cache), _ = jax.lax.scan(body, (x, cache), jnp.arange(c.num_layers))
         x = RMSNorm(c.rms_norm_eps, self.row_tile, self.kernels, name="final_norm")(x)
         head = embed if c.tie_word_embeddings else self.param(
             "lm_head", _dense_init, (c.vocab_size, c.hidden_size))
         return linear(x, head.astype(self.dtype), "w16a16", self.row_tile, self.kernels), cache
+
+
+def unstack_layers(params: dict[str, Any]) -> dict[str, Any]:
+    """``params`` with its stacked ``layers`` split into a list of per-layer trees, which
+    :class:`Llama` runs as an unrolled loop. For plain-XLA runs (the W16A16 benchmark baseline): XLA
+    hands a library dot a layer sliced out of a stack only after copying it, which the kernels avoid
+    by reading the stack in place. Longer compiles; the same numbers."""
+    layers = params["layers"]
+    n = jax.tree.leaves(layers)[0].shape[0]
+    per = [jax.tree.map(lambda a: a[i], layers) for i in range(n)]
+    return {**params, "layers": per}
 
 
 def init_cache(config: LlamaConfig, batch: int, length: int, dtype=jnp.float32) -> KVCache:

@@ -1,11 +1,12 @@
 """bench/decode.py end to end on a tiny random model (CPU): every method runs, QSPEC's accept
-decisions follow the replayed trace (so its round count is known in advance), the report is written."""
+decisions follow the replayed trace (so its round count is known in advance), the report is written;
+bench/plot.py draws that report."""
 
 from __future__ import annotations
 
 import json
 
-from bench import decode
+from bench import decode, plot
 
 
 def test_decode_bench_smoke(tmp_path):
@@ -13,12 +14,32 @@ def test_decode_bench_smoke(tmp_path):
     trace.write_text(json.dumps({"source": "constant test trace", "w4a8": {"3": [[2, 2], [2, 2]]}}))
     out = tmp_path / "out"
     decode.main(["--models", "smoke", "--batches", "2", "--contexts", "64", "--new", "16", "--gammas", "3",
-                 "--drafts", "w4a8", "--ar", "w4a16,w4a8", "--kernels", "reference", "--trace", str(trace),
+                 "--drafts", "w4a8", "--ar", "w16a16,w4a16,w4a8", "--kernels", "reference", "--trace", str(trace),
                  "--out", str(out)])
     run = json.loads((out / "decode.json").read_text())
     (res,) = run["results"]
-    assert set(res["methods"]) == {"w4a16", "w4a8", "qspec w4a8 g=3"}
+    assert set(res["methods"]) == {"w16a16", "w4a16", "w4a8", "qspec w4a8 g=3"}
     q = res["methods"]["qspec w4a8 g=3"]
     assert abs(q["tokens_per_round"] - 16 / 6) < 1e-9  # 2 accepted + 1 per round: 16 tokens in 6 rounds
     assert all(e["tokens_per_s"] > 0 for e in res["methods"].values())
     assert "replayed" in (out / "decode.md").read_text()
+
+
+def test_plot_series_and_file(tmp_path):
+    """The plot takes the AR methods and QSPEC at the chosen gamma, per model, at one context."""
+    def entry(model, batch, context, tps):
+        return {"model": model, "batch": batch, "context": context, "methods": {
+            "w4a16": {"tokens_per_s": tps}, "qspec w4a8 g=3": {"tokens_per_s": tps * 0.9},
+            "qspec w4a8 g=1": {"tokens_per_s": 1.0}}}
+
+    results = [entry("a", 8, 512, 100.0), entry("a", 16, 512, 180.0), entry("a", 8, 4096, 7.0),
+               entry("b", 8, 512, 50.0), {"model": "b", "batch": 64, "context": 512, "skipped": "memory"}]
+    data = plot.series(results, 512, 3)
+    assert set(data) == {"a", "b"}
+    assert data["a"]["w4a16"] == [(8, 100.0), (16, 180.0)]
+    (qspec,) = [k for k in data["a"] if k.startswith("qspec")]
+    assert "g=1" not in qspec and data["a"][qspec] == [(8, 90.0), (16, 162.0)]
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps({"results": results}))
+    plot.main([str(run), "--out", str(tmp_path / "p.svg")])
+    assert (tmp_path / "p.svg").read_text().lstrip().startswith("<?xml")

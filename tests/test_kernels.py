@@ -223,6 +223,42 @@ def test_rms_norm_kernel(rng):
         gpu_norm.rms_norm(x, scale[:10], 1e-5, interpret=True)
 
 
+def test_stacked_inputs_read_the_indexed_layer(rng):
+    """Kernels given a stack ``[L, ...]`` and a (traced) layer index equal the same kernels on that
+    layer's own arrays, bitwise: the model's decode path, which never slices a layer out."""
+    import jax
+
+    layers, m, n, k = 3, 5, 32, 256
+    ws = [random_weight(rng, n, k, 64, symmetric=i % 2 == 0) for i in range(layers)]
+    ws = [QuantizedWeight(w.packed, w.scales, jnp.zeros_like(w.scales), 64) for w in ws]  # asymmetric stack
+    stack = QuantizedWeight(*(jnp.stack([getattr(w, f) for w in ws]) for f in ("packed", "scales", "mins")), 64)
+    x = random_x(rng, m, k)
+    scales = jnp.asarray(rng.random((layers, k)) + 0.5, jnp.float32)
+    kc, vc = (jnp.asarray(rng.standard_normal((layers, 2, 64, 2, 16)), jnp.float32) for _ in range(2))
+    q = jnp.asarray(rng.standard_normal((2, 3, 4, 16)), jnp.float32)
+    pos = jnp.asarray([[10, 11, 12], [40, 41, 42]], jnp.int32)
+    calls = {
+        "w4a16": (lambda i: gm.w4a16_matmul(x, stack, layer=i, block_n=BN, interpret=True),
+                  lambda i: gm.w4a16_matmul(x, ws[i], block_n=BN, interpret=True)),
+        "w4a8": (lambda i: gm.w4ax_matmul(x, stack, 8, layer=i, block_n=BN, interpret=True),
+                 lambda i: gm.w4ax_matmul(x, ws[i], 8, block_n=BN, interpret=True)),
+        "rmsnorm": (lambda i: gpu_norm.rms_norm(x, scales, 1e-5, layer=i, interpret=True),
+                    lambda i: gpu_norm.rms_norm(x, scales[i], 1e-5, interpret=True)),
+        "attention": (lambda i: gpu_attention.decode_attention(q, kc, vc, pos, layer=i, block_s=16, interpret=True),
+                      lambda i: gpu_attention.decode_attention(q, kc[i], vc[i], pos, block_s=16, interpret=True)),
+    }
+    for name, (stacked, alone) in calls.items():
+        run = jax.jit(stacked)
+        outs = [np.asarray(run(jnp.int32(i))) for i in range(layers)]
+        for i in range(layers):
+            np.testing.assert_array_equal(outs[i], np.asarray(jax.jit(lambda: alone(i))()), err_msg=f"{name} layer {i}")
+        assert not np.array_equal(outs[0], outs[1]), name  # the index does select different layers
+    with pytest.raises(ValueError, match="out of range"):
+        gm.w4a16_matmul(x, stack, layer=3, interpret=True)
+    with pytest.raises(ValueError, match="stacked"):
+        gm.w4a16_matmul(x, ws[0], layer=0, interpret=True)
+
+
 def test_dense_kernel_against_float64(rng):
     x = random_x(rng, 19, 128)
     w = jnp.asarray(rng.standard_normal((48, 128)), jnp.float32)

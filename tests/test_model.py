@@ -12,8 +12,8 @@ import pytest
 from tests.conftest import random_source, tiny_variant
 from convert.pipeline import convert_model
 from convert.quantize import QuantScheme
-from pallas_kernels.layout import QuantizedWeight
-from qspec_jax.model import Linear, Llama, forward, init_cache
+from pallas_kernels.layout import QuantizedWeight, dequantize
+from qspec_jax.model import Linear, Llama, forward, init_cache, unstack_layers
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 64}
@@ -207,6 +207,26 @@ def test_kv_cache_chunks_match_full_forward(rng):
     # the cache holds one entry per position, zero beyond the sequence
     assert cache[0].shape == (cfg.num_layers, 2, t + 5, cfg.num_kv_heads, cfg.head_dim)
     assert not np.any(np.asarray(cache[0])[:, :, t:]) and np.all(np.any(np.asarray(cache[0])[:, :, :t], axis=-1))
+
+
+@pytest.mark.parametrize("mode", ["w16a16", "w4a16"])
+def test_unstacked_layers_give_the_stacked_results(mode, rng):
+    """Per-layer trees (an unrolled layer loop, for plain-XLA baselines) and the stacked layers (a
+    scan) compute the same logits and cache; float and packed weights."""
+    cfg = CONFIGS["gqa-untied"]
+    params, cfg, _ = convert_model(random_source(cfg, rng), QuantScheme(16, True), None)
+    if mode == "w16a16":
+        params = {**params, "layers": jax.tree.map(
+            lambda a: np.asarray(dequantize(a, jnp.float32)) if isinstance(a, QuantizedWeight) else a,
+            params["layers"], is_leaf=lambda a: isinstance(a, QuantizedWeight))}
+    tokens, positions = random_batch(cfg, rng, 2, 6, gaps=False)
+    per_layer = unstack_layers(params)
+    assert isinstance(per_layer["layers"], list) and len(per_layer["layers"]) == cfg.num_layers
+    outs = [_fwd(p, cfg, tokens, positions, init_cache(cfg, 2, 8), mode=mode) for p in (params, per_layer)]
+    (la, (ka, va)), (lb, (kb, vb)) = outs
+    np.testing.assert_allclose(np.asarray(lb), np.asarray(la), rtol=1e-6, atol=1e-6 * float(np.abs(la).max()))
+    for a, b in ((ka, kb), (va, vb)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("symmetric", [False, True])

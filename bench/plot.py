@@ -1,0 +1,77 @@
+"""Tokens/s against batch size per method, one panel per model shape, from ``bench/decode.py`` runs.
+
+    python -m bench.plot bench/results/decode.json [more.json ...] [--context 512] [--gamma 3] \
+        [--out bench/results/decode.svg]
+
+Methods: the autoregressive ones (W16A16, W4A16, W4A8, W4A4) and QSPEC with each draft at one
+gamma (default 3, the paper's); QSPEC's acceptance is the replayed trace the runs name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+AR = ("w16a16", "w4a16", "w4a8", "w4a4")
+
+
+def series(results: list[dict], context: int, gamma: int) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """``{model: {method label: [(batch, tokens/s), ...]}}`` for one context length."""
+    out: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    for r in results:
+        if r.get("skipped") or r["context"] != context:
+            continue
+        per = out.setdefault(r["model"], {})
+        for name, e in r["methods"].items():
+            if name in AR:
+                label = name
+            elif name.endswith(f" g={gamma}"):
+                label = f"{name.split()[0]} {name.split()[1]} draft, γ={gamma} (replayed acceptance)"
+            else:
+                continue
+            per.setdefault(label, []).append((r["batch"], e["tokens_per_s"]))
+    return out
+
+
+def plot(data: dict, context: int, out: Path) -> None:
+    """One panel per model; log-2 batch axis."""
+    models = sorted(data)
+    if not models:
+        raise SystemExit(f"no results at context {context}")
+    fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4.2), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        for label, pts in sorted(data[model].items()):
+            pts = sorted(pts)
+            ax.plot([b for b, _ in pts], [t for _, t in pts], marker="o", label=label,
+                    linestyle="--" if label.startswith("qspec") else "-")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{model}, context {context}")
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("generated tokens/s (whole batch)")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", nargs="+", type=Path, help="decode.json files from bench/decode.py")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--gamma", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=Path("bench/results/decode.svg"))
+    args = ap.parse_args(argv)
+    results = [r for path in args.runs for r in json.loads(path.read_text())["results"]]
+    plot(series(results, args.context, args.gamma), args.context, args.out)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
