@@ -3,7 +3,7 @@
 
     PYTHONPATH=. python3 -m bench.decode --trace bench/results/acceptance_trace.json \
         [--models llama3-8b,llama2-7b,llama2-13b] [--batches 1,8,16,32,64] [--contexts 512]
-        [--new 512] [--gammas 1,3,5] [--drafts w4a8,w4a4] [--out DIR]
+        [--new 512] [--gammas 1,3,5] [--drafts w4a8,w4a4] [--out DIR] [--resume OLD.json] [--budget-s 480]
     python -m bench.decode --record-trace bench/results/acceptance_trace.json \
         --gsm8k ../shared/data/gsm8k_test_dev.jsonl      # the trace, on SmolLM2's real weights
 
@@ -21,7 +21,10 @@ per round, next to the measured speed-up. Floor per step: the bytes one W4A16 st
 (packed weights + scales + bf16 lm_head + the KV cache read) over the copy bandwidth measured in the
 same run. Peak GPU memory (``memory_stats``) after each (model, context, batch).
 
-Writes ``decode.json`` / ``decode.md`` under ``--out`` (default ``$OUT``, else bench/results).
+Writes ``decode.json`` / ``decode.md`` under ``--out`` (default ``$OUT``, else bench/results), after
+every configuration. ``--resume OLD.json`` continues an earlier run: its configurations are kept and
+not run again (so a matrix larger than one device call is measured over several calls);
+``--budget-s``: no configuration starts after that many seconds.
 """
 
 from __future__ import annotations
@@ -182,6 +185,7 @@ def bench_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None
     slots = context + args.new + gmax + 1
     floor_ms = 1e3 * (weight_bytes(params) + kv_bytes(cfg, batch, context + args.new // 2)) / bw
     res["floor_ms_per_step"] = floor_ms
+    res["copy_bw"] = bw
     for method in args.ar:
         p = fparams if method == "w16a16" else params
         if p is None:
@@ -258,7 +262,8 @@ def record_trace(args) -> None:
 
 def markdown(run: dict) -> str:
     lines = [f"# Decode throughput ({run['device']})", "", f"`{run['command']}`", "",
-             f"Copy bandwidth {run['copy_bw'] / 1e12:.2f} TB/s (same run). Random weights (symmetric INT4, "
+             f"Copy bandwidth {run['copy_bw'] / 1e12:.2f} TB/s (this call; each section's floor uses its own "
+             "call's). Random weights (symmetric INT4, "
              f"group {GROUP}); QSPEC acceptance **replayed** from {run['trace_source']}. tok/s counts "
              "generated tokens of the whole batch; speed-ups are against W4A16 AR in the same run; "
              "floor = bytes one W4A16 step moves (weights + KV read at the mid context) / copy bandwidth.", ""]
@@ -297,6 +302,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--checkpoint", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench/results"))
+    ap.add_argument("--resume", type=Path, default=None, help="an earlier decode.json: its configurations are kept")
+    ap.add_argument("--budget-s", type=float, default=float("inf"), help="start no configuration after this")
     args = ap.parse_args(argv)
     args.gammas = [int(g) for g in args.gammas.split(",")]
     args.drafts = [d for d in args.drafts.split(",") if d]
@@ -313,25 +320,39 @@ def main(argv: list[str] | None = None) -> None:
         missing = [g for g in args.gammas if str(g) not in trace.get(d, {})]
         if missing:
             raise SystemExit(f"the trace has no {d} rounds for gamma {missing}")
+    deadline = time.perf_counter() + args.budget_s
     bw = copy_bandwidth()
-    run = {"command": " ".join(["python3 -m bench.decode", *sys.argv[1:]]), "device": jax.devices()[0].device_kind,
-           "copy_bw": bw, "trace_source": trace.get("source", "-"), "results": []}
+    command = " ".join(["python3 -m bench.decode", *(argv if argv is not None else sys.argv[1:])])
+    run = {"command": command, "device": jax.devices()[0].device_kind, "copy_bw": bw,
+           "trace_source": trace.get("source", "-"), "results": []}
+    if args.resume:
+        old = json.loads(args.resume.read_text())
+        run["results"] = [r for r in old["results"] if "skipped" not in r]
+        run["command"] = f"{old['command']}; then {command}"
+    done = {(r["model"], r["context"], r["batch"]) for r in run["results"]}
     log(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+    contexts = [int(c) for c in args.contexts.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
     for name in args.models.split(","):
+        todo = [(c, b) for c in contexts for b in batches if (name, c, b) not in done]
+        if not todo:
+            continue
         cfg = MODELS[name]
         params = random_params(cfg, jax.random.key(1))
         fparams = float_params(params) if "w16a16" in args.ar else None
-        for context in (int(c) for c in args.contexts.split(",")):
-            for batch in (int(b) for b in args.batches.split(",")):
-                need = weight_bytes(params) * (3 if fparams else 1) + kv_bytes(cfg, batch, context + args.new + 64)
-                if need > MEM_LIMIT:
-                    log(f"{name} B={batch} ctx={context}: skipped, needs ~{need / 1e9:.0f} GB")
-                    run["results"].append({"model": name, "batch": batch, "context": context, "new": args.new,
-                                           "skipped": f"needs ~{need / 1e9:.0f} GB"})
-                    continue
-                log(f"{name} B={batch} ctx={context}")
-                run["results"].append(bench_config(name, cfg, params, fparams, batch, context, args, trace, bw))
-                save(run, args.out)
+        for context, batch in todo:
+            if time.perf_counter() > deadline:
+                log(f"{name} B={batch} ctx={context}: time budget spent, not run")
+                continue
+            need = weight_bytes(params) * (3 if fparams else 1) + kv_bytes(cfg, batch, context + args.new + 64)
+            if need > MEM_LIMIT:
+                log(f"{name} B={batch} ctx={context}: skipped, needs ~{need / 1e9:.0f} GB")
+                run["results"].append({"model": name, "batch": batch, "context": context, "new": args.new,
+                                       "skipped": f"needs ~{need / 1e9:.0f} GB"})
+                continue
+            log(f"{name} B={batch} ctx={context}")
+            run["results"].append(bench_config(name, cfg, params, fparams, batch, context, args, trace, bw))
+            save(run, args.out)
         del params, fparams
     save(run, args.out)
     print(markdown({**run, "results": [r for r in run["results"] if "skipped" not in r]}))

@@ -42,6 +42,7 @@ In interpret mode (CPU tests) the PTX steps are replaced by the same operations 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -49,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from pallas_kernels.layout import PACK_BLOCK, SYMMETRIC_OFFSET, QuantizedWeight, w4a16_weights
+from pallas_kernels.layout import PACK_BLOCK, SYMMETRIC_OFFSET, QuantizedWeight
 from pallas_kernels.launch import LAYER_SPEC, at_layer, call_kernel, pl_triton, stacked_input, stacked_spec
 from pallas_kernels.reference import quantize_activations
 
@@ -172,7 +173,7 @@ def _tiles(m: int) -> tuple[int, int]:
 
 
 def _row_masks(m: int, bm: int, tiles: int) -> list[jax.Array]:
-    """``bool[16, 1]`` per row tile of this program: which of its rows exist (rows >= M are never
+    """``bool[bm, 1]`` per row tile of this program: which of its rows exist (rows >= M are never
     read or written; they enter the MMA as zeros)."""
     first = pl.program_id(0) * tiles * bm
     iota = jax.lax.broadcasted_iota(jnp.int32, (bm, 1), 0)
@@ -200,8 +201,9 @@ def _load_layer(ref, layer, cols, interpret: bool):
 
 
 def _stacked_weight(w: QuantizedWeight, layer) -> tuple[QuantizedWeight, jax.Array]:
-    if layer is not None and w.packed.ndim != 3:
-        raise ValueError(f"a layer index needs stacked weights [L, N, K/2], got packed {w.packed.shape}")
+    if w.packed.ndim != (2 if layer is None else 3):
+        raise ValueError("a layer index needs stacked weights [L, N, K/2] and stacked weights need one; "
+                         f"got packed {w.packed.shape}, layer {layer}")
     return stacked_input(w, layer)
 
 
@@ -345,24 +347,26 @@ def w4a16_matmul(x: jax.Array, w: QuantizedWeight, *, layer: jax.Array | None = 
 
     With ``layer`` (an int32 scalar), ``w`` is a stack ``[L, N, ...]`` and layer ``layer`` is read in
     place. Tiles left as None come from :func:`default_config` (a function of N, K and the group size)."""
-    w, lidx = _stacked_weight(w, layer)
-    nl = w.packed.shape[0]
     block_n, block_k, split_k = default_config(*w.shape, w.group_size, "w4a16", block_n, block_k, split_k)
     n, k, g = _check(x, w, block_n, block_k, split_k)
+    # read as uint16 elements (a bitcast), before stacking: 2-byte elements keep int32 offsets valid
+    w16 = dataclasses.replace(w, packed=jax.lax.bitcast_convert_type(
+        w.packed.reshape(*w.packed.shape[:-1], k // 4, 2), jnp.uint16))
+    w16, lidx = _stacked_weight(w16, layer)
+    packed, nl = w16.packed, w16.packed.shape[0]
     m = x.shape[0]
     bm, tiles = _tiles(m)
     rows = tiles * bm
     xp = activation_planes(x.astype(jnp.bfloat16), 4)
-    packed = jax.lax.bitcast_convert_type(w.packed.reshape(nl, n, k // 4, 2), jnp.uint16)
     kernel = functools.partial(_w4a16_kernel, m=m, k=k, group=g, block_k=block_k, split_k=split_k,
                                bm=bm, tiles=tiles, interpret=interpret)
     sspec = stacked_spec(nl, (block_n, k // g), lambda i, j, s: (j, 0))
     in_specs = [LAYER_SPEC, pl.BlockSpec((4, rows, k // 4), lambda i, j, s: (0, i, 0)),
                 stacked_spec(nl, (block_n, k // 4), lambda i, j, s: (j, 0)), sspec]
-    args = [lidx, xp, packed, w.scales]
+    args = [lidx, xp, packed, w16.scales]
     if not w.symmetric:
         in_specs.append(sspec)
-        args.append(w.mins)
+        args.append(w16.mins)
     out_shape, out_spec = _split_out(m, n, block_n, split_k, rows)
     out = call_kernel(kernel, out_shape, (-(-m // rows), n // block_n, split_k), in_specs, out_spec,
                       interpret, WARPS, _stages(tiles), *args)
@@ -409,7 +413,7 @@ def _w4ax_kernel(l_ref, qx_ref, sa_ref, p_ref, s_ref, *rest, m: int, k: int, gro
             wq = _codes_int8(p, h == 1, interpret)
             res = []
             for r in range(tiles):
-                xq = _plane_rows(qx_ref, h, r, cols, masks[r], interpret)  # int8 [16, nbytes]
+                xq = _plane_rows(qx_ref, h, r, cols, masks[r], interpret)  # int8 [bm, nbytes]
                 res.append((jax.lax.dot_general(wq, xq, dims, preferred_element_type=jnp.int32),
                             jnp.sum(xq.astype(jnp.int32), axis=1)[None, :]))
             out.append(res)
@@ -470,7 +474,7 @@ def _w4ax_kernel(l_ref, qx_ref, sa_ref, p_ref, s_ref, *rest, m: int, k: int, gro
         _store_tiles(o_ref, masks, tots)
     else:
         sas = [pl_triton.load(sa_ref.at[pl.ds(r * bm, bm), :], mask=masks[r], other=1.0)
-               for r in range(tiles)]  # [16, 1]
+               for r in range(tiles)]  # [bm, 1]
         _store_tiles(o_ref, masks, [t * sa.T for t, sa in zip(tots, sas)])
 
 

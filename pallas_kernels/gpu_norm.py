@@ -55,7 +55,7 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float, *, layer: jax.Array | N
     """RMSNorm of the rows of ``x[M, H]`` with ``scale[H]`` -> ``[M, H]`` in ``x.dtype``; with
     ``layer`` (an int32 scalar), ``scale`` is a stack ``[L, H]`` read at that layer in place."""
     want = (x.shape[-1],) if layer is None else (scale.shape[0], x.shape[-1])
-    if x.ndim != 2 or scale.shape != want or scale.ndim != (1 if layer is None else 2):
+    if x.ndim != 2 or scale.shape != want:
         raise ValueError(f"expected x [M, H] and scale {'[H]' if layer is None else '[L, H]'}, "
                          f"got {x.shape} and {scale.shape}")
     m, h = x.shape

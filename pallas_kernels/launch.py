@@ -31,19 +31,30 @@ def call_kernel(kernel, out_shape, grid, in_specs, out_specs, interpret: bool, n
                               out_specs=out_specs, compiler_params=params, interpret=interpret)(*args)
 
 
+def _int32_offsets_wrap(a) -> bool:
+    """Whether the Triton lowering would index ``a`` with int32 element offsets that pass 2**31: it
+    takes 32-bit offsets for arrays of at most 2**32 bytes, so 1-byte arrays of 2-4 GiB (a whole
+    Llama-2-13B gate/up stack as uint8) would read the wrong memory."""
+    return a.size >= 2**31 and a.size * a.dtype.itemsize <= 2**32
+
+
 def stacked_input(a, layer) -> tuple:
     """``(stack, int32[1] layer index)`` for a kernel input that may be one layer of a stack.
 
     The model keeps its layers stacked ``[L, ...]`` and the kernels read layer ``layer`` in place:
     a slice passed to a ``pallas_call`` would be copied out first (a full copy of every weight and
     of the KV cache per decode step). An unstacked input (``layer`` None) becomes a stack of one;
-    ``a`` may be a pytree of arrays (a :class:`~pallas_kernels.layout.QuantizedWeight`)."""
-    if layer is None:
-        return jax.tree.map(lambda v: v[None], a), jnp.zeros((1,), jnp.int32)
-    layers = jax.tree.leaves(a)[0].shape[0]
-    if isinstance(layer, (int, np.integer)) and not 0 <= layer < layers:  # a traced index is the caller's
-        raise ValueError(f"layer {layer} out of range for a stack of {layers}")
-    return a, jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+    ``a`` may be a pytree of arrays (a :class:`~pallas_kernels.layout.QuantizedWeight`). A concrete
+    index is range-checked; a traced one (the model's layer scan) is the caller's to keep in range.
+    A stack the lowering could not index correctly (:func:`_int32_offsets_wrap`) is sliced after all."""
+    if layer is not None:
+        layers = jax.tree.leaves(a)[0].shape[0]
+        if not isinstance(layer, jax.core.Tracer) and not 0 <= int(layer) < layers:
+            raise ValueError(f"layer {int(layer)} out of range for a stack of {layers}")
+        if not any(_int32_offsets_wrap(v) for v in jax.tree.leaves(a)):
+            return a, jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+        a = jax.tree.map(lambda v: jax.lax.dynamic_index_in_dim(v, layer, keepdims=False), a)
+    return jax.tree.map(lambda v: v[None], a), jnp.zeros((1,), jnp.int32)
 
 
 def at_layer(ref, layer, idx: tuple, interpret: bool):

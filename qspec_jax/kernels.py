@@ -31,8 +31,9 @@ MODES = reference.MODES
 @dataclasses.dataclass(frozen=True)
 class Layer:
     """Layer ``index`` of ``stacked``, a per-layer array (or :class:`QuantizedWeight`) stacked along
-    axis 0, left unsliced: the kernels read it in place (a slice handed to a kernel would be copied
-    out first, every weight and the KV cache once per decode step); the references slice it."""
+    axis 0, left unsliced: the INT4 matmul, attention and RMSNorm kernels read it in place (a slice
+    handed to a kernel would be copied out first, every weight and the KV cache once per decode
+    step); the references and the float (W16A16, dense) paths slice it."""
 
     stacked: Any
     index: jax.Array
@@ -124,8 +125,10 @@ def attention(q: jax.Array, k: jax.Array | Layer, v: jax.Array | Layer, q_pos: j
     ``s <= q_pos``). With ``row_tile``, row-count invariant: the reference runs each sequence's
     queries in padded tiles of ``row_tile``."""
     (ks, layer), (vs, _) = _split_layer(k), _split_layer(v)
-    if (_on_kernels(kernels, row_tile) and ks.dtype == q.dtype
-            and gpu_attention.supported(q.shape[-1], ks.shape[-3])):
+    if _on_kernels(kernels, row_tile) and gpu_attention.supported(q.shape[-1], ks.shape[-3]):
+        if ks.dtype != q.dtype or vs.dtype != q.dtype:  # casting would copy the cache every call
+            raise ValueError(f"the KV cache ({ks.dtype}, {vs.dtype}) must have the compute dtype {q.dtype} "
+                             "on the kernel path")
         return gpu_attention.decode_attention(q, ks, vs, q_pos, layer=layer, interpret=kernels == "interpret")
     k, v = unstack(k).astype(q.dtype), unstack(v).astype(q.dtype)
     b = q.shape[0]
@@ -152,7 +155,7 @@ def rms_norm(x: jax.Array, scale: jax.Array | Layer, eps: float, row_tile: int |
     may be a :class:`Layer` of stacked scales."""
     if _on_kernels(kernels, row_tile) and x.shape[-1] % 16 == 0:
         stacked, layer = _split_layer(scale)
-        y = gpu_norm.rms_norm(x.reshape(-1, x.shape[-1]), stacked.astype(x.dtype), eps, layer=layer,
+        y = gpu_norm.rms_norm(x.reshape(-1, x.shape[-1]), stacked, eps, layer=layer,  # cast in the kernel
                               interpret=kernels == "interpret")
         return y.reshape(x.shape)
     scale = unstack(scale).astype(x.dtype)

@@ -1,6 +1,9 @@
 """A Flax (linen) Llama: a pure function of (params, token ids, positions, KV cache).
 
-Layers are stacked and run with ``jax.lax.scan`` (one traced layer, short compiles). Every decoder
+Layers are stacked and run with ``jax.lax.scan`` over the layer index (one traced layer, short
+compiles); each layer sees :class:`~qspec_jax.kernels.Layer` views of the stacked weights and KV
+cache, which the kernels read in place. Per-layer trees (:func:`unstack_layers`) run as an unrolled
+loop instead, for plain-XLA baselines. Every decoder
 linear goes through :func:`qspec_jax.kernels.linear` with the module's ``mode``, so one packed
 INT4 params pytree serves ``w16a16``, ``w4a16``, ``w4a8`` and ``w4a4``. Embeddings, attention
 and the lm_head always run in the float compute dtype. With ``online_rotation_seed`` set
@@ -67,10 +70,13 @@ def _dense_init(key, shape, dtype=jnp.float32):
 
 
 def _param(module: nn.Module, name: str, init, *init_args) -> Any:
-    """The module's param ``name`` as stored when it exists (packed weights and :class:`Layer` views,
-    which linen's ``param()`` would check against the float init's shape), else initialized."""
+    """The module's param ``name``. Packed weights, :class:`Layer` views and stacked trees are
+    returned as stored (linen's ``param()`` would check them against the float init's shape); plain
+    arrays go through ``param()`` and its shape check."""
     if module.has_variable("params", name):
-        return module.get_variable("params", name)
+        value = module.get_variable("params", name)
+        if not isinstance(value, (jax.Array, np.ndarray)):
+            return value
     return module.param(name, init, *init_args)
 
 
@@ -112,7 +118,7 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(self, x, positions, cache: tuple[Layer, Layer] | None):
-        """``cache``: views of this layer in the stacked cache; returned updated (the whole stack)."""
+        """``cache``: views of this layer in the stacked cache; returned as views of the updated stack."""
         c = self.config
         b, t, _ = x.shape
         hq, hk, d = c.num_heads, c.num_kv_heads, c.head_dim
@@ -211,6 +217,7 @@ class Llama(nn.Module):
             return (h, None if kv is None else (kv[0].stacked, kv[1].stacked)), None
 
         stacked = _param(self, "layers", init_layers)
+        _check_layer_counts(c, stacked, cache)
         if isinstance(stacked, (list, tuple)):  # per-layer trees: an unrolled loop (see unstack_layers)
             for i, layer_params in enumerate(stacked):
                 (x, cache), _ = body((x, cache), i, layer_params)
@@ -224,12 +231,25 @@ class Llama(nn.Module):
         return linear(x, head.astype(self.dtype), "w16a16", self.row_tile, self.kernels), cache
 
 
+def _check_layer_counts(config: LlamaConfig, layers: Any, cache: KVCache | None) -> None:
+    """The params' layers and the cache must hold ``config.num_layers`` layers: the layer scan
+    indexes them and would otherwise read clamped layers and drop cache writes without an error."""
+    n = len(layers) if isinstance(layers, (list, tuple)) else jax.tree.leaves(layers)[0].shape[0]
+    counts = {"config": config.num_layers, "params": n}
+    if cache is not None:
+        counts["cache (k, v)"] = (cache[0].shape[0], cache[1].shape[0])
+    if n != config.num_layers or (cache is not None and {cache[0].shape[0], cache[1].shape[0]} != {n}):
+        raise ValueError(f"layer counts differ: {counts}")
+
+
 def unstack_layers(params: dict[str, Any]) -> dict[str, Any]:
     """``params`` with its stacked ``layers`` split into a list of per-layer trees, which
     :class:`Llama` runs as an unrolled loop. For plain-XLA runs (the W16A16 benchmark baseline): XLA
     hands a library dot a layer sliced out of a stack only after copying it, which the kernels avoid
-    by reading the stack in place. Longer compiles; the same numbers."""
+    by reading the stack in place. Longer compiles; the same math (XLA may fuse it differently)."""
     layers = params["layers"]
+    if isinstance(layers, (list, tuple)):
+        raise ValueError("params['layers'] is already a list of per-layer trees")
     n = jax.tree.leaves(layers)[0].shape[0]
     per = [jax.tree.map(lambda a: a[i], layers) for i in range(n)]
     return {**params, "layers": per}

@@ -43,3 +43,20 @@ def test_plot_series_and_file(tmp_path):
     run.write_text(json.dumps({"results": results}))
     plot.main([str(run), "--out", str(tmp_path / "p.svg")])
     assert (tmp_path / "p.svg").read_text().lstrip().startswith("<?xml")
+
+
+def test_decode_bench_resume_and_budget(tmp_path):
+    """A second call with --resume keeps the first call's configuration and runs only the new one;
+    a spent --budget-s starts nothing."""
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"source": "constant test trace", "w4a8": {"1": [[0, 1]]}}))
+    common = ["--models", "smoke", "--contexts", "64", "--new", "8", "--gammas", "1", "--drafts", "w4a8",
+              "--ar", "w4a16", "--kernels", "reference", "--trace", str(trace)]
+    first, second, third = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    decode.main([*common, "--batches", "2", "--out", str(first)])
+    decode.main([*common, "--batches", "2,3", "--resume", str(first / "decode.json"), "--out", str(second)])
+    old = json.loads((first / "decode.json").read_text())["results"][0]
+    res = json.loads((second / "decode.json").read_text())["results"]
+    assert [r["batch"] for r in res] == [2, 3] and res[0] == old  # batch 2 kept as measured, not re-run
+    decode.main([*common, "--batches", "4", "--budget-s", "0", "--out", str(third)])
+    assert json.loads((third / "decode.json").read_text())["results"] == []

@@ -90,3 +90,17 @@ def test_bad_kernels_value_raises(rng):
     params, cfg = _model(rng)
     with pytest.raises(ValueError, match="unknown kernels"):
         generate(memory_model(params, cfg), [[1, 2]], max_new_tokens=2, kernels="cuda")
+
+
+def test_kernel_attention_needs_the_cache_in_the_compute_dtype(rng):
+    """On the kernel path a cache of another dtype is an error (casting it would copy the whole
+    cache on every call); the reference path casts."""
+    from qspec_jax.kernels import attention
+
+    q = jnp.asarray(rng.standard_normal((1, 2, 4, 16)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal((1, 32, 2, 16)), jnp.float32) for _ in range(2))
+    pos = jnp.asarray([[5, 6]], jnp.int32)
+    with pytest.raises(ValueError, match="compute dtype"):
+        attention(q, k, v, pos, row_tile=ROW_TILE, kernels="interpret")
+    out = attention(q, k, v, pos, row_tile=ROW_TILE, kernels="reference")
+    assert out.shape == q.shape and bool(jnp.all(jnp.isfinite(out.astype(jnp.float32))))

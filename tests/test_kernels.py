@@ -108,8 +108,10 @@ def _round_bf16(a: np.ndarray) -> np.ndarray:
     return np.ldexp(np.round(scaled), e - 8)  # np.round: half to even
 
 
+@pytest.mark.parametrize("row_tiles", [1, 2])
 @pytest.mark.parametrize("symmetric", [True, False])
-def test_row_count_invariance(rng, symmetric):
+def test_row_count_invariance(rng, symmetric, row_tiles, monkeypatch):
+    monkeypatch.setattr(gm, "ROW_TILES", row_tiles)  # 2: a program holds two row tiles at M = 37
     k, n = 256, 32
     w = random_weight(rng, n, k, 64 if symmetric else 32, symmetric)
     x = random_x(rng, 37, k)
@@ -120,9 +122,10 @@ def test_row_count_invariance(rng, symmetric):
         "dense": lambda a: gm.dense_matmul(a, wf, interpret=True),
     }
     for name, f in calls.items():
-        # Beyond 16 rows a program holds several row tiles; XLA on the CPU may merge the interpreted
-        # per-tile float dots that share a weight tile into one (another summation order), so only
-        # the exact integer path is checked there on the CPU. tests/test_gpu.py checks M = 1..256.
+        # Beyond 16 rows the row tile is 32 rows wide (and with ROW_TILES > 1 a program holds several);
+        # XLA on the CPU may sum an interpreted float dot of another shape, or merged per-tile dots, in
+        # another order, so only the exact integer path is checked there on the CPU.
+        # tests/test_gpu.py checks M = 1..256 on the GPU.
         ms = (5, 8, 13, 37) if name == "w4a4" else (5, 8, 13)
         picks = (0, 4, 7, 20, 36)
         alone = np.stack([np.asarray(f(x[i:i + 1]))[0] for i in picks])
@@ -229,24 +232,28 @@ def test_stacked_inputs_read_the_indexed_layer(rng):
     import jax
 
     layers, m, n, k = 3, 5, 32, 256
-    ws = [random_weight(rng, n, k, 64, symmetric=i % 2 == 0) for i in range(layers)]
-    ws = [QuantizedWeight(w.packed, w.scales, jnp.zeros_like(w.scales), 64) for w in ws]  # asymmetric stack
-    stack = QuantizedWeight(*(jnp.stack([getattr(w, f) for w in ws]) for f in ("packed", "scales", "mins")), 64)
     x = random_x(rng, m, k)
     scales = jnp.asarray(rng.random((layers, k)) + 0.5, jnp.float32)
     kc, vc = (jnp.asarray(rng.standard_normal((layers, 2, 64, 2, 16)), jnp.float32) for _ in range(2))
     q = jnp.asarray(rng.standard_normal((2, 3, 4, 16)), jnp.float32)
     pos = jnp.asarray([[10, 11, 12], [40, 41, 42]], jnp.int32)
-    calls = {
-        "w4a16": (lambda i: gm.w4a16_matmul(x, stack, layer=i, block_n=BN, interpret=True),
-                  lambda i: gm.w4a16_matmul(x, ws[i], block_n=BN, interpret=True)),
-        "w4a8": (lambda i: gm.w4ax_matmul(x, stack, 8, layer=i, block_n=BN, interpret=True),
-                 lambda i: gm.w4ax_matmul(x, ws[i], 8, block_n=BN, interpret=True)),
+    calls = {}
+    for group, symmetric in ((32, False), (128, True)):  # per-layer scales and minimums differ
+        ws = [random_weight(rng, n, k, group, symmetric) for _ in range(layers)]
+        stack = QuantizedWeight(jnp.stack([w.packed for w in ws]), jnp.stack([w.scales for w in ws]),
+                                None if symmetric else jnp.stack([w.mins for w in ws]), group)
+        calls[f"w4a16 g{group}"] = (
+            lambda i, stack=stack: gm.w4a16_matmul(x, stack, layer=i, block_n=BN, interpret=True),
+            lambda i, ws=ws: gm.w4a16_matmul(x, ws[i], block_n=BN, interpret=True))
+        calls[f"w4a8 g{group}"] = (
+            lambda i, stack=stack: gm.w4ax_matmul(x, stack, 8, layer=i, block_n=BN, interpret=True),
+            lambda i, ws=ws: gm.w4ax_matmul(x, ws[i], 8, block_n=BN, interpret=True))
+    calls.update({
         "rmsnorm": (lambda i: gpu_norm.rms_norm(x, scales, 1e-5, layer=i, interpret=True),
                     lambda i: gpu_norm.rms_norm(x, scales[i], 1e-5, interpret=True)),
         "attention": (lambda i: gpu_attention.decode_attention(q, kc, vc, pos, layer=i, block_s=16, interpret=True),
                       lambda i: gpu_attention.decode_attention(q, kc[i], vc[i], pos, block_s=16, interpret=True)),
-    }
+    })
     for name, (stacked, alone) in calls.items():
         run = jax.jit(stacked)
         outs = [np.asarray(run(jnp.int32(i))) for i in range(layers)]
@@ -255,8 +262,28 @@ def test_stacked_inputs_read_the_indexed_layer(rng):
         assert not np.array_equal(outs[0], outs[1]), name  # the index does select different layers
     with pytest.raises(ValueError, match="out of range"):
         gm.w4a16_matmul(x, stack, layer=3, interpret=True)
+    with pytest.raises(ValueError, match="out of range"):
+        gpu_norm.rms_norm(x, scales, 1e-5, layer=jnp.int32(-1), interpret=True)
     with pytest.raises(ValueError, match="stacked"):
         gm.w4a16_matmul(x, ws[0], layer=0, interpret=True)
+    with pytest.raises(ValueError, match="stacked"):
+        gm.w4ax_matmul(x, stack, 8, interpret=True)
+
+
+def test_stacks_the_lowering_would_misindex_are_sliced():
+    """The Triton lowering indexes arrays of <= 2**32 bytes with int32 element offsets: a 1-byte stack
+    of 2-4 GiB is read from a slice instead of in place; 2-byte and small stacks stay stacked."""
+    import jax
+
+    from pallas_kernels.launch import stacked_input
+
+    def shape_after(shape, dtype):
+        return jax.eval_shape(lambda a: stacked_input(a, 1)[0], jax.ShapeDtypeStruct(shape, dtype)).shape
+
+    big = (2, 2**30 + 64)  # 2**31 + 128 elements
+    assert shape_after(big, jnp.uint8) == (1, 2**30 + 64)
+    assert shape_after(big, jnp.uint16) == big  # > 2**32 bytes: 64-bit offsets
+    assert shape_after((2, 2**29), jnp.uint8) == (2, 2**29)
 
 
 def test_dense_kernel_against_float64(rng):

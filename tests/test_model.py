@@ -229,6 +229,20 @@ def test_unstacked_layers_give_the_stacked_results(mode, rng):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-6)
 
 
+def test_layer_count_mismatch_raises(rng):
+    """Params, config and cache must agree on the number of layers (the layer scan would otherwise
+    read clamped layers and drop cache writes silently)."""
+    import dataclasses
+
+    cfg = CONFIGS["gqa-untied"]
+    tokens, positions = random_batch(cfg, rng, 1, 3, gaps=False)
+    params = random_params(cfg, rng, tokens, positions)
+    with pytest.raises(ValueError, match="layer counts differ"):
+        forward(params, cfg, tokens, positions, tuple(c[:-1] for c in init_cache(cfg, 1, 8)), mode="w16a16")
+    with pytest.raises(ValueError, match="layer counts differ"):
+        forward(params, dataclasses.replace(cfg, num_layers=cfg.num_layers + 1), tokens, positions, mode="w16a16")
+
+
 @pytest.mark.parametrize("symmetric", [False, True])
 def test_quantized_modes(symmetric, rng):
     cfg = CONFIGS["gqa-untied"]
