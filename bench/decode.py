@@ -134,21 +134,28 @@ def time_loop(run, params, make_state, reps: int = 2) -> tuple[float, DecodeStat
     return best, out
 
 
-def time_forward(params, rt: Runtime, state: DecodeState, tokens: int, mode: str, reps: int = 16) -> float:
-    """ms of one decode-time forward over ``tokens`` new tokens per sequence: ``reps`` of them in one
-    jitted ``fori_loop`` (no host dispatch between them, as inside the decode loops), best of 3."""
+def forward_loop(rt: Runtime, state: DecodeState, tokens: int, mode: str, reps: int):
+    """A jitted ``f(params, carry) -> carry`` running ``reps`` decode-time forwards over ``tokens`` new
+    tokens per sequence in one ``fori_loop`` (no host dispatch between them, as inside the decode
+    loops; the argmax feeds the next forward, so the lm_head is not dead code), and its first carry."""
     pos = state.lengths[:, None] + jnp.arange(tokens)[None]
 
     def many(p, carry):
-        def one(i, carry):  # the argmax feeds the next forward: the lm_head is not dead code
+        def one(i, carry):
             toks, c = carry
             logits, c = rt.run(p, toks, pos, c, mode)
             return jnp.argmax(logits, axis=-1).astype(toks.dtype), c
 
         return jax.lax.fori_loop(0, reps, one, carry)
 
-    fn = jax.jit(many, donate_argnums=1)
-    carry = jax.block_until_ready(fn(params, (state.tokens[:, :tokens], state.cache)))
+    return jax.jit(many, donate_argnums=1), (state.tokens[:, :tokens], state.cache)
+
+
+def time_forward(params, rt: Runtime, state: DecodeState, tokens: int, mode: str, reps: int = 16) -> float:
+    """ms of one decode-time forward over ``tokens`` new tokens per sequence (:func:`forward_loop`),
+    best of 3."""
+    fn, carry = forward_loop(rt, state, tokens, mode, reps)
+    carry = jax.block_until_ready(fn(params, carry))
     best = float("inf")
     for _ in range(3):
         t = time.perf_counter()

@@ -53,8 +53,8 @@ def supported(head_dim: int, slots: int) -> bool:
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and slots % 16 == 0
 
 
-def _kernel(layer_ref, q_ref, pos_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, tiles: int, block_s: int,
-            blocks_per_split: int, scale: float, precision, interpret: bool):
+def _attention_kernel(layer_ref, q_ref, pos_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, tiles: int,
+                      block_s: int, blocks_per_split: int, scale: float, precision, interpret: bool):
     """One (sequence, KV head, split): online softmax over the split's KV blocks for all row tiles."""
     d = q_ref.shape[-1]
     split = pl.program_id(2)
@@ -149,8 +149,9 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
     qr = jnp.pad(qr.astype(k.dtype), ((0, 0), (0, 0), (0, rows_pad - rows), (0, 0)))
     pos = jnp.pad(jnp.repeat(q_pos.astype(jnp.int32), g, axis=1), ((0, 0), (0, rows_pad - rows)))
     precision = jax.lax.Precision.HIGHEST if k.dtype == jnp.float32 else None
-    kernel = functools.partial(_kernel, tiles=tiles, block_s=block_s, blocks_per_split=blocks_per_split,
-                               scale=1.0 / math.sqrt(d), precision=precision, interpret=interpret)
+    kernel = functools.partial(_attention_kernel, tiles=tiles, block_s=block_s,
+                               blocks_per_split=blocks_per_split, scale=1.0 / math.sqrt(d),
+                               precision=precision, interpret=interpret)
     kv_spec = pl.BlockSpec((nl, None, s, None, d), lambda i, j, p: (0, i, 0, j, 0))
     part = (b, kvh, splits, rows_pad)
     acc, m, l = call_kernel(

@@ -29,7 +29,7 @@ def _chunk(h: int) -> int:
     return c
 
 
-def _kernel(l_ref, x_ref, s_ref, o_ref, *, h: int, chunk: int, eps: float, interpret: bool):
+def _rms_norm_kernel(l_ref, x_ref, s_ref, o_ref, *, h: int, chunk: int, eps: float, interpret: bool):
     n = h // chunk
     layer = l_ref[0]
 
@@ -60,7 +60,7 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float, *, layer: jax.Array | N
                          f"got {x.shape} and {scale.shape}")
     m, h = x.shape
     scale, lidx = stacked_input(scale, layer)
-    kernel = functools.partial(_kernel, h=h, chunk=_chunk(h), eps=eps, interpret=interpret)
+    kernel = functools.partial(_rms_norm_kernel, h=h, chunk=_chunk(h), eps=eps, interpret=interpret)
     return call_kernel(kernel, jax.ShapeDtypeStruct((m, h), x.dtype), (m,),
                        [LAYER_SPEC, pl.BlockSpec((None, h), lambda i: (i, 0)),
                         stacked_spec(scale.shape[0], (h,), lambda i: (0,))],

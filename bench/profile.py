@@ -1,0 +1,128 @@
+"""Where a decode step's GPU time goes: per-kernel time of decode-time forwards, from a profiler trace.
+
+    PYTHONPATH=. python3 -m bench.profile [--model llama3-8b] [--batch 8] [--context 512] \
+        [--runs w4a16:1,w4a8:1,w4a16:4] [--reps 8] [--out DIR]
+
+Each ``mode:tokens`` run traces (``jax.profiler``, Perfetto JSON) one call of
+:func:`bench.decode.forward_loop`: ``--reps`` forwards of ``tokens`` new tokens per sequence in one
+jitted loop, on a random-weight model shape with a decode state of ``--context`` tokens. GPU events
+are summed per kernel name and per category (INT4 matmuls, attention, RMSNorm, lm_head, copies, other
+XLA ops) and divided by ``--reps``: microseconds per forward. GPU only (the CPU trace has no per-op
+events). Writes ``profile.md`` / ``profile.json`` under ``--out`` (default ``$OUT``, else bench/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from bench.decode import MODELS, forward_loop, fresh_state, random_params
+from qspec_jax.decode import Runtime
+from qspec_jax.sampling import Sampling
+
+# (category, kernel-name prefix): Pallas kernels are named after their Python functions
+CATEGORIES = (("W4A16 matmul", "_w4a16_kernel"), ("W4A8/W4A4 matmul", "_w4ax_kernel"),
+              ("lm_head (dense)", "_dense_kernel"), ("attention", "_attention_kernel"),
+              ("RMSNorm", "_rms_norm_kernel"), ("copies", "memcpy"), ("copies", "Memcpy"))
+
+
+def category(name: str) -> str:
+    return next((c for c, prefix in CATEGORIES if name.startswith(prefix)), "other XLA ops")
+
+
+def gpu_kernel_times(trace: dict) -> tuple[dict[str, float], dict[str, int]]:
+    """Microseconds and event counts per kernel name, over the events of GPU device processes."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    gpu = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+           and "/device:GPU" in e.get("args", {}).get("name", "")}
+    us: dict[str, float] = collections.Counter()
+    count: dict[str, int] = collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in gpu:
+            us[e["name"]] += float(e.get("dur", 0.0))
+            count[e["name"]] += 1
+    return dict(us), dict(count)
+
+
+def summarize(us: dict[str, float], count: dict[str, int], reps: int) -> dict:
+    """Per forward: total, per category, and per kernel name (largest first)."""
+    cats: dict[str, float] = collections.Counter()
+    for name, t in us.items():
+        cats[category(name)] += t / reps
+    kernels = sorted(((n, t / reps, count[n] / reps) for n, t in us.items()), key=lambda r: -r[1])
+    return {"total_us": sum(us.values()) / reps, "categories": dict(cats),
+            "kernels": [{"name": n, "us": t, "calls": c} for n, t, c in kernels]}
+
+
+def profile_run(params, rt: Runtime, state, mode: str, tokens: int, reps: int) -> dict:
+    fn, carry = forward_loop(rt, state, tokens, mode, reps)
+    carry = jax.block_until_ready(fn(params, carry))  # compile and warm up
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            jax.block_until_ready(fn(params, carry))
+        files = sorted(Path(d).rglob("*.json.gz"))
+        if not files:
+            raise SystemExit("the profiler wrote no Perfetto trace")
+        trace = json.load(gzip.open(files[0]))
+    us, count = gpu_kernel_times(trace)
+    if not us:
+        raise SystemExit("no GPU events in the trace: bench.profile needs a GPU")
+    return summarize(us, count, reps)
+
+
+def markdown(run: dict) -> str:
+    lines = [f"# Decode forward, kernel by kernel ({run['device']})", "", f"`{run['command']}`", "",
+             f"{run['model']}, random weights, batch {run['batch']}, decode state of {run['context']} "
+             f"tokens, bf16; microseconds per forward (GPU events of a traced loop of {run['reps']}).", ""]
+    for key, r in run["runs"].items():
+        lines += [f"## {key}: {r['total_us']:.0f} µs per forward", "", "| category | µs | share |", "|---|---|---|"]
+        for c, t in sorted(r["categories"].items(), key=lambda kv: -kv[1]):
+            lines.append(f"| {c} | {t:.1f} | {100 * t / r['total_us']:.0f}% |")
+        lines += ["", "| kernel | µs | calls |", "|---|---|---|"]
+        lines += [f"| `{k['name']}` | {k['us']:.1f} | {k['calls']:g} |" for k in r["kernels"][:20]]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="llama3-8b", choices=sorted(MODELS))
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--runs", default="w4a16:1,w4a8:1,w4a16:4", help="mode:tokens, comma-separated")
+    ap.add_argument("--reps", type=int, default=8)
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench/results"))
+    args = ap.parse_args(argv)
+    runs = []
+    for item in args.runs.split(","):
+        mode, _, tokens = item.partition(":")
+        if not tokens.isdigit() or int(tokens) < 1:
+            ap.error(f"--runs: expected mode:tokens, got {item!r}")
+        runs.append((mode, int(tokens)))
+    cfg = MODELS[args.model]
+    params = random_params(cfg, jax.random.key(1))
+    rt = Runtime(cfg, 64, -1, Sampling(), jnp.bfloat16, None, "auto")
+    out = {"command": " ".join(["python3 -m bench.profile", *(argv if argv is not None else sys.argv[1:])]),
+           "device": jax.devices()[0].device_kind, "model": args.model, "batch": args.batch,
+           "context": args.context, "reps": args.reps, "runs": {}}
+    for mode, tokens in runs:  # a fresh state each: the loop donates its cache
+        state = fresh_state(cfg, args.batch, args.context, 64, tokens, 0)
+        out["runs"][f"{mode}, {tokens} token(s) per sequence"] = profile_run(params, rt, state, mode, tokens, args.reps)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "profile.json").write_text(json.dumps(out, indent=1))
+    text = markdown(out)
+    (args.out / "profile.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
