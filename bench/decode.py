@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.layout import QuantizedWeight, dequantize
+from qspec_jax.api import CACHE_MULTIPLE
 from qspec_jax.config import LlamaConfig
 from qspec_jax.decode import DecodeState, Runtime, ar_loop
 from qspec_jax.model import unstack_layers
@@ -56,7 +57,6 @@ MODELS = {
     "smoke": LlamaConfig(256, 128, 256, 2, 4, 2, 32, max_position_embeddings=1024),
 }
 GROUP = 128  # random weights: symmetric, group 128
-CACHE_MULTIPLE = 64
 MEM_LIMIT = 120e9  # skip a configuration whose weights + KV cache would exceed this
 
 

@@ -21,6 +21,9 @@ from qspec_jax.sampling import Sampling
 METHODS = ("qspec", "w4a16", "w4a8", "w4a4", "w16a16")
 DRAFTS = ("w4a4", "w4a8")
 CACHE_MULTIPLE = 64  # KV cache slots are allocated in multiples of this (the attention kernel's block)
+# Prompts are padded to a multiple of this: calls whose longest prompts fall in one bucket share the
+# compiled prefill and decode loop (pad tokens sit after a sequence's last position: invisible to it)
+PROMPT_MULTIPLE = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +106,8 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
     ``w16a16``). ``max_len`` bounds prompt + new tokens (default: the model's max positions).
     ``eos_token_id`` defaults to the tokenizer's (or config's) EOS; ``-1`` never stops on a token.
     ``kernels`` picks the Pallas GPU kernels or the jnp references (:mod:`qspec_jax.kernels`;
-    ``"auto"``: the kernels on a GPU).
+    ``"auto"``: the kernels on a GPU). Prompts are padded to a multiple of :data:`PROMPT_MULTIPLE`
+    tokens, so calls whose longest prompts fall in the same bucket reuse the compiled code.
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
@@ -118,7 +122,7 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
     kernels = resolve_kernels(kernels)
     sampling = Sampling(temperature, top_k, top_p)
     ids = _tokenize(model, prompts, chat)
-    tokens, lengths = pad_prompts(ids)
+    tokens, lengths = pad_prompts(ids, PROMPT_MULTIPLE)
     cfg = model.config
     if max_len is None:
         max_len = cfg.max_position_embeddings
@@ -140,7 +144,7 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
     rt = Runtime(cfg, int(max_new_tokens), -1 if eos_token_id is None else int(eos_token_id), sampling, dtype,
                  model.checkpoint.online_rotation_seed, kernels)
     extra = gamma + 1 if method == "qspec" else 1
-    buffer_len = int(lengths.max()) + max_new_tokens + extra
+    buffer_len = tokens.shape[1] + max_new_tokens + extra
     cache_len = -(-buffer_len // CACHE_MULTIPLE) * CACHE_MULTIPLE  # whole KV blocks for the kernel
     params = model.checkpoint.params
     start = time.perf_counter()

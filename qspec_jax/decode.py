@@ -121,14 +121,15 @@ def ar_loop(params, state: DecodeState, *, rt: Runtime, mode: str) -> DecodeStat
     return jax.lax.while_loop(lambda s: ~jnp.all(s.done), lambda s: ar_step(params, s, rt, mode), state)
 
 
-def pad_prompts(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """Right-pad token lists into ``(int32[B, P], lengths int32[B])``; empty prompts raise."""
+def pad_prompts(prompts: list[list[int]], multiple: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pad token lists into ``(int32[B, P], lengths int32[B])``, P the longest prompt rounded up
+    to ``multiple``; empty prompts raise."""
     if not prompts:
         raise ValueError("no prompts given")
     lengths = np.array([len(p) for p in prompts], np.int32)
     if lengths.min() == 0:
         raise ValueError("empty prompt: every prompt needs at least one token")
-    tokens = np.zeros((len(prompts), lengths.max()), np.int32)
+    tokens = np.zeros((len(prompts), -(-int(lengths.max()) // multiple) * multiple), np.int32)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
     return tokens, lengths
