@@ -4,7 +4,9 @@
         [--out bench/results/decode.svg]
 
 Methods: the autoregressive ones (W16A16, W4A16, W4A8, W4A4) and QSPEC with each draft at one
-gamma (default 3, the paper's); QSPEC's acceptance is the replayed trace the runs name.
+gamma (default 3, the paper's); QSPEC's acceptance is the replayed trace the runs name. Run it where
+the project's venv is (matplotlib is in requirements.lock; the lent GPU machine has none), on the
+``decode.json`` files the GPU runs wrote.
 """
 
 from __future__ import annotations
