@@ -42,7 +42,6 @@ In interpret mode (CPU tests) the PTX steps are replaced by the same operations 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -190,21 +189,23 @@ def _plane_rows(ref, plane: int, r: int, cols, mask, interpret: bool):
     return _load_rows(at_layer(ref, plane, (pl.ds(r * bm, bm), cols), interpret), mask)
 
 
+def _load_layer(ref, layer, cols, interpret: bool, **kw):
+    """Columns ``cols`` of ``ref[layer]`` (``ref`` itself if ``layer`` is None): scales, minimums."""
+    return pl_triton.load(at_layer(ref, layer, (slice(None), cols), interpret), **kw)
+
+
 def _load_weight(ref, layer, cols, interpret: bool):
-    """A weight tile (of ``layer``, if stacked), read once per program: ask the cache to evict it first."""
-    return pl_triton.load(at_layer(ref, layer, (slice(None), cols), interpret), eviction_policy="evict_first")
+    """A weight tile, read once per program: ask the cache to evict it first."""
+    return _load_layer(ref, layer, cols, interpret, eviction_policy="evict_first")
 
 
-def _load_layer(ref, layer, cols, interpret: bool):
-    """Columns ``cols`` of ``ref[layer]`` (scales, minimums)."""
-    return pl_triton.load(at_layer(ref, layer, (slice(None), cols), interpret))
-
-
-def _stacked_weight(w: QuantizedWeight, layer) -> tuple[QuantizedWeight, jax.Array]:
+def _stacked_arrays(w: QuantizedWeight, packed: jax.Array, layer) -> tuple[tuple, jax.Array]:
+    """``((packed, scales, mins) as stacks, int32[1] layer index)``; ``packed`` is ``w.packed`` or a
+    view of it."""
     if w.packed.ndim != (2 if layer is None else 3):
         raise ValueError("a layer index needs stacked weights [L, N, K/2] and stacked weights need one; "
                          f"got packed {w.packed.shape}, layer {layer}")
-    return stacked_input(w, layer)
+    return stacked_input((packed, w.scales, w.mins), layer)
 
 
 def _store_tiles(o_ref, masks, accs):
@@ -350,10 +351,9 @@ def w4a16_matmul(x: jax.Array, w: QuantizedWeight, *, layer: jax.Array | None = 
     block_n, block_k, split_k = default_config(*w.shape, w.group_size, "w4a16", block_n, block_k, split_k)
     n, k, g = _check(x, w, block_n, block_k, split_k)
     # read as uint16 elements (a bitcast), before stacking: 2-byte elements keep int32 offsets valid
-    w16 = dataclasses.replace(w, packed=jax.lax.bitcast_convert_type(
-        w.packed.reshape(*w.packed.shape[:-1], k // 4, 2), jnp.uint16))
-    w16, lidx = _stacked_weight(w16, layer)
-    packed, nl = w16.packed, w16.packed.shape[0]
+    packed16 = jax.lax.bitcast_convert_type(w.packed.reshape(*w.packed.shape[:-1], k // 4, 2), jnp.uint16)
+    (packed, scales, mins), lidx = _stacked_arrays(w, packed16, layer)
+    nl = packed.shape[0]
     m = x.shape[0]
     bm, tiles = _tiles(m)
     rows = tiles * bm
@@ -363,10 +363,10 @@ def w4a16_matmul(x: jax.Array, w: QuantizedWeight, *, layer: jax.Array | None = 
     sspec = stacked_spec(nl, (block_n, k // g), lambda i, j, s: (j, 0))
     in_specs = [LAYER_SPEC, pl.BlockSpec((4, rows, k // 4), lambda i, j, s: (0, i, 0)),
                 stacked_spec(nl, (block_n, k // 4), lambda i, j, s: (j, 0)), sspec]
-    args = [lidx, xp, packed, w16.scales]
+    args = [lidx, xp, packed, scales]
     if not w.symmetric:
         in_specs.append(sspec)
-        args.append(w16.mins)
+        args.append(mins)
     out_shape, out_spec = _split_out(m, n, block_n, split_k, rows)
     out = call_kernel(kernel, out_shape, (-(-m // rows), n // block_n, split_k), in_specs, out_spec,
                       interpret, WARPS, _stages(tiles), *args)
@@ -489,8 +489,8 @@ def w4ax_quantized(qx: jax.Array, sa: jax.Array, w: QuantizedWeight, *, layer: j
     partial sums are added left to right after the kernel, then scaled by ``sa`` (so the group sum
     is no longer one left-to-right chain as in the reference: ~1e-7 relative, not bitwise). ``layer``:
     as in :func:`w4a16_matmul`."""
-    w, lidx = _stacked_weight(w, layer)
-    nl = w.packed.shape[0]
+    (packed, scales, mins), lidx = _stacked_arrays(w, w.packed, layer)
+    nl = packed.shape[0]
     block_n, block_k, split_k = default_config(*w.shape, w.group_size, "w4ax", block_n, block_k, split_k)
     n, k, g = _check(qx, w, block_n, block_k, split_k)
     m = qx.shape[0]
@@ -506,10 +506,10 @@ def w4ax_quantized(qx: jax.Array, sa: jax.Array, w: QuantizedWeight, *, layer: j
     in_specs = [LAYER_SPEC, pl.BlockSpec((2, rows, k // 2), lambda i, j, s: (0, i, 0)),
                 pl.BlockSpec((rows, 1), lambda i, j, s: (i, 0)),
                 stacked_spec(nl, (block_n, k // 2), lambda i, j, s: (j, 0)), sspec]
-    args = [lidx, activation_planes(qx, 2), sa.astype(jnp.float32), w.packed, w.scales]
+    args = [lidx, activation_planes(qx, 2), sa.astype(jnp.float32), packed, scales]
     if not w.symmetric:
         in_specs.append(sspec)
-        args.append(w.mins)
+        args.append(mins)
     if return_acc:
         out_shape = jax.ShapeDtypeStruct((gcount, m, n), jnp.int32)
         out_spec = pl.BlockSpec((gcount, rows, block_n), lambda i, j, s: (0, i, j))

@@ -1,4 +1,5 @@
-"""Launching Pallas kernels through the Triton lowering, without its deprecation warning.
+"""Launching Pallas kernels through the Triton lowering, without its deprecation warning, and
+handing them inputs that are one layer of a stack.
 
 Pallas' Triton backend is deprecated on jax 0.11 and warns when a kernel is lowered. Lowering
 happens when the caller's ``jit`` compiles, outside any ``catch_warnings`` of ours, so exactly that
@@ -11,7 +12,6 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 
 _TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
@@ -58,7 +58,8 @@ def stacked_input(a, layer) -> tuple:
 
 
 def at_layer(ref, layer, idx: tuple, interpret: bool):
-    """The view ``ref[layer][idx]`` of a stacked kernel input. One indexer on the GPU (the Triton
+    """The view ``ref[layer][idx]`` of a stacked kernel input (or of any leading index, such as an
+    activation plane). One indexer on the GPU (the Triton
     lowering takes one per load); the layer index first in interpret mode (Pallas' interpreter takes
     no integer index beside slices in one indexer). ``layer`` None: an unstacked ``ref[idx]``."""
     if layer is None:
