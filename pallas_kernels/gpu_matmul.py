@@ -22,7 +22,7 @@ the high nibbles k 32..63), in the modes of :mod:`pallas_kernels.reference`:
 * :func:`dense_matmul`: float weights (the lm_head on the decode path).
 
 The weight tile is the MMA's M side (``block_n`` rows), a row tile of ``bm`` tokens its N side
-(:data:`BLOCK_M` rows, or :data:`WIDE_BLOCK_M` for M > 16). A program holds up to :data:`ROW_TILES`
+(16 to 128 rows, following M: :data:`TILE_HEIGHTS`). A program holds up to :data:`ROW_TILES`
 row tiles and applies each weight tile, once loaded and unpacked, to all of them. Grid:
 ``(ceil(M / (bm * tiles)), N / block_n, split_k)``; each program loops over its K range in chunks
 of ``block_k``; with ``split_k`` > 1 (K cut into that many ranges of whole chunks or groups,
@@ -53,15 +53,19 @@ from pallas_kernels.layout import PACK_BLOCK, SYMMETRIC_OFFSET, QuantizedWeight
 from pallas_kernels.launch import LAYER_SPEC, at_layer, call_kernel, pl_triton, stacked_input, stacked_spec
 from pallas_kernels.reference import quantize_activations
 
-# Rows per row tile (the MMA's N side): 16 for M <= 16, 32 above (on the H200 a 32-row tile cost
-# 1.5-2x at M = 8, two 16-row tiles 2x at M = 32: bench/results/kernels_history.md). A token's result
-# does not depend on the tile width (each output element is the same MMA k-sequence; checked bitwise
-# for M = 1..256 on the GPU by tests/test_gpu.py), so choosing it from M keeps row-count invariance.
-BLOCK_M, WIDE_BLOCK_M = 16, 32
+# (rows per row tile, pipeline stages), smallest first, by activation operand; a call takes the first
+# tile that holds its M rows, else the last. The tile height is the MMA's N side: a tile wider than M
+# wastes work (a 32-row tile cost 1.5-2x at M = 8), one narrower than M repeats the weight dequantization
+# per tile (64-row tiles: 1.3-1.6x faster than 32-row ones at M = 64..256; 128-row ones fit shared memory
+# only for int8 activations and with 2 stages). H200 sweeps: bench/results/tune.md, kernels_history.md.
+# A token's result does not depend on the tile height (each output element is the same MMA k-sequence;
+# checked bitwise for M = 1..256 on the GPU by tests/test_gpu.py), so choosing it from M keeps row-count
+# invariance.
+TILE_HEIGHTS = {"bf16": ((16, 3), (32, 3), (64, 3)), "int8": ((16, 3), (32, 3), (64, 3), (128, 2))}
 PLANE_ELEMS = 16  # uint16 elements of a 64-block, each holding 4 nibbles (W4A16)
 ROW_TILES = 1  # row tiles per program at most (>1: a weight tile unpacked once for more rows)
 MIN_PROGRAMS = 264  # split K until N / block_n * split_k reaches this (2 programs per H200 SM)
-WARPS, STAGES = 4, 3
+WARPS = 4
 
 
 def _is_pow2(v: int) -> bool:
@@ -84,14 +88,14 @@ def default_config(n: int, k: int, group: int, kind: str, block_n: int | None = 
     """``(block_n, block_k, split_k)`` for a weight shape; ``kind`` is "w4a16" or "w4ax".
 
     A function of ``(N, K, group)`` only, never of M (row-count invariance): 64-row weight tiles,
-    512-wide K chunks (halved until they fit K and the group), K split in 2, 4 or 8 until there are
+    512-wide K chunks for W4A16 and 256-wide for W4AX (halved until they fit K and the group), K split in 2, 4 or 8 until there are
     :data:`MIN_PROGRAMS` programs. Given values are kept."""
     if kind not in ("w4a16", "w4ax"):
         raise ValueError(f"kind must be 'w4a16' or 'w4ax', got {kind!r}")
     if block_n is None:
         block_n = next((b for b in (64, 32, 16) if n % b == 0), 16)
-    if block_k is None:
-        block_k = 512
+    if block_k is None:  # the int8 kernel: 256 was 1.04-1.24x faster at M = 16 on the H200 (tune.md)
+        block_k = 512 if kind == "w4a16" else 256
         while block_k > PACK_BLOCK and (k % block_k or not (block_k % group == 0 or group % block_k == 0)
                                         or (split_k is not None and not _split_ok(k, group, block_k, split_k))):
             block_k //= 2
@@ -158,17 +162,20 @@ def _check(x: jax.Array, w: QuantizedWeight, block_n: int, block_k: int, split_k
 
 # ------------------------------------------------------------------------------ shared pieces
 
-def _stages(tiles: int) -> int:
-    """Software-pipeline depth: 3, or 2 with 3-4 row tiles (shared memory). Only timing depends on
-    it, never the arithmetic, so it may follow M."""
-    return STAGES if tiles <= 2 else 2
-
-
-def _tiles(m: int) -> tuple[int, int]:
-    """``(rows per tile, row tiles per program)``: the tile height for M, as many tiles as M needs,
-    at most ROW_TILES."""
-    bm = BLOCK_M if m <= BLOCK_M else WIDE_BLOCK_M
-    return bm, min(ROW_TILES, -(-m // bm))
+def _tiles(m: int, operand: str, block_m: int | None = None) -> tuple[int, int, int]:
+    """``(rows per tile, row tiles per program, pipeline stages)`` for M rows of ``operand`` ("bf16" or
+    "int8") activations: the tile from :data:`TILE_HEIGHTS` (or ``block_m``), as many tiles as M
+    needs, at most ROW_TILES, 2 stages with 3-4 tiles (shared memory). Only timing depends on these,
+    never the arithmetic, so they may follow M."""
+    heights = TILE_HEIGHTS[operand]
+    if block_m is None:
+        bm, stages = next(((h, s) for h, s in heights if m <= h), heights[-1])
+    elif not _is_pow2(block_m) or block_m < 16:
+        raise ValueError(f"block_m must be a power of two >= 16, got {block_m}")
+    else:
+        bm, stages = block_m, dict(heights).get(block_m, 2)
+    tiles = min(ROW_TILES, -(-m // bm))
+    return bm, tiles, stages if tiles <= 2 else 2
 
 
 def _row_masks(m: int, bm: int, tiles: int) -> list[jax.Array]:
@@ -343,11 +350,13 @@ def activation_planes(x: jax.Array, planes: int) -> jax.Array:
 
 def w4a16_matmul(x: jax.Array, w: QuantizedWeight, *, layer: jax.Array | None = None,
                  block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
+                 block_m: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                  interpret: bool = False) -> jax.Array:
     """``x[M, K] @ w4a16_weights(w).T`` with bf16 activations and float32 accumulation -> ``f32[M, N]``.
 
     With ``layer`` (an int32 scalar), ``w`` is a stack ``[L, N, ...]`` and layer ``layer`` is read in
-    place. Tiles left as None come from :func:`default_config` (a function of N, K and the group size)."""
+    place. Tiles left as None come from :func:`default_config` (a function of N, K and the group size);
+    ``block_m`` (rows per tile), ``num_warps`` and ``num_stages`` change only timing (for tuning)."""
     block_n, block_k, split_k = default_config(*w.shape, w.group_size, "w4a16", block_n, block_k, split_k)
     n, k, g = _check(x, w, block_n, block_k, split_k)
     # read as uint16 elements (a bitcast), before stacking: 2-byte elements keep int32 offsets valid
@@ -355,7 +364,7 @@ def w4a16_matmul(x: jax.Array, w: QuantizedWeight, *, layer: jax.Array | None = 
     (packed, scales, mins), lidx = _stacked_arrays(w, packed16, layer)
     nl = packed.shape[0]
     m = x.shape[0]
-    bm, tiles = _tiles(m)
+    bm, tiles, stages = _tiles(m, "bf16", block_m)
     rows = tiles * bm
     xp = activation_planes(x.astype(jnp.bfloat16), 4)
     kernel = functools.partial(_w4a16_kernel, m=m, k=k, group=g, block_k=block_k, split_k=split_k,
@@ -369,7 +378,7 @@ def w4a16_matmul(x: jax.Array, w: QuantizedWeight, *, layer: jax.Array | None = 
         args.append(mins)
     out_shape, out_spec = _split_out(m, n, block_n, split_k, rows)
     out = call_kernel(kernel, out_shape, (-(-m // rows), n // block_n, split_k), in_specs, out_spec,
-                      interpret, WARPS, _stages(tiles), *args)
+                      interpret, num_warps or WARPS, num_stages or stages, *args)
     return out if split_k == 1 else _sum_splits(out)
 
 
@@ -480,6 +489,7 @@ def _w4ax_kernel(l_ref, qx_ref, sa_ref, p_ref, s_ref, *rest, m: int, k: int, gro
 
 def w4ax_quantized(qx: jax.Array, sa: jax.Array, w: QuantizedWeight, *, layer: jax.Array | None = None,
                    block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
+                   block_m: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                    interpret: bool = False, return_acc: bool = False) -> jax.Array:
     """The W4AX kernel on pre-quantized rows (``qx`` int8[M, K], ``sa`` f32[M, 1], as
     :func:`pallas_kernels.reference.quantize_activations` returns them) -> ``f32[M, N]``; with
@@ -487,8 +497,8 @@ def w4ax_quantized(qx: jax.Array, sa: jax.Array, w: QuantizedWeight, *, layer: j
 
     ``split_k`` > 1: each of that many programs per output tile sums its own groups in order; the
     partial sums are added left to right after the kernel, then scaled by ``sa`` (so the group sum
-    is no longer one left-to-right chain as in the reference: ~1e-7 relative, not bitwise). ``layer``:
-    as in :func:`w4a16_matmul`."""
+    is no longer one left-to-right chain as in the reference: ~1e-7 relative, not bitwise). ``layer``,
+    ``block_m``, ``num_warps``, ``num_stages``: as in :func:`w4a16_matmul`."""
     (packed, scales, mins), lidx = _stacked_arrays(w, w.packed, layer)
     nl = packed.shape[0]
     block_n, block_k, split_k = default_config(*w.shape, w.group_size, "w4ax", block_n, block_k, split_k)
@@ -497,7 +507,7 @@ def w4ax_quantized(qx: jax.Array, sa: jax.Array, w: QuantizedWeight, *, layer: j
     if qx.dtype != jnp.int8 or sa.shape != (m, 1):
         raise ValueError(f"qx must be int8[M, K] and sa float32[M, 1], got {qx.dtype}{qx.shape}, "
                          f"{sa.shape}")
-    bm, tiles = _tiles(m)
+    bm, tiles, stages = _tiles(m, "int8", block_m)
     rows = tiles * bm
     gcount = k // g
     kernel = functools.partial(_w4ax_kernel, m=m, k=k, group=g, block_k=block_k, split_k=split_k,
@@ -516,7 +526,7 @@ def w4ax_quantized(qx: jax.Array, sa: jax.Array, w: QuantizedWeight, *, layer: j
     else:
         out_shape, out_spec = _split_out(m, n, block_n, split_k, rows)
     out = call_kernel(kernel, out_shape, (-(-m // rows), n // block_n, split_k), in_specs, out_spec,
-                      interpret, WARPS, STAGES, *args)
+                      interpret, num_warps or WARPS, num_stages or stages, *args)
     if return_acc or split_k == 1:
         return out
     return sa.astype(jnp.float32) * _sum_splits(out)
@@ -524,6 +534,7 @@ def w4ax_quantized(qx: jax.Array, sa: jax.Array, w: QuantizedWeight, *, layer: j
 
 def w4ax_matmul(x: jax.Array, w: QuantizedWeight, bits: int, *, layer: jax.Array | None = None,
                 block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
+                block_m: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                 interpret: bool = False) -> jax.Array:
     """W4A8 (``bits=8``) / W4A4 (``bits=4``): per-row activation quantization (a jnp step before the
     kernel, :func:`pallas_kernels.reference.quantize_activations`), then the int8 kernel with int32
@@ -534,7 +545,7 @@ def w4ax_matmul(x: jax.Array, w: QuantizedWeight, bits: int, *, layer: jax.Array
         raise ValueError(f"x must be [M, K], got shape {x.shape}")
     qx, sa = quantize_activations(x, bits)
     return w4ax_quantized(qx, sa, w, layer=layer, block_n=block_n, block_k=block_k, split_k=split_k,
-                          interpret=interpret)
+                          block_m=block_m, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
 
 
 # ----------------------------------------------------------------------------------------- dense
@@ -568,16 +579,17 @@ def _dense_kernel(x_ref, w_ref, o_ref, *, m: int, k: int, block_k: int, split_k:
     _store_tiles(o_ref, masks, accs)
 
 
-def dense_matmul(x: jax.Array, w: jax.Array, *, interpret: bool = False) -> jax.Array:
+def dense_matmul(x: jax.Array, w: jax.Array, *, block_m: int | None = None, num_warps: int | None = None,
+                 num_stages: int | None = None, interpret: bool = False) -> jax.Array:
     """``x[M, K] @ w[N, K].T`` in the weight's float dtype with float32 accumulation -> ``f32[M, N]``
     (the lm_head and float layers on the decode path: row-count invariant like the INT4 kernels).
     Tiles come from (N, K) only: 64 x 256 (smaller where K needs), K split until N / 64 * split
-    reaches :data:`MIN_PROGRAMS`."""
+    reaches :data:`MIN_PROGRAMS`. ``block_m``, ``num_warps``, ``num_stages``: as in :func:`w4a16_matmul`."""
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"expected x [M, K] and w [N, K], got {x.shape} and {w.shape}")
     (m, k), n = x.shape, w.shape[0]
     block_n, block_k, split_k = _dense_config(n, k)
-    bm, tiles = _tiles(m)
+    bm, tiles, stages = _tiles(m, "bf16", block_m)
     rows = tiles * bm
     precision = jax.lax.Precision.HIGHEST if w.dtype == jnp.float32 else None
     kernel = functools.partial(_dense_kernel, m=m, k=k, block_k=block_k, split_k=split_k, bm=bm, tiles=tiles,
@@ -586,5 +598,5 @@ def dense_matmul(x: jax.Array, w: jax.Array, *, interpret: bool = False) -> jax.
     out = call_kernel(kernel, out_shape, (-(-m // rows), n // block_n, split_k),
                       [pl.BlockSpec((rows, k), lambda i, j, s: (i, 0)),
                        pl.BlockSpec((block_n, k), lambda i, j, s: (j, 0))],
-                      out_spec, interpret, WARPS, STAGES, x.astype(w.dtype), w)
+                      out_spec, interpret, num_warps or WARPS, num_stages or stages, x.astype(w.dtype), w)
     return out if split_k == 1 else _sum_splits(out)

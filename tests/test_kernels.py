@@ -111,10 +111,10 @@ def _round_bf16(a: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("row_tiles", [1, 2])
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_row_count_invariance(rng, symmetric, row_tiles, monkeypatch):
-    monkeypatch.setattr(gm, "ROW_TILES", row_tiles)  # 2: a program holds two row tiles at M = 37
+    monkeypatch.setattr(gm, "ROW_TILES", row_tiles)  # 2: a W4A4 program holds two 128-row tiles at M = 130
     k, n = 256, 32
     w = random_weight(rng, n, k, 64 if symmetric else 32, symmetric)
-    x = random_x(rng, 37, k)
+    x = random_x(rng, 130, k)
     wf = jnp.asarray(rng.standard_normal((n, k)), jnp.float32)
     calls = {
         "w4a16": lambda a: gm.w4a16_matmul(a, w, block_n=BN, interpret=True),
@@ -122,12 +122,12 @@ def test_row_count_invariance(rng, symmetric, row_tiles, monkeypatch):
         "dense": lambda a: gm.dense_matmul(a, wf, interpret=True),
     }
     for name, f in calls.items():
-        # Beyond 16 rows the row tile is 32 rows wide (and with ROW_TILES > 1 a program holds several);
-        # XLA on the CPU may sum an interpreted float dot of another shape, or merged per-tile dots, in
-        # another order, so only the exact integer path is checked there on the CPU.
-        # tests/test_gpu.py checks M = 1..256 on the GPU.
-        ms = (5, 8, 13, 37) if name == "w4a4" else (5, 8, 13)
-        picks = (0, 4, 7, 20, 36)
+        # Beyond 16 rows the row tile is 32, 64 or 128 rows high (gm.TILE_HEIGHTS; with ROW_TILES > 1 a
+        # program holds several); XLA on the CPU may sum an interpreted float dot of another shape, or
+        # merged per-tile dots, in another order, so only the exact integer path is checked there on
+        # the CPU. tests/test_gpu.py checks M = 1..256 on the GPU.
+        ms = (5, 8, 13, 37, 100, 130) if name == "w4a4" else (5, 8, 13)
+        picks = (0, 4, 7, 20, 36, 99, 129)
         alone = np.stack([np.asarray(f(x[i:i + 1]))[0] for i in picks])
         for m in ms:
             inside = np.asarray(f(x[:m]))

@@ -1,0 +1,158 @@
+"""Tile and launch sweep of the Pallas matmuls on the GPU: which tiles the defaults should be.
+
+    PYTHONPATH=. python3 -m bench.tune [--shapes qkv,o,gate_up,down,lm_head] [--kinds w4a16,w4a8,dense]
+        [--ms 16,32,64,128,256] [--out DIR] [--budget-s 400]
+
+Llama-3-8B layer shapes (:data:`bench.kernels.MODELS`). For each (shape, kind, M) the kernel with its
+default tiles and a set of variants (:func:`variants`: warps, pipeline stages, weight tile, K chunk,
+K split at small M; rows per tile 64 / 128 x warps x stages at larger M) are timed the way
+:mod:`bench.kernels` times them (CUPTI kernel time per call, weights rotated out of L2). Each
+variant's output on the first input is compared with the default's: ``same bits`` when identical,
+else the max relative difference (a K chunk or split other than the default changes the summation
+order; rows per tile, warps and stages must not change a bit). Writes ``tune.json`` / ``tune.md``
+under ``--out`` (default ``$OUT``, else bench/results) after every shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench.kernels import CALLS, GROUP, MODELS, Job, _copies, log, make_weight, measure
+from pallas_kernels import gpu_matmul as gm
+
+KINDS = {
+    "w4a16": lambda x, w, kw: gm.w4a16_matmul(x, w, **kw),
+    "w4a8": lambda x, w, kw: gm.w4ax_matmul(x, w, 8, **kw),
+    "dense": lambda x, w, kw: gm.dense_matmul(x, w, **kw),
+}
+ORDER_KEYS = ("block_k", "split_k")  # overrides that change the summation order
+
+
+def variants(kind: str, m: int, n: int, k: int) -> list[dict]:
+    """The configurations tried at one (kind, M, shape); the first, ``{}``, is the default."""
+    if m <= 16:
+        out = [{}, {"num_warps": 8}, {"num_stages": 4}, {"num_stages": 5}, {"num_warps": 8, "num_stages": 4},
+               {"num_warps": 2}]
+        if kind != "dense":
+            bn, bk, split = gm.default_config(n, k, GROUP, "w4a16" if kind == "w4a16" else "w4ax")
+            out += [{"block_n": 2 * bn}, {"block_n": 2 * bn, "num_warps": 8}, {"block_n": bn // 2},
+                    {"block_k": 2 * bk}, {"block_k": bk // 2}, {"split_k": 2 * split},
+                    {"block_n": 2 * bn, "split_k": 2 * split}]
+        return out
+    out = [{}, {"num_warps": 8}]
+    if m > 32:
+        out += [{"block_m": 64, "num_warps": w, "num_stages": s} for w in (4, 8) for s in (2, 3)]
+    if m > 64:
+        out += [{"block_m": 128, "num_warps": w, "num_stages": 2} for w in (4, 8)] + [
+            {"block_m": 128, "num_warps": 8, "num_stages": 1}]
+    return out
+
+
+def _weights(kind: str, n: int, k: int) -> list:
+    nbytes = n * k * 2 if kind == "dense" else n * k // 2
+    keys = [jax.random.key(10 + c) for c in range(_copies(nbytes))]
+    if kind == "dense":
+        return [jax.random.normal(key, (n, k), jnp.bfloat16) for key in keys]
+    return [make_weight(key, n, k, GROUP, True) for key in keys]
+
+
+def _compare(job: Job, base: Job, kw: dict) -> str:
+    if job.error or base.error:
+        return "-"
+    a, b = (np.asarray(j.compiled(*j.arg_sets[0]), np.float64) for j in (job, base))
+    if np.array_equal(a, b):
+        return "same bits"
+    rel = float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+    flag = "" if any(key in kw for key in ORDER_KEYS) else " (BITS DIFFER)"
+    return f"rel {rel:.1e}{flag}"
+
+
+def sweep_shape(shape: str, kinds: list[str], ms: list[int], tmp: Path, threads: int) -> list[dict]:
+    n, k = MODELS["llama3-8b"][shape]
+    rows = []
+    for kind in kinds:
+        if kind == "dense" and shape != "lm_head":
+            continue
+        ws = _weights(kind, n, k)
+        jobs, meta = [], []
+        for m in ms:
+            calls = max(CALLS, len(ws))
+            xs = [jax.random.normal(jax.random.key(1000 + i), (m, k), jnp.bfloat16) for i in range(calls)]
+            for kw in variants(kind, m, n, k):
+                fn = lambda x, w, kw=kw, kind=kind: KINDS[kind](x, w, kw)  # noqa: E731
+                jobs.append(Job(fn, [(xs[i], ws[i % len(ws)]) for i in range(calls)], pallas=True))
+                meta.append((m, kw))
+        measure(jobs, tmp, threads)
+        base = {}
+        for job, (m, kw) in zip(jobs, meta):
+            if not kw:
+                base[m] = job
+        for job, (m, kw) in zip(jobs, meta):
+            row = {"shape": shape, "N": n, "K": k, "kind": kind, "M": m, "config": kw,
+                   "us": job.us, "error": job.error, "vs_default": _compare(job, base[m], kw) if kw else ""}
+            rows.append(row)
+            log(f"{shape} {kind} M={m} {kw or 'default'}: "
+                + (f"{job.us:.1f} us {row['vs_default']}" if job.us else f"error {job.error}"))
+        del jobs, ws
+    return rows
+
+
+def markdown(run: dict) -> str:
+    lines = [f"# Matmul tile sweep ({run['device']})", "", f"`{run['command']}`", "",
+             "Llama-3-8B shapes, random symmetric g128 weights (bf16 for dense), CUPTI kernel µs per call "
+             "(weights rotated out of L2). `vs default`: the output compared with the default tiles' "
+             "on the same input.", "",
+             "| shape | kind | M | config | µs | vs default µs | vs default output |", "|---|---|---|---|---|---|---|"]
+    base = {(r["shape"], r["kind"], r["M"]): r["us"] for r in run["rows"] if not r["config"]}
+    for r in run["rows"]:
+        b = base.get((r["shape"], r["kind"], r["M"]))
+        cfg = ", ".join(f"{key}={v}" for key, v in r["config"].items()) or "**default**"
+        us = f"{r['us']:.1f}" if r["us"] else f"n/a ({(r['error'] or '')[:60]})"
+        ratio = f"{b / r['us']:.2f}×" if r["us"] and b else ""
+        lines.append(f"| {r['shape']} | {r['kind']} | {r['M']} | {cfg} | {us} | {ratio} | {r['vs_default']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="qkv,o,gate_up,down,lm_head")
+    ap.add_argument("--kinds", default="w4a16,w4a8,dense")
+    ap.add_argument("--ms", default="16,32,64,128,256")
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench/results"))
+    ap.add_argument("--budget-s", type=float, default=400.0, help="start no shape after this")
+    ap.add_argument("--threads", type=int, default=min(16, os.cpu_count() or 1))
+    args = ap.parse_args(argv)
+    if jax.default_backend() != "gpu":
+        raise SystemExit("bench.tune times GPU kernels: run it on the GPU machine")
+    kinds = args.kinds.split(",")
+    unknown = [x for x in kinds if x not in KINDS] + [s for s in args.shapes.split(",") if s not in MODELS["llama3-8b"]]
+    if unknown:
+        raise SystemExit(f"unknown kinds/shapes: {unknown}")
+    ms = [int(m) for m in args.ms.split(",")]
+    deadline = time.time() + args.budget_s
+    run = {"command": " ".join(["python3 -m bench.tune", *(argv if argv is not None else sys.argv[1:])]),
+           "device": jax.devices()[0].device_kind, "rows": []}
+    args.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for shape in args.shapes.split(","):
+            if time.time() > deadline:
+                log(f"time budget: {shape} not run")
+                continue
+            run["rows"] += sweep_shape(shape, kinds, ms, Path(tmp), args.threads)
+            (args.out / "tune.json").write_text(json.dumps(run, indent=1))
+            (args.out / "tune.md").write_text(markdown(run))
+    print(markdown(run))
+
+
+if __name__ == "__main__":
+    main()
