@@ -62,6 +62,10 @@ from pallas_kernels.reference import quantize_activations
 # checked bitwise for M = 1..256 on the GPU by tests/test_gpu.py), so choosing it from M keeps row-count
 # invariance.
 TILE_HEIGHTS = {"bf16": ((16, 3), (32, 3), (64, 3)), "int8": ((16, 3), (32, 3), (64, 3), (128, 2))}
+# Shared memory for the software pipeline's buffers: stages - 1 copies of a stage's input tiles (the
+# H200 has 227 KiB per block; the rest is left to layout conversions). Fewer stages where they would
+# not fit (float32 dense tiles).
+PIPELINE_SMEM = 160 * 1024
 PLANE_ELEMS = 16  # uint16 elements of a 64-block, each holding 4 nibbles (W4A16)
 ROW_TILES = 1  # row tiles per program at most (>1: a weight tile unpacked once for more rows)
 MIN_PROGRAMS = 264  # split K until N / block_n * split_k reaches this (2 programs per H200 SM)
@@ -162,11 +166,12 @@ def _check(x: jax.Array, w: QuantizedWeight, block_n: int, block_k: int, split_k
 
 # ------------------------------------------------------------------------------ shared pieces
 
-def _tiles(m: int, operand: str, block_m: int | None = None) -> tuple[int, int, int]:
+def _tiles(m: int, operand: str, block_m: int | None, stage_bytes) -> tuple[int, int, int]:
     """``(rows per tile, row tiles per program, pipeline stages)`` for M rows of ``operand`` ("bf16" or
     "int8") activations: the tile from :data:`TILE_HEIGHTS` (or ``block_m``), as many tiles as M
-    needs, at most ROW_TILES, 2 stages with 3-4 tiles (shared memory). Only timing depends on these,
-    never the arithmetic, so they may follow M."""
+    needs, at most ROW_TILES, and as many stages as :data:`PIPELINE_SMEM` holds of
+    ``stage_bytes(rows)`` (a stage's input bytes for a program of that many rows). Only timing
+    depends on these, never the arithmetic, so they may follow M."""
     heights = TILE_HEIGHTS[operand]
     if block_m is None:
         bm, stages = next(((h, s) for h, s in heights if m <= h), heights[-1])
@@ -175,7 +180,7 @@ def _tiles(m: int, operand: str, block_m: int | None = None) -> tuple[int, int, 
     else:
         bm, stages = block_m, dict(heights).get(block_m, 2)
     tiles = min(ROW_TILES, -(-m // bm))
-    return bm, tiles, stages if tiles <= 2 else 2
+    return bm, tiles, max(1, min(stages, 1 + PIPELINE_SMEM // stage_bytes(tiles * bm)))
 
 
 def _row_masks(m: int, bm: int, tiles: int) -> list[jax.Array]:
@@ -364,7 +369,7 @@ def w4a16_matmul(x: jax.Array, w: QuantizedWeight, *, layer: jax.Array | None = 
     (packed, scales, mins), lidx = _stacked_arrays(w, packed16, layer)
     nl = packed.shape[0]
     m = x.shape[0]
-    bm, tiles, stages = _tiles(m, "bf16", block_m)
+    bm, tiles, stages = _tiles(m, "bf16", block_m, lambda rows: (rows * 2 + block_n // 2) * block_k)
     rows = tiles * bm
     xp = activation_planes(x.astype(jnp.bfloat16), 4)
     kernel = functools.partial(_w4a16_kernel, m=m, k=k, group=g, block_k=block_k, split_k=split_k,
@@ -507,7 +512,7 @@ def w4ax_quantized(qx: jax.Array, sa: jax.Array, w: QuantizedWeight, *, layer: j
     if qx.dtype != jnp.int8 or sa.shape != (m, 1):
         raise ValueError(f"qx must be int8[M, K] and sa float32[M, 1], got {qx.dtype}{qx.shape}, "
                          f"{sa.shape}")
-    bm, tiles, stages = _tiles(m, "int8", block_m)
+    bm, tiles, stages = _tiles(m, "int8", block_m, lambda rows: (rows + block_n // 2) * block_k)
     rows = tiles * bm
     gcount = k // g
     kernel = functools.partial(_w4ax_kernel, m=m, k=k, group=g, block_k=block_k, split_k=split_k,
@@ -589,7 +594,8 @@ def dense_matmul(x: jax.Array, w: jax.Array, *, block_m: int | None = None, num_
         raise ValueError(f"expected x [M, K] and w [N, K], got {x.shape} and {w.shape}")
     (m, k), n = x.shape, w.shape[0]
     block_n, block_k, split_k = _dense_config(n, k)
-    bm, tiles, stages = _tiles(m, "bf16", block_m)
+    item = w.dtype.itemsize
+    bm, tiles, stages = _tiles(m, "bf16", block_m, lambda rows: (rows + block_n) * block_k * item)
     rows = tiles * bm
     precision = jax.lax.Precision.HIGHEST if w.dtype == jnp.float32 else None
     kernel = functools.partial(_dense_kernel, m=m, k=k, block_k=block_k, split_k=split_k, bm=bm, tiles=tiles,

@@ -88,7 +88,7 @@ def _rows_alone(fn, x):
     return np.concatenate([np.asarray(one(x[i:i + 1])) for i in range(x.shape[0])])
 
 
-@pytest.mark.parametrize("kind", ["w4a16", "w4a8", "w4a4", "dense", "rmsnorm"])
+@pytest.mark.parametrize("kind", ["w4a16", "w4a8", "w4a4", "dense", "dense_f32", "rmsnorm"])
 @pytest.mark.parametrize("n,k,group,symmetric", [MATMUL_SHAPES[0], MATMUL_SHAPES[2]])
 def test_row_count_invariance(rng, kind, n, k, group, symmetric):
     w = _weight(rng, n, k, group, symmetric)
@@ -98,6 +98,7 @@ def test_row_count_invariance(rng, kind, n, k, group, symmetric):
           "w4a8": lambda a: gpu_matmul.w4ax_matmul(a, w, 8),
           "w4a4": lambda a: gpu_matmul.w4ax_matmul(a, w, 4),
           "dense": lambda a: gpu_matmul.dense_matmul(a, dequantize(w, jnp.bfloat16)),
+          "dense_f32": lambda a: gpu_matmul.dense_matmul(a, dequantize(w, jnp.float32)),
           "rmsnorm": lambda a: gpu_norm.rms_norm(a, scale, 1e-5)}[kind]
     x = _x(rng, max(INVARIANCE_MS), k, dtype)
     alone = _rows_alone(fn, x)
