@@ -553,7 +553,8 @@ def _run_line(run: dict) -> str:
 def markdown(res: dict) -> str:
     """kernels.md: the command line(s) and copy bandwidth(s), then one table per model, attention,
     and the check's verdict."""
-    lines = [_run_line(run) + "\n" for run in res["runs"]]
+    lines = [f"{i + 1}. " + _run_line(run) + "\n" for i, run in enumerate(res["runs"])]
+    runs_of = lambda rows: ", ".join(str(v + 1) for v in sorted({r["run"] for r in rows}))  # noqa: E731
     lines += ["µs: time per call = durations of all the kernels the call launches (CUPTI trace; host wall "
               "time where the run says so), averaged over R calls on distinct buffers (R = `calls` in "
               "kernels.json, 16+; weights rotated over copies > 2× L2). %BW: bytes the call must move "
@@ -566,12 +567,12 @@ def markdown(res: dict) -> str:
     for r in res["table"].values():
         models.setdefault(r["model"], []).append(r)
     for model, rows in models.items():
-        lines += [f"## {model}", ""] + _model_table(rows) + [""]
+        lines += [f"## {model}", "", f"Measured by run {runs_of(rows)}.", ""] + _model_table(rows) + [""]
     if res["attn"]:
         h, kvh, d = ATTN["heads"]
         lines += ["## Decode attention", "", f"H {h}, KV {kvh}, d {d}, bf16; the cache holds the context, "
                   "all visible. Floor: (K + V + q + output bytes) / copy bandwidth. Max rel diff: "
-                  "max |kernel - XLA| / max |XLA|.", ""] + _attn_table(list(res["attn"].values())) + [""]
+                  f"max |kernel - XLA| / max |XLA|. Measured by run {runs_of(res['attn'].values())}.", ""] + _attn_table(list(res["attn"].values())) + [""]
     if "check_ok" in res:
         lines.append(f"GPU correctness checks (`check`, {len(res['check'])} rows in kernels.json): "
                      f"{'PASSED' if res['check_ok'] else 'FAILED'}")

@@ -8,8 +8,8 @@ default tiles and a set of variants (:func:`variants`: warps, pipeline stages, w
 K split at small M; rows per tile 64 / 128 x warps x stages at larger M) are timed the way
 :mod:`bench.kernels` times them (CUPTI kernel time per call, weights rotated out of L2). Each
 variant's output on the first input is compared with the default's: ``same bits`` when identical,
-else the max relative difference (a K chunk or split other than the default changes the summation
-order; rows per tile, warps and stages must not change a bit). Writes ``tune.json`` / ``tune.md``
+else the max relative difference (a K chunk, split or weight tile other than the default changes the
+summation order; rows per tile, warps and stages must not change a bit). Writes ``tune.json`` / ``tune.md``
 under ``--out`` (default ``$OUT``, else bench/results) after every shape.
 """
 
@@ -35,7 +35,7 @@ KINDS = {
     "w4a8": lambda x, w, kw: gm.w4ax_matmul(x, w, 8, **kw),
     "dense": lambda x, w, kw: gm.dense_matmul(x, w, **kw),
 }
-ORDER_KEYS = ("block_k", "split_k")  # overrides that change the summation order
+ORDER_KEYS = ("block_k", "split_k", "block_n")  # change the summation order (the default split follows block_n)
 
 
 def variants(kind: str, m: int, n: int, k: int) -> list[dict]:

@@ -1,0 +1,39 @@
+"""bench/tune.py on the CPU: every variant it sweeps runs (interpret mode) and those that only change
+timing (rows per tile, warps, stages) give the default's bits; without a GPU it refuses clearly."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bench import tune
+from tests.test_kernels import random_weight, random_x
+
+
+@pytest.mark.parametrize("kind", ["w4a16", "w4a8"])
+def test_variants_keep_bits_unless_they_reorder(rng, kind):
+    n, k = 64, 512
+    w = random_weight(rng, n, k, 128, True)
+    for m in (16, 100):
+        x = random_x(rng, m, k).astype(jnp.bfloat16)
+        configs = tune.variants(kind, m, n, k)
+        assert configs[0] == {}
+        base = np.asarray(tune.KINDS[kind](x, w, {"interpret": True}))
+        timing_only = 0
+        for kw in configs[1:]:
+            try:
+                out = np.asarray(tune.KINDS[kind](x, w, {**kw, "interpret": True}))
+            except ValueError as e:  # a K chunk larger than K: the sweep records it as n/a
+                assert "block" in str(e), e
+                continue
+            if not any(key in kw for key in tune.ORDER_KEYS):
+                timing_only += 1
+                np.testing.assert_array_equal(out, base, err_msg=f"{kind} M={m} {kw}")
+        assert timing_only >= 1
+
+
+def test_refuses_without_gpu():
+    if jax.default_backend() == "gpu":
+        pytest.skip("runs on a GPU")
+    with pytest.raises(SystemExit, match="GPU"):
+        tune.main(["--shapes", "o"])
