@@ -1,0 +1,78 @@
+"""The GPU path lowers for CUDA on a machine without a GPU.
+
+jax lowers a Pallas kernel to Triton IR in Python; only Triton's compilation to PTX and the launch
+need the GPU. With jax told that the target is an sm_90 GPU, these tests lower the decode-time
+forward (every mode, both compute dtypes, 1 to 40 tokens per sequence) and the matmuls at row
+counts on both sides of every tile height, for CUDA: a kernel the lowering rejects (a primitive
+without a Triton rule, a block shape) fails here, in CI, rather than first on the GPU; and the
+forward must run every layer op on a kernel (none falls back to XLA). Triton's own compile, shared
+memory and the numbers are checked on the GPU (tests/test_gpu.py).
+"""
+
+from __future__ import annotations
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bench.gpu_decode_check import random_model
+from pallas_kernels import gpu_matmul as gm
+from pallas_kernels.layout import dequantize
+from qspec_jax.decode import ROW_TILE
+from qspec_jax.model import forward, init_cache
+from tests.test_kernels import random_weight
+
+TRITON_CALL = "__gpu$xla.gpu.triton"
+# Per forward: qkv, o, gate/up, down, attention and two RMSNorms in the layer scan's body (once),
+# the final RMSNorm and the lm_head.
+KERNELS_PER_FORWARD = 9
+
+
+@pytest.fixture
+def cuda_target(monkeypatch):
+    """Let jax lower Pallas' Triton kernels for an sm_90 GPU without one present."""
+    from jax._src.pallas.triton import pallas_call_registration as registration
+
+    monkeypatch.setattr(registration.gpu_info_lib, "get_gpu_info",
+                        lambda: types.SimpleNamespace(compute_capability="9.0"))
+
+
+def _triton_calls(fn, *args) -> int:
+    """Triton kernel launches in ``fn``'s program lowered for CUDA."""
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text().count(TRITON_CALL)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(np.random.default_rng())
+
+
+@pytest.mark.parametrize("mode,dtype", [("w4a16", jnp.bfloat16), ("w4a8", jnp.bfloat16), ("w4a4", jnp.bfloat16),
+                                        ("w16a16", jnp.bfloat16), ("w4a16", jnp.float32), ("w16a16", jnp.float32)])
+@pytest.mark.parametrize("tokens", [1, 4, 40])
+def test_decode_forward_lowers_for_cuda(cuda_target, model, mode, dtype, tokens):
+    cfg, params = model.config, model.checkpoint.params
+    b = 3
+    cache = init_cache(cfg, b, 64, dtype)
+    toks = jnp.zeros((b, tokens), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(tokens), (b, tokens))
+
+    def step(p, t, q, c):
+        return forward(p, cfg, t, q, c, mode=mode, dtype=dtype, row_tile=ROW_TILE, kernels="pallas")
+
+    assert _triton_calls(step, params, toks, pos, cache) == KERNELS_PER_FORWARD
+
+
+@pytest.mark.parametrize("m", [1, 16, 17, 32, 33, 64, 65, 128, 129, 256])
+def test_matmuls_lower_for_cuda_at_every_tile_height(cuda_target, rng, m):
+    n, k = 128, 512
+    w = random_weight(rng, n, k, 128, True)
+    x = jnp.zeros((m, k), jnp.bfloat16)
+    calls = [lambda a: gm.w4a16_matmul(a, w), lambda a: gm.w4ax_matmul(a, w, 8),
+             lambda a: gm.dense_matmul(a, dequantize(w, jnp.bfloat16)),
+             lambda a: gm.dense_matmul(a.astype(jnp.float32), dequantize(w, jnp.float32))]
+    for fn in calls:
+        assert _triton_calls(fn, x) == 1
