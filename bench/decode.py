@@ -4,13 +4,14 @@
     PYTHONPATH=. python3 -m bench.decode --trace bench/results/acceptance_trace.json \
         [--models llama3-8b,llama2-7b,llama2-13b] [--batches 1,8,16,32,64] [--contexts 512]
         [--new 512] [--gammas 1,3,5] [--drafts w4a8,w4a4] [--out DIR] [--resume OLD.json] [--budget-s 480]
+        [--threads 8]
     python -m bench.decode --record-trace bench/results/acceptance_trace.json \
         --gsm8k ../shared/data/gsm8k_test_dev.jsonl      # the trace, on SmolLM2's real weights
 
 Per (model, context P, batch B): a decode state holding P committed tokens per sequence is made
 directly (random tokens, a zeroed KV cache: decode time does not depend on the values), then each
-method generates ``--new`` tokens in its jitted ``while_loop`` (compiled ahead, timed on a fresh
-state): tokens/s, ms per step (AR) or per round (QSPEC), and the ratio to W4A16 AR measured in the
+method generates ``--new`` tokens in its jitted ``while_loop`` (a configuration's loops are all
+compiled ahead, ``--threads`` at once; each is timed on a fresh state): tokens/s, ms per step (AR) or per round (QSPEC), and the ratio to W4A16 AR measured in the
 same run. QSPEC's accept decisions are **replayed** from a per-round accepted-draft trace recorded
 on SmolLM2's real weights (``--record-trace``; every draft step and verify pass still runs, only
 the accept decision is replayed): random weights would accept nothing. Phases: one draft step
@@ -35,6 +36,7 @@ import json
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +60,7 @@ MODELS = {
 }
 GROUP = 128  # random weights: symmetric, group 128
 MEM_LIMIT = 120e9  # skip a configuration whose weights + KV cache would exceed this
+FORWARD_REPS = 16  # forwards per timed phase loop
 
 
 def log(*a: Any) -> None:
@@ -121,10 +124,17 @@ def fresh_state(cfg: LlamaConfig, batch: int, context: int, new: int, gamma: int
 
 # ------------------------------------------------------------------------------ timing
 
-def time_loop(run, params, make_state, reps: int = 2) -> tuple[float, DecodeState]:
-    """Seconds of one jitted decode loop ``run(params, state)`` (compiled ahead; best of ``reps``
-    runs, each on a fresh state)."""
-    compiled = jax.jit(run, donate_argnums=1).lower(params, make_state()).compile()
+def compile_all(jobs: dict[Any, tuple[Any, tuple]], threads: int) -> dict[Any, Any]:
+    """``{key: (jitted fn, abstract args)}`` -> ``{key: compiled}``: each lowered here, compiled in a
+    pool of ``threads`` (a configuration's dozen decode loops compile at once)."""
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        futures = {key: pool.submit(fn.lower(*a).compile) for key, (fn, a) in jobs.items()}
+    return {key: f.result() for key, f in futures.items()}
+
+
+def time_loop(compiled, params, make_state, reps: int = 2) -> tuple[float, DecodeState]:
+    """Seconds of one compiled decode loop ``compiled(params, state)`` (best of ``reps`` runs, each
+    on a fresh state)."""
     best, out = float("inf"), None
     for _ in range(reps):
         st = jax.block_until_ready(make_state())
@@ -134,32 +144,35 @@ def time_loop(run, params, make_state, reps: int = 2) -> tuple[float, DecodeStat
     return best, out
 
 
-def forward_loop(rt: Runtime, state: DecodeState, tokens: int, mode: str, reps: int):
-    """A jitted ``f(params, carry) -> carry`` running ``reps`` decode-time forwards over ``tokens`` new
-    tokens per sequence in one ``fori_loop`` (no host dispatch between them, as inside the decode
-    loops; the argmax feeds the next forward, so the lm_head is not dead code), and its first carry."""
-    pos = state.lengths[:, None] + jnp.arange(tokens)[None]
+def forward_loop(rt: Runtime, mode: str, reps: int):
+    """A jitted ``f(params, carry) -> carry`` running ``reps`` decode-time forwards in one
+    ``fori_loop`` (no host dispatch between them, as inside the decode loops; the argmax feeds the
+    next forward, so the lm_head is not dead code); ``carry`` is :func:`forward_carry`'s."""
 
     def many(p, carry):
         def one(i, carry):
-            toks, c = carry
+            toks, pos, c = carry
             logits, c = rt.run(p, toks, pos, c, mode)
-            return jnp.argmax(logits, axis=-1).astype(toks.dtype), c
+            return jnp.argmax(logits, axis=-1).astype(toks.dtype), pos, c
 
         return jax.lax.fori_loop(0, reps, one, carry)
 
-    return jax.jit(many, donate_argnums=1), (state.tokens[:, :tokens], state.cache)
+    return jax.jit(many, donate_argnums=1)
 
 
-def time_forward(params, rt: Runtime, state: DecodeState, tokens: int, mode: str, reps: int = 16) -> float:
-    """ms of one decode-time forward over ``tokens`` new tokens per sequence (:func:`forward_loop`),
-    best of 3."""
-    fn, carry = forward_loop(rt, state, tokens, mode, reps)
-    carry = jax.block_until_ready(fn(params, carry))
+def forward_carry(state: DecodeState, tokens: int) -> tuple:
+    """``(tokens, positions, cache)`` for :func:`forward_loop`: ``tokens`` new tokens per sequence
+    after the state's committed ones."""
+    return state.tokens[:, :tokens], state.lengths[:, None] + jnp.arange(tokens)[None], state.cache
+
+
+def time_forward(compiled, params, carry, reps: int) -> float:
+    """ms of one forward of a compiled :func:`forward_loop` of ``reps`` forwards: warm-up, then best of 3."""
+    carry = jax.block_until_ready(compiled(params, carry))
     best = float("inf")
     for _ in range(3):
         t = time.perf_counter()
-        carry = jax.block_until_ready(fn(params, carry))
+        carry = jax.block_until_ready(compiled(params, carry))
         best = min(best, time.perf_counter() - t)
     return 1e3 * best / reps
 
@@ -184,46 +197,65 @@ def peak_memory() -> float | None:
 
 def bench_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None, batch: int, context: int,
                  args, trace: dict, bw: float) -> dict:
-    """Every method at one (model, context, batch)."""
+    """Every method at one (model, context, batch): all loops compiled at once, then timed one by one."""
     res: dict = {"model": name, "batch": batch, "context": context, "new": args.new, "methods": {}}
     gmax = max(args.gammas)
     rt = Runtime(cfg, args.new, -1, Sampling(), jnp.bfloat16, None, args.kernels)
     make = lambda: fresh_state(cfg, batch, context, args.new, gmax, 0)  # noqa: E731
+    state = jax.eval_shape(make)  # abstract: for lowering
+    carry = lambda t: jax.eval_shape(lambda: forward_carry(make(), t))  # noqa: E731
     slots = context + args.new + gmax + 1
     floor_ms = 1e3 * (weight_bytes(params) + kv_bytes(cfg, batch, context + args.new // 2)) / bw
     res["floor_ms_per_step"] = floor_ms
     res["copy_bw"] = bw
-    for method in args.ar:
+    ar = [m for m in args.ar if (fparams if m == "w16a16" else params) is not None]
+    jobs: dict = {}
+    for method in ar:
         p = fparams if method == "w16a16" else params
-        if p is None:
-            continue
         # the W16A16 baseline is plain XLA (bf16 dots, XLA attention), not row-count invariant
         rt_m = dataclasses.replace(rt, kernels="reference", invariant=False) if method == "w16a16" else rt
-        secs, _ = time_loop(lambda q, s, rt_m=rt_m, method=method: ar_loop(q, s, rt=rt_m, mode=method), p, make)
+        jobs["ar", method] = (jax.jit(lambda q, s, rt_m=rt_m, method=method: ar_loop(q, s, rt=rt_m, mode=method),
+                                      donate_argnums=1), (p, state))
+    if args.drafts and "w4a16" in ar:
+        jobs["fwd", "w4a16", 1] = (forward_loop(rt, "w4a16", FORWARD_REPS), (params, carry(1)))
+    for draft in args.drafts:
+        jobs["fwd", draft, 1] = (forward_loop(rt, draft, FORWARD_REPS), (params, carry(1)))
+        for g in args.gammas:
+            replay = jnp.asarray(trace[draft][str(g)], jnp.int32)
+            jobs["qspec", draft, g] = (jax.jit(lambda q, s, g=g, draft=draft, replay=replay: qspec_loop(
+                q, s, rt=rt, gamma=g, draft_mode=draft, replay=replay), donate_argnums=1), (params, state))
+            jobs["fwd", "w4a16", g + 1] = (forward_loop(rt, "w4a16", FORWARD_REPS), (params, carry(g + 1)))
+    t0 = time.perf_counter()
+    xla = {k: jobs.pop(k) for k in [("ar", "w16a16")] if k in jobs}  # its dots autotune: nothing beside it
+    compiled = compile_all(xla, 1) | compile_all(jobs, args.threads)
+    log(f"  compiled {len(compiled)} programs in {time.perf_counter() - t0:.0f} s")
+
+    def forward_ms(mode: str, tokens: int) -> float:
+        return time_forward(compiled["fwd", mode, tokens], params, forward_carry(make(), tokens), FORWARD_REPS)
+
+    for method in ar:
+        secs, _ = time_loop(compiled["ar", method], fparams if method == "w16a16" else params, make)
         res["methods"][method] = {"tokens_per_s": batch * args.new / secs, "ms_per_step": 1e3 * secs / args.new}
         log(f"  {method}: {res['methods'][method]['ms_per_step']:.2f} ms/step, "
             f"{res['methods'][method]['tokens_per_s']:.0f} tok/s (floor {floor_ms:.2f} ms/step)")
     base = res["methods"].get("w4a16", {}).get("ms_per_step")
-    t_target = time_forward(params, rt, make(), 1, "w4a16") if base else None
+    t_target = forward_ms("w4a16", 1) if ("fwd", "w4a16", 1) in compiled else None
     for draft in args.drafts:
-        t_draft = time_forward(params, rt, make(), 1, draft)
+        t_draft = forward_ms(draft, 1)
         for g in args.gammas:
-            key = f"{draft} g={g}"
-            replay = jnp.asarray(trace[draft][str(g)], jnp.int32)
-            secs, out = time_loop(lambda q, s, g=g, draft=draft, replay=replay: qspec_loop(
-                q, s, rt=rt, gamma=g, draft_mode=draft, replay=replay), params, make)
+            secs, out = time_loop(compiled["qspec", draft, g], params, make)
             rounds = float(np.asarray(out.rounds).mean())
             t_round = 1e3 * secs / rounds
-            t_verify = time_forward(params, rt, make(), g + 1, "w4a16")
+            t_verify = forward_ms("w4a16", g + 1)
             overhead = t_round - g * t_draft - t_verify
             tpr = args.new / rounds
             entry = {"tokens_per_s": batch * args.new / secs, "ms_per_round": t_round, "tokens_per_round": tpr,
                      "draft_ms": t_draft, "verify_ms": t_verify, "overhead_ms": overhead}
-            if base:
+            if base and t_target:
                 entry["speedup_vs_w4a16"] = base * args.new / (1e3 * secs)
                 entry["model_speedup"] = tpr * t_target / (g * t_draft + t_verify + overhead)
-            res["methods"][f"qspec {key}"] = entry
-            log(f"  qspec {key}: {t_round:.2f} ms/round ({g} x {t_draft:.2f} draft + {t_verify:.2f} verify + "
+            res["methods"][f"qspec {draft} g={g}"] = entry
+            log(f"  qspec {draft} g={g}: {t_round:.2f} ms/round ({g} x {t_draft:.2f} draft + {t_verify:.2f} verify + "
                 f"{overhead:.2f}), {tpr:.2f} tok/round, {entry['tokens_per_s']:.0f} tok/s, "
                 f"x{entry.get('speedup_vs_w4a16', float('nan')):.2f} vs w4a16 (replayed acceptance)")
     res["peak_bytes"] = peak_memory()
@@ -311,6 +343,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench/results"))
     ap.add_argument("--resume", type=Path, default=None, help="an earlier decode.json: its configurations are kept")
     ap.add_argument("--budget-s", type=float, default=float("inf"), help="start no configuration after this")
+    ap.add_argument("--threads", type=int, default=min(8, os.cpu_count() or 1), help="compiles at once")
     args = ap.parse_args(argv)
     args.gammas = [int(g) for g in args.gammas.split(",")]
     args.drafts = [d for d in args.drafts.split(",") if d]

@@ -25,7 +25,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from bench.decode import MODELS, forward_loop, fresh_state, random_params
+from bench.decode import MODELS, forward_carry, forward_loop, fresh_state, random_params
 from qspec_jax.decode import Runtime
 from qspec_jax.sampling import Sampling
 
@@ -64,7 +64,7 @@ def summarize(us: dict[str, float], count: dict[str, int], reps: int) -> dict:
 
 
 def profile_run(params, rt: Runtime, state, mode: str, tokens: int, reps: int) -> dict:
-    fn, carry = forward_loop(rt, state, tokens, mode, reps)
+    fn, carry = forward_loop(rt, mode, reps), forward_carry(state, tokens)
     carry = jax.block_until_ready(fn(params, carry))  # compile and warm up
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):
