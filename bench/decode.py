@@ -4,7 +4,7 @@
     PYTHONPATH=. python3 -m bench.decode --trace bench/results/acceptance_trace.json \
         [--models llama3-8b,llama2-7b,llama2-13b] [--batches 1,8,16,32,64] [--contexts 512]
         [--new 512] [--gammas 1,3,5] [--drafts w4a8,w4a4] [--out DIR] [--resume OLD.json] [--budget-s 480]
-        [--threads 8]
+        [--threads 8] [--reps 2]
     python -m bench.decode --record-trace bench/results/acceptance_trace.json \
         --gsm8k ../shared/data/gsm8k_test_dev.jsonl      # the trace, on SmolLM2's real weights
 
@@ -234,7 +234,7 @@ def bench_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None
         return time_forward(compiled["fwd", mode, tokens], params, forward_carry(make(), tokens), FORWARD_REPS)
 
     for method in ar:
-        secs, _ = time_loop(compiled["ar", method], fparams if method == "w16a16" else params, make)
+        secs, _ = time_loop(compiled["ar", method], fparams if method == "w16a16" else params, make, args.reps)
         res["methods"][method] = {"tokens_per_s": batch * args.new / secs, "ms_per_step": 1e3 * secs / args.new}
         log(f"  {method}: {res['methods'][method]['ms_per_step']:.2f} ms/step, "
             f"{res['methods'][method]['tokens_per_s']:.0f} tok/s (floor {floor_ms:.2f} ms/step)")
@@ -243,7 +243,7 @@ def bench_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None
     for draft in args.drafts:
         t_draft = forward_ms(draft, 1)
         for g in args.gammas:
-            secs, out = time_loop(compiled["qspec", draft, g], params, make)
+            secs, out = time_loop(compiled["qspec", draft, g], params, make, args.reps)
             rounds = float(np.asarray(out.rounds).mean())
             t_round = 1e3 * secs / rounds
             t_verify = forward_ms("w4a16", g + 1)
@@ -344,7 +344,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--resume", type=Path, default=None, help="an earlier decode.json: its configurations are kept")
     ap.add_argument("--budget-s", type=float, default=float("inf"), help="start no configuration after this")
     ap.add_argument("--threads", type=int, default=min(8, os.cpu_count() or 1), help="compiles at once")
+    ap.add_argument("--reps", type=int, default=2, help="timed runs of each decode loop (the best is kept)")
     args = ap.parse_args(argv)
+    if args.reps < 1:
+        ap.error("--reps must be at least 1")
     args.gammas = [int(g) for g in args.gammas.split(",")]
     args.drafts = [d for d in args.drafts.split(",") if d]
     args.ar = [m for m in args.ar.split(",") if m]
