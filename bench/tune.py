@@ -1,7 +1,7 @@
 """Tile and launch sweep of the Pallas matmuls on the GPU: which tiles the defaults should be.
 
     PYTHONPATH=. python3 -m bench.tune [--shapes qkv,o,gate_up,down,lm_head] [--kinds w4a16,w4a8,dense]
-        [--ms 16,32,64,128,256] [--out DIR] [--budget-s 400]
+        [--ms 16,32,64,128,256] [--attn 8,16:1024,2048] [--out DIR] [--budget-s 400]
 
 Llama-3-8B layer shapes (:data:`bench.kernels.MODELS`). For each (shape, kind, M) the kernel with its
 default tiles and a set of variants (:func:`variants`: warps, pipeline stages, weight tile, K chunk,
@@ -10,7 +10,8 @@ K split at small M; rows per tile 64 / 128 x warps x stages at larger M) are tim
 variant's output on the first input is compared with the default's: ``same bits`` when identical,
 else the max relative difference (a K chunk, split or weight tile other than the default changes the
 summation order; rows per tile, warps and stages must not change a bit). Writes ``tune.json`` / ``tune.md``
-under ``--out`` (default ``$OUT``, else bench/results) after every shape.
+under ``--out`` (default ``$OUT``, else bench/results) after every shape. ``--attn`` also sweeps
+the decode attention kernel's KV block and cache splits (``--shapes ''`` for attention alone).
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.kernels import CALLS, GROUP, MODELS, Job, _copies, log, make_weight, measure
-from pallas_kernels import gpu_matmul as gm
+from bench.kernels import (ATTN, CALLS, GROUP, MODELS, Job, _attn_bytes, _copies, _kv_bytes, _max_rel_diff, copy_bandwidth,
+                           log, make_weight, measure)
+from pallas_kernels import gpu_attention, gpu_matmul as gm
 
 KINDS = {
     "w4a16": lambda x, w, kw: gm.w4a16_matmul(x, w, **kw),
@@ -107,11 +109,51 @@ def sweep_shape(shape: str, kinds: list[str], ms: list[int], tmp: Path, threads:
     return rows
 
 
+def attention_variants(context: int) -> list[dict]:
+    """The attention configurations tried at one context; the first, ``{}``, is the default."""
+    return [{}] + [{"block_s": bs, "splits": sp} for bs in (64, 128, 256) for sp in (2, 4, 8, 16, 32)
+                   if context // bs >= sp]
+
+
+def sweep_attention(batches: list[int], contexts: list[int], tmp: Path, threads: int, bw: float) -> list[dict]:
+    """Decode attention (Llama-3-8B heads, bf16): the default KV block and cache splits against
+    others, per (batch, context, T); ``vs_default`` is the max relative output difference (a split
+    count other than the default merges the partial softmaxes in another grouping)."""
+    h, kvh, d = ATTN["heads"]
+    rows = []
+    for b in batches:
+        for ctx in contexts:
+            caches = [tuple(jax.random.normal(jax.random.key(2 * c + i), (b, ctx, kvh, d), jnp.bfloat16) for i in (0, 1))
+                      for c in range(_copies(_kv_bytes(b, ctx)))]
+            calls = max(CALLS, len(caches))
+            jobs, meta = [], []
+            for t in (1, 4):
+                q = jax.random.normal(jax.random.key(99), (b, t, h, d), jnp.bfloat16)
+                q_pos = jnp.broadcast_to(ctx - t + jnp.arange(t, dtype=jnp.int32), (b, t))
+                sets = [(q, *caches[i % len(caches)], q_pos) for i in range(calls)]
+                for kw in attention_variants(ctx):
+                    jobs.append(Job(lambda q, k, v, p, kw=kw: gpu_attention.decode_attention(q, k, v, p, **kw), sets,
+                                    pallas=True))
+                    meta.append((t, kw))
+            measure(jobs, tmp, threads)
+            base = {t: job for job, (t, kw) in zip(jobs, meta) if not kw}
+            floor = {t: (_attn_bytes(b, ctx, t)[0]) / bw * 1e6 for t in (1, 4)}
+            for job, (t, kw) in zip(jobs, meta):
+                diff = "" if not kw else _max_rel_diff(job, base[t])
+                rows.append({"shape": f"attention B={b} ctx={ctx}", "kind": "attention", "M": t, "config": kw,
+                             "us": job.us, "error": job.error, "floor_us": floor[t],
+                             "vs_default": "" if not kw else ("-" if diff is None else f"rel {diff:.1e}")})
+                log(f"attention B={b} ctx={ctx} T={t} {kw or 'default'}: "
+                    + (f"{job.us:.1f} us ({job.us / floor[t]:.2f}x floor)" if job.us else f"error {job.error}"))
+    return rows
+
+
 def markdown(run: dict) -> str:
     lines = [f"# Matmul tile sweep ({run['device']})", "", f"`{run['command']}`", "",
              "Llama-3-8B shapes, random symmetric g128 weights (bf16 for dense), CUPTI kernel µs per call "
              "(weights rotated out of L2). `vs default`: the output compared with the default tiles' "
-             "on the same input.", "",
+             "on the same input. Attention rows: M is the number of new queries T; floor = (K + V + q + "
+             "output bytes) / the copy bandwidth measured in the same run.", "",
              "| shape | kind | M | config | µs | vs default µs | vs default output |", "|---|---|---|---|---|---|---|"]
     base = {(r["shape"], r["kind"], r["M"]): r["us"] for r in run["rows"] if not r["config"]}
     for r in run["rows"]:
@@ -119,6 +161,8 @@ def markdown(run: dict) -> str:
         cfg = ", ".join(f"{key}={v}" for key, v in r["config"].items()) or "**default**"
         us = f"{r['us']:.1f}" if r["us"] else f"n/a ({(r['error'] or '')[:60]})"
         ratio = f"{b / r['us']:.2f}×" if r["us"] and b else ""
+        if r["us"] and r.get("floor_us"):
+            us += f" ({r['us'] / r['floor_us']:.2f}× floor)"
         lines.append(f"| {r['shape']} | {r['kind']} | {r['M']} | {cfg} | {us} | {ratio} | {r['vs_default']} |")
     return "\n".join(lines) + "\n"
 
@@ -130,12 +174,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ms", default="16,32,64,128,256")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench/results"))
     ap.add_argument("--budget-s", type=float, default=400.0, help="start no shape after this")
+    ap.add_argument("--attn", default=None, metavar="BATCHES:CONTEXTS",
+                    help="also sweep decode attention, e.g. 8,16:1024,2048 (KV block x cache splits)")
     ap.add_argument("--threads", type=int, default=min(16, os.cpu_count() or 1))
     args = ap.parse_args(argv)
     if jax.default_backend() != "gpu":
         raise SystemExit("bench.tune times GPU kernels: run it on the GPU machine")
     kinds = args.kinds.split(",")
-    unknown = [x for x in kinds if x not in KINDS] + [s for s in args.shapes.split(",") if s not in MODELS["llama3-8b"]]
+    unknown = [x for x in kinds if x not in KINDS] + [s for s in args.shapes.split(",") if s and s not in MODELS["llama3-8b"]]
     if unknown:
         raise SystemExit(f"unknown kinds/shapes: {unknown}")
     ms = [int(m) for m in args.ms.split(",")]
@@ -144,7 +190,11 @@ def main(argv: list[str] | None = None) -> None:
            "device": jax.devices()[0].device_kind, "rows": []}
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        for shape in args.shapes.split(","):
+        if args.attn:
+            batches, contexts = ([int(v) for v in part.split(",")] for part in args.attn.split(":"))
+            copy_bandwidth(run, Path(tmp), args.threads)
+            run["rows"] += sweep_attention(batches, contexts, Path(tmp), args.threads, run["copy_bw"])
+        for shape in [s for s in args.shapes.split(",") if s]:
             if time.time() > deadline:
                 log(f"time budget: {shape} not run")
                 continue

@@ -32,6 +32,23 @@ def test_variants_keep_bits_unless_they_reorder(rng, kind):
         assert timing_only >= 1
 
 
+def test_attention_variants_agree(rng):
+    """Every KV block / split configuration the sweep tries runs and matches the default to float
+    tolerance (only the grouping of the partial-softmax merge differs)."""
+    from pallas_kernels import gpu_attention
+
+    b, ctx, h, kvh, d = 2, 512, 4, 2, 32
+    k, v = (jnp.asarray(rng.standard_normal((b, ctx, kvh, d)), jnp.float32) for _ in range(2))
+    q = jnp.asarray(rng.standard_normal((b, 3, h, d)), jnp.float32)
+    q_pos = jnp.asarray([[100, 101, 102], [509, 510, 511]], jnp.int32)
+    configs = tune.attention_variants(ctx)
+    assert configs[0] == {} and len(configs) > 5
+    base = np.asarray(gpu_attention.decode_attention(q, k, v, q_pos, interpret=True))
+    for kw in configs[1:]:
+        out = np.asarray(gpu_attention.decode_attention(q, k, v, q_pos, interpret=True, **kw))
+        np.testing.assert_allclose(out, base, rtol=1e-5, atol=1e-5, err_msg=str(kw))
+
+
 def test_refuses_without_gpu():
     if jax.default_backend() == "gpu":
         pytest.skip("runs on a GPU")
