@@ -8,6 +8,10 @@
     python -m bench.decode --record-trace bench/results/acceptance_trace.json \
         --gsm8k ../shared/data/gsm8k_test_dev.jsonl      # the trace, on SmolLM2's real weights
 
+``--models smollm2`` (with ``--gsm8k`` and ``--gsm8k-train``): the embedded SmolLM2 (or
+``--checkpoint``) on real prompts (GSM8K-dev questions after as many few-shot train examples as fit
+in the context, chat template, prefilled), QSPEC with its own accept decisions.
+
 Per (model, context P, batch B): a decode state holding P committed tokens per sequence is made
 directly (random tokens, a zeroed KV cache: decode time does not depend on the values), then each
 method generates ``--new`` tokens in its jitted ``while_loop`` (a configuration's loops are all
@@ -45,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.layout import QuantizedWeight, dequantize
-from qspec_jax.api import CACHE_MULTIPLE
+from qspec_jax.api import CACHE_MULTIPLE, load
 from qspec_jax.config import LlamaConfig
 from qspec_jax.decode import DecodeState, Runtime, ar_loop
 from qspec_jax.model import unstack_layers
@@ -59,6 +63,7 @@ MODELS = {
     "smoke": LlamaConfig(256, 128, 256, 2, 4, 2, 32, max_position_embeddings=1024),
 }
 GROUP = 128  # random weights: symmetric, group 128
+REAL_MODEL = "smollm2"  # the embedded model (or --checkpoint) with real prompts and real acceptance
 MEM_LIMIT = 120e9  # skip a configuration whose weights + KV cache would exceed this
 FORWARD_REPS = 16  # forwards per timed phase loop
 
@@ -101,7 +106,9 @@ def float_params(params: dict) -> dict:
 
 
 def weight_bytes(params: dict) -> int:
-    return int(sum(a.nbytes for a in jax.tree.leaves(params)) - params["embed"].nbytes)
+    """Bytes one step reads: every weight but the embedding table (unless it is tied, read as the lm_head)."""
+    total = sum(a.nbytes for a in jax.tree.leaves(params))
+    return int(total - params["embed"].nbytes if "lm_head" in params else total)
 
 
 def kv_bytes(cfg: LlamaConfig, batch: int, slots: int) -> int:
@@ -120,6 +127,47 @@ def fresh_state(cfg: LlamaConfig, batch: int, context: int, new: int, gamma: int
     lengths = lambda: jnp.full((batch,), context, jnp.int32)  # noqa: E731
     return DecodeState(tokens, lengths(), lengths(), zeros(),
                        (jnp.zeros(shape, jnp.bfloat16), jnp.zeros(shape, jnp.bfloat16)), key, zeros(), zeros(), zeros())
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def fewshot_prompts(model, dev: Path, train: Path, batch: int, context: int) -> list[list[int]]:
+    """``batch`` real prompts of at most ``context`` tokens: GSM8K-dev questions in the chat template,
+    each after as many GSM8K-train question/answer pairs as fit (few-shot, in one user turn)."""
+    from qspec_jax.tokenizer import chat_prompt
+
+    questions, shots = _jsonl(dev), _jsonl(train)
+    out = []
+    for i in range(batch):
+        question = f"Question: {questions[i % len(questions)]['question']}\nAnswer:"
+        ids = chat_prompt(model.tokenizer, question)
+        if len(ids) > context:
+            raise ValueError(f"a GSM8K question alone is {len(ids)} tokens, more than the context {context}")
+        prefix = ""
+        for j in range(len(shots)):
+            shot = shots[(7 * i + j) % len(shots)]
+            prefix += f"Question: {shot['question']}\nAnswer: {shot['answer']}\n\n"
+            longer = chat_prompt(model.tokenizer, prefix + question)
+            if len(longer) > context:
+                break
+            ids = longer
+        out.append(ids)
+    return out
+
+
+def real_state_maker(model, rt: Runtime, prompts: list[list[int]], new: int, gamma: int):
+    """A function making a fresh decode state: ``prompts`` prefilled (W4A16) with room for ``new``
+    tokens plus a QSPEC round."""
+    from qspec_jax.api import _prefill
+    from qspec_jax.decode import pad_prompts
+
+    tokens, lengths = pad_prompts(prompts)
+    buf = int(lengths.max()) + new + gamma + 1
+    cache_len = -(-buf // CACHE_MULTIPLE) * CACHE_MULTIPLE
+    return lambda: _prefill(model.checkpoint.params, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(0),
+                            rt=rt, buffer_len=buf, cache_len=cache_len, mode="w4a16")
 
 
 # ------------------------------------------------------------------------------ timing
@@ -196,12 +244,21 @@ def peak_memory() -> float | None:
 # ------------------------------------------------------------------------------ one configuration
 
 def bench_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None, batch: int, context: int,
-                 args, trace: dict, bw: float) -> dict:
-    """Every method at one (model, context, batch): all loops compiled at once, then timed one by one."""
-    res: dict = {"model": name, "batch": batch, "context": context, "new": args.new, "methods": {}}
+                 args, trace: dict | None, bw: float, model=None) -> dict:
+    """Every method at one (model, context, batch): all loops compiled at once, then timed one by one.
+    ``model`` (real weights): states prefilled from real prompts and QSPEC's own accept decisions
+    (``trace`` None); otherwise random states and the trace's accept decisions replayed."""
+    res: dict = {"model": name, "batch": batch, "context": context, "new": args.new, "methods": {},
+                 "acceptance": "replayed" if model is None else "measured"}
     gmax = max(args.gammas)
-    rt = Runtime(cfg, args.new, -1, Sampling(), jnp.bfloat16, None, args.kernels)
-    make = lambda: fresh_state(cfg, batch, context, args.new, gmax, 0)  # noqa: E731
+    rt = Runtime(cfg, args.new, -1, Sampling(), jnp.bfloat16,
+                 None if model is None else model.checkpoint.online_rotation_seed, args.kernels)
+    if model is None:
+        make = lambda: fresh_state(cfg, batch, context, args.new, gmax, 0)  # noqa: E731
+    else:
+        prompts = fewshot_prompts(model, args.gsm8k, args.gsm8k_train, batch, context)
+        res["prompt_tokens"] = float(np.mean([len(p) for p in prompts]))
+        make = real_state_maker(model, rt, prompts, args.new, gmax)
     state = jax.eval_shape(make)  # abstract: for lowering
     carry = lambda t: jax.eval_shape(lambda: forward_carry(make(), t))  # noqa: E731
     slots = context + args.new + gmax + 1
@@ -221,7 +278,7 @@ def bench_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None
     for draft in args.drafts:
         jobs["fwd", draft, 1] = (forward_loop(rt, draft, FORWARD_REPS), (params, carry(1)))
         for g in args.gammas:
-            replay = jnp.asarray(trace[draft][str(g)], jnp.int32)
+            replay = None if trace is None else jnp.asarray(trace[draft][str(g)], jnp.int32)
             jobs["qspec", draft, g] = (jax.jit(lambda q, s, g=g, draft=draft, replay=replay: qspec_loop(
                 q, s, rt=rt, gamma=g, draft_mode=draft, replay=replay), donate_argnums=1), (params, state))
             jobs["fwd", "w4a16", g + 1] = (forward_loop(rt, "w4a16", FORWARD_REPS), (params, carry(g + 1)))
@@ -257,7 +314,7 @@ def bench_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None
             res["methods"][f"qspec {draft} g={g}"] = entry
             log(f"  qspec {draft} g={g}: {t_round:.2f} ms/round ({g} x {t_draft:.2f} draft + {t_verify:.2f} verify + "
                 f"{overhead:.2f}), {tpr:.2f} tok/round, {entry['tokens_per_s']:.0f} tok/s, "
-                f"x{entry.get('speedup_vs_w4a16', float('nan')):.2f} vs w4a16 (replayed acceptance)")
+                f"x{entry.get('speedup_vs_w4a16', float('nan')):.2f} vs w4a16 ({res['acceptance']} acceptance)")
     res["peak_bytes"] = peak_memory()
     res["cache_bytes"] = kv_bytes(cfg, batch, -(-slots // CACHE_MULTIPLE) * CACHE_MULTIPLE)
     return res
@@ -302,14 +359,17 @@ def record_trace(args) -> None:
 def markdown(run: dict) -> str:
     lines = [f"# Decode throughput ({run['device']})", "", f"`{run['command']}`", "",
              f"Copy bandwidth {run['copy_bw'] / 1e12:.2f} TB/s (this call; each section's floor uses its own "
-             "call's). Random weights (symmetric INT4, "
-             f"group {GROUP}); QSPEC acceptance **replayed** from {run['trace_source']}. tok/s counts "
+             f"call's). Llama shapes: random weights (symmetric INT4, group {GROUP}), QSPEC acceptance "
+             f"**replayed** from {run['trace_source']}; {REAL_MODEL}: real weights, few-shot GSM8K prompts, "
+             "QSPEC's own (**measured**) acceptance. tok/s counts "
              "generated tokens of the whole batch; speed-ups are against W4A16 AR in the same run; "
              "floor = bytes one W4A16 step moves (weights + KV read at the mid context) / copy bandwidth.", ""]
     for r in run["results"]:
+        acceptance = r.get("acceptance", "replayed")
+        prompt = f"; prompts of {r['prompt_tokens']:.0f} tokens on average" if "prompt_tokens" in r else ""
         lines += [f"## {r['model']}, batch {r['batch']}, context {r['context']} + {r['new']}", "",
                   f"W4A16 step floor {r['floor_ms_per_step']:.2f} ms; peak GPU memory "
-                  f"{(r.get('peak_bytes') or 0) / 1e9:.1f} GB (KV cache {r['cache_bytes'] / 1e9:.1f} GB)", "",
+                  f"{(r.get('peak_bytes') or 0) / 1e9:.1f} GB (KV cache {r['cache_bytes'] / 1e9:.1f} GB){prompt}", "",
                   "| method | tok/s | ms/step or round | tokens/round | draft / verify / overhead ms | vs W4A16 | model |",
                   "|---|---|---|---|---|---|---|"]
         for m, e in r["methods"].items():
@@ -317,7 +377,7 @@ def markdown(run: dict) -> str:
                 ratio = r["methods"].get("w4a16", {}).get("ms_per_step", float("nan")) / e["ms_per_step"]
                 lines.append(f"| {m} | {e['tokens_per_s']:.0f} | {e['ms_per_step']:.2f} | 1 | | {ratio:.2f}× | |")
             else:
-                lines.append(f"| qspec {m[6:]} (replayed) | {e['tokens_per_s']:.0f} | {e['ms_per_round']:.2f} | "
+                lines.append(f"| qspec {m[6:]} ({acceptance}) | {e['tokens_per_s']:.0f} | {e['ms_per_round']:.2f} | "
                              f"{e['tokens_per_round']:.2f} | {e['draft_ms']:.2f} / {e['verify_ms']:.2f} / "
                              f"{e['overhead_ms']:.2f} | {e.get('speedup_vs_w4a16', float('nan')):.2f}× | "
                              f"{e.get('model_speedup', float('nan')):.2f}× |")
@@ -337,7 +397,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kernels", default="auto")
     ap.add_argument("--trace", type=Path, help="acceptance trace JSON (from --record-trace)")
     ap.add_argument("--record-trace", type=Path, help="record the trace on SmolLM2 into this file and exit")
-    ap.add_argument("--gsm8k", type=Path, help="GSM8K-dev JSONL (for --record-trace)")
+    ap.add_argument("--gsm8k", type=Path, help="GSM8K-dev JSONL (for --record-trace and smollm2's prompts)")
+    ap.add_argument("--gsm8k-train", type=Path, help="GSM8K-train JSONL (smollm2's few-shot prompt prefixes)")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--checkpoint", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench/results"))
@@ -356,10 +417,16 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit("--record-trace needs --gsm8k")
         record_trace(args)
         return
-    if args.drafts and not args.trace:
-        raise SystemExit("QSPEC needs --trace (make one with --record-trace)")
     trace = json.loads(args.trace.read_text()) if args.trace else {}
-    for d in args.drafts:
+    names = args.models.split(",")
+    unknown = [n for n in names if n not in MODELS and n != REAL_MODEL]
+    if unknown:
+        raise SystemExit(f"unknown models {unknown}; known: {', '.join([*MODELS, REAL_MODEL])}")
+    if REAL_MODEL in names and not (args.gsm8k and args.gsm8k_train):
+        raise SystemExit(f"{REAL_MODEL} (real prompts) needs --gsm8k and --gsm8k-train")
+    if args.drafts and not args.trace and any(n != REAL_MODEL for n in names):
+        raise SystemExit("QSPEC on random weights needs --trace (make one with --record-trace)")
+    for d in args.drafts if any(n != REAL_MODEL for n in names) else ():
         missing = [g for g in args.gammas if str(g) not in trace.get(d, {})]
         if missing:
             raise SystemExit(f"the trace has no {d} rounds for gamma {missing}")
@@ -380,8 +447,9 @@ def main(argv: list[str] | None = None) -> None:
         todo = [(c, b) for c in contexts for b in batches if (name, c, b) not in done]
         if not todo:
             continue
-        cfg = MODELS[name]
-        params = random_params(cfg, jax.random.key(1))
+        model = load(args.checkpoint) if name == REAL_MODEL else None
+        cfg = MODELS[name] if model is None else model.config
+        params = random_params(cfg, jax.random.key(1)) if model is None else model.checkpoint.params
         fparams = float_params(params) if "w16a16" in args.ar else None
         for context, batch in todo:
             if time.perf_counter() > deadline:
@@ -394,9 +462,10 @@ def main(argv: list[str] | None = None) -> None:
                                        "skipped": f"needs ~{need / 1e9:.0f} GB"})
                 continue
             log(f"{name} B={batch} ctx={context}")
-            run["results"].append(bench_config(name, cfg, params, fparams, batch, context, args, trace, bw))
+            run["results"].append(bench_config(name, cfg, params, fparams, batch, context, args,
+                                               trace if model is None else None, bw, model))
             save(run, args.out)
-        del params, fparams
+        del params, fparams, model
     save(run, args.out)
     print(markdown({**run, "results": [r for r in run["results"] if "skipped" not in r]}))
 

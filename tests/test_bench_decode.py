@@ -60,3 +60,23 @@ def test_decode_bench_resume_and_budget(tmp_path):
     assert [r["batch"] for r in res] == [2, 3] and res[0] == old  # batch 2 kept as measured, not re-run
     decode.main([*common, "--batches", "4", "--budget-s", "0", "--out", str(third)])
     assert json.loads((third / "decode.json").read_text())["results"] == []
+
+
+def test_decode_bench_real_model(tmp_path):
+    """The embedded SmolLM2 on few-shot prompts that fill the context, QSPEC with its own accept
+    decisions (not replayed): each prompt fits the context and holds few-shot examples, the round
+    count gives between 1 and gamma + 1 tokens per round."""
+    rows = [{"question": f"Tom has {i} apples and buys {i + 3} more. How many apples does he have now?",
+             "answer": f"He has {i} + {i + 3} = {2 * i + 3} apples.\n#### {2 * i + 3}"} for i in range(40)]
+    dev, train = tmp_path / "dev.jsonl", tmp_path / "train.jsonl"
+    for path, part in ((dev, rows[:5]), (train, rows[5:])):
+        path.write_text("\n".join(json.dumps(r) for r in part))
+    out = tmp_path / "out"
+    decode.main(["--models", "smollm2", "--gsm8k", str(dev), "--gsm8k-train", str(train), "--batches", "2",
+                 "--contexts", "192", "--new", "8", "--gammas", "2", "--drafts", "w4a8", "--ar", "w4a16",
+                 "--kernels", "reference", "--reps", "1", "--out", str(out)])
+    (res,) = json.loads((out / "decode.json").read_text())["results"]
+    assert res["acceptance"] == "measured" and 100 < res["prompt_tokens"] <= 192
+    q = res["methods"]["qspec w4a8 g=2"]
+    assert 1 <= q["tokens_per_round"] <= 3 and q["speedup_vs_w4a16"] > 0
+    assert "(measured)" in (out / "decode.md").read_text()
