@@ -4,10 +4,11 @@
 #   here:       bash scripts/gpu_carry.sh split      -> .carry/part0 .. .carry/partN (ignored by git)
 #   on the GPU: bash scripts/gpu_carry.sh stash      (each call, carrying one part: copies it to /tmp)
 #               bash scripts/gpu_carry.sh assemble   (after the last part: unpacks into $CACHE)
+# split also copies ../shared/data's GSM8K and WikiText-2 files to .carry/data: carry it with the last part.
 # then QSPEC_JAX_CACHE=/tmp/qspec-jax-cache finds it (qspec_jax.embedded.cache_dir).
 set -euo pipefail
 NAME=smollm2-rtn-asym-g32
-PART_BYTES=60500000
+PART_BYTES=55000000  # leaves room for the tree and .carry/data beside a part (64 MiB per call)
 STASH=/tmp/qspec-carry
 CACHE=/tmp/qspec-jax-cache
 cd "$(dirname "$0")/.."
@@ -18,6 +19,11 @@ case "${1:-}" in
     rm -rf .carry && mkdir -p .carry
     tar -C "$(dirname "$src")" -cf - "$NAME" | split -b "$PART_BYTES" -d -a 1 - .carry/tmp.
     for f in .carry/tmp.*; do i="${f##*.}"; mkdir -p ".carry/part$i"; mv "$f" ".carry/part$i/data"; done
+    # the evaluation data (../shared/data does not travel): carried with the last part as .carry/data
+    if [ -d ../shared/data ]; then
+      mkdir -p .carry/data && cp ../shared/data/gsm8k_test_dev.jsonl ../shared/data/gsm8k_train.jsonl \
+        ../shared/data/wikitext2_test.raw .carry/data/
+    fi
     ls .carry ;;
   stash)
     mkdir -p "$STASH"
