@@ -92,8 +92,8 @@ def default_config(n: int, k: int, group: int, kind: str, block_n: int | None = 
     """``(block_n, block_k, split_k)`` for a weight shape; ``kind`` is "w4a16" or "w4ax".
 
     A function of ``(N, K, group)`` only, never of M (row-count invariance): 64-row weight tiles,
-    512-wide K chunks for W4A16 and 256-wide for W4AX (halved until they fit K and the group), K split in 2, 4 or 8 until there are
-    :data:`MIN_PROGRAMS` programs. Given values are kept."""
+    512-wide K chunks for W4A16 and 256-wide for W4AX (halved until they fit K and the group), K
+    split in 2, 4 or 8 until there are :data:`MIN_PROGRAMS` programs. Given values are kept."""
     if kind not in ("w4a16", "w4ax"):
         raise ValueError(f"kind must be 'w4a16' or 'w4ax', got {kind!r}")
     if block_n is None:
