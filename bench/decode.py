@@ -15,8 +15,8 @@ in the context, chat template, prefilled), QSPEC with its own accept decisions.
 Per (model, context P, batch B): a decode state holding P committed tokens per sequence is made
 directly (random tokens, a zeroed KV cache: decode time does not depend on the values), then each
 method generates ``--new`` tokens in its jitted ``while_loop`` (a configuration's loops are all
-compiled ahead, ``--threads`` at once; each is timed on a fresh state): tokens/s, ms per step (AR) or per round (QSPEC), and the ratio to W4A16 AR measured in the
-same run. QSPEC's accept decisions are **replayed** from a per-round accepted-draft trace recorded
+compiled ahead, ``--threads`` at once; each is timed on a fresh state): tokens/s, ms per step (AR)
+or per round (QSPEC), and the ratio to W4A16 AR measured in the same run. QSPEC's accept decisions are **replayed** from a per-round accepted-draft trace recorded
 on SmolLM2's real weights (``--record-trace``; every draft step and verify pass still runs, only
 the accept decision is replayed): random weights would accept nothing. Phases: one draft step
 (1 token per sequence, draft mode) and one verify pass (gamma + 1 tokens, W4A16) timed alone, the
@@ -324,13 +324,10 @@ def bench_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None
 
 def record_trace(args) -> None:
     """Per-round accepted drafts of greedy QSPEC on SmolLM2 (GSM8K-dev prompts, chat template)."""
-    from qspec_jax.api import _prefill, _tokenize, load
-    from qspec_jax.decode import pad_prompts
+    from qspec_jax.api import _tokenize
 
     model = load(args.checkpoint)
-    qs = [json.loads(line)["question"] for line in args.gsm8k.read_text().splitlines() if line.strip()]
-    ids = _tokenize(model, qs[: args.prompts], chat=True)
-    tokens, lengths = pad_prompts(ids)
+    ids = _tokenize(model, [r["question"] for r in _jsonl(args.gsm8k)[: args.prompts]], chat=True)
     cfg = model.config
     out: dict = {"source": "SmolLM2-135M-Instruct (embedded, default checkpoint), greedy, chat template, "
                            f"{len(ids)} GSM8K-dev prompts x {args.new} new tokens", "device": jax.devices()[0].device_kind}
@@ -338,10 +335,7 @@ def record_trace(args) -> None:
         out[draft] = {}
         for g in args.gammas:
             rt = Runtime(cfg, args.new, -1, Sampling(), jnp.float32, model.checkpoint.online_rotation_seed, args.kernels)
-            buf = int(lengths.max()) + args.new + g + 1
-            cache_len = -(-buf // CACHE_MULTIPLE) * CACHE_MULTIPLE
-            st = _prefill(model.checkpoint.params, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(0),
-                          rt=rt, buffer_len=buf, cache_len=cache_len, mode="w4a16")
+            st = real_state_maker(model, rt, ids, args.new, g)()
             tr = acceptance_trace(model.checkpoint.params, st, rt=rt, gamma=g, draft_mode=draft)
             # each sequence's own rounds, cut to the shortest: no row of a finished sequence is replayed
             cols = [c[c >= 0] for c in tr.T]

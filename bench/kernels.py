@@ -626,7 +626,8 @@ def _args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shapes in interpret mode (CPU check of this script)")
     ap.add_argument("--row-tiles", type=int, default=None,
-                    help=f"row tiles (gpu_matmul.TILE_HEIGHTS rows each) per matmul program (default gpu_matmul.ROW_TILES = {gm.ROW_TILES})")
+                    help=f"row tiles (gpu_matmul.TILE_HEIGHTS rows each) per matmul program "
+                         f"(default gpu_matmul.ROW_TILES = {gm.ROW_TILES})")
     args = ap.parse_args(argv)
     if args.row_tiles is not None:
         if not 1 <= args.row_tiles <= 4:

@@ -80,3 +80,18 @@ def test_decode_bench_real_model(tmp_path):
     q = res["methods"]["qspec w4a8 g=2"]
     assert 1 <= q["tokens_per_round"] <= 3 and q["speedup_vs_w4a16"] > 0
     assert "(measured)" in (out / "decode.md").read_text()
+
+
+def test_record_trace_on_the_real_model(tmp_path):
+    """--record-trace: per-round accepted drafts of greedy QSPEC on SmolLM2, each in [0, gamma], no
+    sequence committing more than --new tokens in the rounds kept."""
+    dev = tmp_path / "dev.jsonl"
+    dev.write_text("\n".join(json.dumps({"question": f"What is {i} plus {2 * i}?", "answer": f"#### {3 * i}"})
+                             for i in range(3)))
+    out = tmp_path / "trace.json"
+    decode.main(["--record-trace", str(out), "--gsm8k", str(dev), "--prompts", "2", "--new", "8",
+                 "--gammas", "2", "--drafts", "w4a8", "--kernels", "reference"])
+    rounds = json.loads(out.read_text())["w4a8"]["2"]
+    assert rounds and all(len(r) == 2 and all(0 <= a <= 2 for a in r) for r in rounds)
+    for seq in zip(*rounds):
+        assert sum(a + 1 for a in seq) <= 8
