@@ -261,8 +261,8 @@ def bench_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None
         make = real_state_maker(model, rt, prompts, args.new, gmax)
     state = jax.eval_shape(make)  # abstract: for lowering
     carry = lambda t: jax.eval_shape(lambda: forward_carry(make(), t))  # noqa: E731
-    slots = context + args.new + gmax + 1
-    floor_ms = 1e3 * (weight_bytes(params) + kv_bytes(cfg, batch, context + args.new // 2)) / bw
+    prompt = res.get("prompt_tokens", context)  # the real prompts fill the context only up to a shot
+    floor_ms = 1e3 * (weight_bytes(params) + kv_bytes(cfg, batch, round(prompt) + args.new // 2)) / bw
     res["floor_ms_per_step"] = floor_ms
     res["copy_bw"] = bw
     ar = [m for m in args.ar if (fparams if m == "w16a16" else params) is not None]
@@ -316,7 +316,7 @@ def bench_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None
                 f"{overhead:.2f}), {tpr:.2f} tok/round, {entry['tokens_per_s']:.0f} tok/s, "
                 f"x{entry.get('speedup_vs_w4a16', float('nan')):.2f} vs w4a16 ({res['acceptance']} acceptance)")
     res["peak_bytes"] = peak_memory()
-    res["cache_bytes"] = kv_bytes(cfg, batch, -(-slots // CACHE_MULTIPLE) * CACHE_MULTIPLE)
+    res["cache_bytes"] = sum(a.size * a.dtype.itemsize for a in state.cache)
     return res
 
 
