@@ -433,23 +433,31 @@ def _attn_bytes(b: int, ctx: int, t: int) -> tuple[int, int]:
     return kv + 2 * b * t * h * d * 2, _copies(kv) * kv + 4 * b * h * t * ctx * 4
 
 
+def _attn_inputs(b: int, ctx: int, ts) -> dict[int, list[tuple]]:
+    """Per T: argument sets ``(q, k, v, q_pos)`` of one (batch, context), the bf16 caches rotated over
+    copies, the T queries at the cache's last positions."""
+    h, kvh, d = ATTN["heads"]
+    kv_shape = (b, ctx, kvh, d)
+    caches = [(jax.random.normal(jax.random.key(2 * c), kv_shape, jnp.bfloat16),
+               jax.random.normal(jax.random.key(2 * c + 1), kv_shape, jnp.bfloat16))
+              for c in range(_copies(_kv_bytes(b, ctx)))]
+    calls = max(CALLS, len(caches))
+    out = {}
+    for t in ts:
+        q = jax.random.normal(jax.random.key(99), (b, t, h, d), jnp.bfloat16)
+        q_pos = jnp.broadcast_to(ctx - t + jnp.arange(t, dtype=jnp.int32), (b, t))
+        out[t] = [(q, *caches[i % len(caches)], q_pos) for i in range(calls)]
+    return out
+
+
 def _attn_jobs(b: int, kernel: Callable | None) -> dict[tuple[int, int, str], Job]:
     """Jobs ``(context, T, "kernel" | "xla")`` for one batch size; caches rotated over copies."""
-    h, kvh, d = ATTN["heads"]
     jobs = {}
     for ctx in ATTN["contexts"]:
         if max(_attn_bytes(b, ctx, t)[1] for t in ATTN["ts"]) > ATTN_MAX_BYTES:
             log(f"attn B={b} context {ctx}: over {ATTN_MAX_BYTES / 1e9:.0f} GB, skipped")
             continue
-        kv_shape = (b, ctx, kvh, d)
-        caches = [(jax.random.normal(jax.random.key(2 * c), kv_shape, jnp.bfloat16),
-                   jax.random.normal(jax.random.key(2 * c + 1), kv_shape, jnp.bfloat16))
-                  for c in range(_copies(_kv_bytes(b, ctx)))]
-        calls = max(CALLS, len(caches))
-        for t in ATTN["ts"]:
-            q = jax.random.normal(jax.random.key(99), (b, t, h, d), jnp.bfloat16)
-            q_pos = jnp.broadcast_to(ctx - t + jnp.arange(t, dtype=jnp.int32), (b, t))
-            sets = [(q, *caches[i % len(caches)], q_pos) for i in range(calls)]
+        for t, sets in _attn_inputs(b, ctx, ATTN["ts"]).items():
             jobs[ctx, t, "xla"] = Job(xla_attention, sets, pallas=False)
             if kernel is not None:
                 jobs[ctx, t, "kernel"] = Job(kernel, sets, pallas=True)

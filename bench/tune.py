@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.kernels import (ATTN, CALLS, GROUP, MODELS, Job, _attn_bytes, _copies, _kv_bytes, _max_rel_diff, copy_bandwidth,
-                           log, make_weight, measure)
+from bench.kernels import (CALLS, GROUP, MODELS, Job, _attn_bytes, _attn_inputs, _copies, _max_rel_diff, _weight,
+                           _weight_bytes, copy_bandwidth, log, measure)
 from pallas_kernels import gpu_attention, gpu_matmul as gm
 
 KINDS = {
@@ -61,11 +61,9 @@ def variants(kind: str, m: int, n: int, k: int) -> list[dict]:
 
 
 def _weights(kind: str, n: int, k: int) -> list:
-    nbytes = n * k * 2 if kind == "dense" else n * k // 2
-    keys = [jax.random.key(10 + c) for c in range(_copies(nbytes))]
-    if kind == "dense":
-        return [jax.random.normal(key, (n, k), jnp.bfloat16) for key in keys]
-    return [make_weight(key, n, k, GROUP, True) for key in keys]
+    """Weight copies to rotate over (bench.kernels' families: bf16 for dense, packed otherwise)."""
+    family = "bf16" if kind == "dense" else "packed"
+    return [_weight(family, n, k, 10 + c) for c in range(_copies(_weight_bytes(family, n, k)))]
 
 
 def _compare(job: Job, base: Job, kw: dict) -> str:
@@ -119,18 +117,11 @@ def sweep_attention(batches: list[int], contexts: list[int], tmp: Path, threads:
     """Decode attention (Llama-3-8B heads, bf16): the default KV block and cache splits against
     others, per (batch, context, T); ``vs_default`` is the max relative output difference (a split
     count other than the default merges the partial softmaxes in another grouping)."""
-    h, kvh, d = ATTN["heads"]
     rows = []
     for b in batches:
         for ctx in contexts:
-            caches = [tuple(jax.random.normal(jax.random.key(2 * c + i), (b, ctx, kvh, d), jnp.bfloat16) for i in (0, 1))
-                      for c in range(_copies(_kv_bytes(b, ctx)))]
-            calls = max(CALLS, len(caches))
             jobs, meta = [], []
-            for t in (1, 4):
-                q = jax.random.normal(jax.random.key(99), (b, t, h, d), jnp.bfloat16)
-                q_pos = jnp.broadcast_to(ctx - t + jnp.arange(t, dtype=jnp.int32), (b, t))
-                sets = [(q, *caches[i % len(caches)], q_pos) for i in range(calls)]
+            for t, sets in _attn_inputs(b, ctx, (1, 4)).items():
                 for kw in attention_variants(ctx):
                     jobs.append(Job(lambda q, k, v, p, kw=kw: gpu_attention.decode_attention(q, k, v, p, **kw), sets,
                                     pallas=True))

@@ -11,8 +11,6 @@ memory and the numbers are checked on the GPU (tests/test_gpu.py).
 
 from __future__ import annotations
 
-import types
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,10 +32,10 @@ KERNELS_PER_FORWARD = 9
 @pytest.fixture
 def cuda_target(monkeypatch):
     """Let jax lower Pallas' Triton kernels for an sm_90 GPU without one present."""
-    from jax._src.pallas.triton import pallas_call_registration as registration
+    from jax._src.pallas.triton import gpu_info
 
-    monkeypatch.setattr(registration.gpu_info_lib, "get_gpu_info",
-                        lambda: types.SimpleNamespace(compute_capability="9.0"))
+    h200 = gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200)  # as test_kernels' lowering test does
+    monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: h200)
 
 
 def _triton_calls(fn, *args) -> int:
