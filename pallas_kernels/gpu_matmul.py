@@ -11,13 +11,15 @@ the high nibbles k 32..63), in the modes of :mod:`pallas_kernels.reference`:
   :func:`pallas_kernels.layout.w4a16_weights`). The 4 nibble positions feed 4 bf16 MMAs against
   the matching activation columns (the wrapper permutes x into 4 planes ``[4, M, K/4]``); float32
   accumulation.
-* :func:`w4ax_matmul` (``bits`` 8 or 4): activations quantized per row in a small jnp step before
-  the kernel (:func:`pallas_kernels.reference.quantize_activations`; int8 codes laid out as the
-  weights' low/high planes ``[2, M, K/2]``, float32 row scales). In the kernel, 4 packed bytes give
-  4 int8 codes ``u`` with one ``and`` (low plane) or a shift and an ``and`` (high plane); each
-  weight group is one int8 x int8 -> int32 MMA per plane over its (>= 32) consecutive k; the code
-  offset is applied exactly in int32 (``acc(u) - 8 * sum(x)``); then the float32 epilogue in the
-  reference's order: ``t = f32(acc_g) * s_g`` (``+ f32(sum_g(x)) * m_g`` for asymmetric weights),
+* :func:`w4ax_matmul` (``bits`` 8 or 4): activations quantized per row by a small kernel before
+  the matmul (:mod:`pallas_kernels.gpu_quantize`, fused with the RMSNorm where one comes first;
+  int8 codes laid out as the weights' low/high planes ``[2, M, K/2]``, float32 row scales). In the
+  kernel, 4 packed bytes become 4 int8 weight operands in one or two instructions: the codes ``u``
+  (asymmetric weights), or ``16 * (u - 8)`` for symmetric ones (the nibble at the byte's top, its
+  top bit flipped), so that no offset correction and no activation sums are needed; each weight
+  group is one int8 x int8 -> int32 MMA per plane over its (>= 32) consecutive k; then the float32
+  epilogue in the reference's order: ``t = f32(acc_g) * s_g`` (``+ f32(sum_g(x)) * m_g`` for
+  asymmetric weights; for symmetric ones ``f32(16 acc_g) * (s_g / 16)``, the same bits),
   ``tot = tot + t`` for g = 0, 1, ..., and ``y = s_act * tot``.
 * :func:`dense_matmul`: float weights (the lm_head on the decode path).
 
@@ -51,7 +53,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.layout import PACK_BLOCK, SYMMETRIC_OFFSET, QuantizedWeight
 from pallas_kernels.launch import LAYER_SPEC, at_layer, call_kernel, pl_triton, stacked_input, stacked_spec
-from pallas_kernels.reference import quantize_activations
+from pallas_kernels.gpu_quantize import quantize_rows
 
 # (rows per row tile, pipeline stages), smallest first, by activation operand; a call takes the first
 # tile that holds its M rows, else the last. The tile height is the MMA's N side: a tile wider than M
@@ -389,17 +391,25 @@ def w4a16_matmul(x: jax.Array, w: QuantizedWeight, *, layer: jax.Array | None = 
 
 # ----------------------------------------------------------------------------------------- W4AX
 
-_LOW_ASM = "and.b32 $0, $1, 0x0F0F0F0F;"
-_HIGH_ASM = "{\n.reg .b32 t;\nshr.u32 t, $1, 4;\nand.b32 $0, t, 0x0F0F0F0F;\n}"
+# 4 bytes per instruction: the codes u (asymmetric weights), or 16 * (u - 8) (symmetric): the nibble
+# moved to the byte's top and its top bit flipped, (u << 4) ^ 0x80 read as int8 (lop3 0x6A: (a & b) ^ c)
+_CODE_ASM = {
+    (False, False): "and.b32 $0, $1, 0x0F0F0F0F;",
+    (True, False): "{\n.reg .b32 t;\nshr.u32 t, $1, 4;\nand.b32 $0, t, 0x0F0F0F0F;\n}",
+    (False, True): "{\n.reg .b32 t;\nshl.b32 t, $1, 4;\nlop3.b32 $0, t, 0xF0F0F0F0, 0x80808080, 0x6A;\n}",
+    (True, True): "lop3.b32 $0, $1, 0xF0F0F0F0, 0x80808080, 0x6A;",
+}
+SIGNED_SCALE = 16  # symmetric codes enter the MMA as 16 * (u - 8): acc = 16 * sum((u - 8) * x), exactly
 
 
-def _codes_int8(p: jax.Array, high: bool, interpret: bool) -> jax.Array:
-    """The low or high nibbles of a uint8 tile as int8 codes ``u`` in [0, 15] (4 bytes per
-    instruction on the GPU)."""
+def _codes_int8(p: jax.Array, high: bool, symmetric: bool, interpret: bool) -> jax.Array:
+    """The low or high nibbles ``u`` of a uint8 tile as int8: ``u`` in [0, 15], or for symmetric
+    weights ``16 * (u - 8)`` (no offset correction, no activation sums needed)."""
     if interpret:
-        return ((p >> np.uint8(4)) if high else (p & np.uint8(0xF))).astype(jnp.int8)
+        u = ((p >> np.uint8(4)) if high else (p & np.uint8(0xF))).astype(jnp.int32)
+        return (SIGNED_SCALE * (u - SYMMETRIC_OFFSET) if symmetric else u).astype(jnp.int8)
     return pl_triton.elementwise_inline_asm(
-        _HIGH_ASM if high else _LOW_ASM, args=[p], constraints="=r,r", pack=4,
+        _CODE_ASM[high, symmetric], args=[p], constraints="=r,r", pack=4,
         result_shape_dtypes=[jax.ShapeDtypeStruct(p.shape, jnp.int8)])[0]
 
 
@@ -416,37 +426,41 @@ def _w4ax_kernel(l_ref, qx_ref, sa_ref, p_ref, s_ref, *rest, m: int, k: int, gro
     bn = p_ref.shape[1]
     masks = _row_masks(m, bm, tiles)
     dims = (((1,), (1,)), ((), ()))
-    zeros = tuple((jnp.zeros((bn, bm), jnp.int32), jnp.zeros((1, bm), jnp.int32)) for _ in range(tiles))
+    zeros = tuple((jnp.zeros((bn, bm), jnp.int32), None if symmetric else jnp.zeros((1, bm), jnp.int32))
+                  for _ in range(tiles))
 
     def planes(byte0, nbytes):
-        """``[plane][tile] -> (int32 acc(u) [bn, bm], int32 sum(x) [1, bm])`` of bytes [byte0, +nbytes)."""
+        """``[plane][tile] -> (int32 acc [bn, bm], int32 sum(x) [1, bm] or None)`` of bytes
+        [byte0, +nbytes): acc(u) and the activation sums (asymmetric), or 16 * acc(u - 8) (symmetric)."""
         cols = pl.ds(byte0, nbytes)
         p = _load_weight(p_ref, layer, cols, interpret)  # uint8 [bn, nbytes]
         out = []
         for h in (0, 1):
-            wq = _codes_int8(p, h == 1, interpret)
+            wq = _codes_int8(p, h == 1, symmetric, interpret)
             res = []
             for r in range(tiles):
                 xq = _plane_rows(qx_ref, h, r, cols, masks[r], interpret)  # int8 [bm, nbytes]
                 res.append((jax.lax.dot_general(wq, xq, dims, preferred_element_type=jnp.int32),
-                            jnp.sum(xq.astype(jnp.int32), axis=1)[None, :]))
+                            None if symmetric else jnp.sum(xq.astype(jnp.int32), axis=1)[None, :]))
             out.append(res)
         return out
 
     def both(res):
-        return tuple((a0 + a1, s0 + s1) for (a0, s0), (a1, s1) in zip(*res))
+        return tuple((a0 + a1, None if s0 is None else s0 + s1) for (a0, s0), (a1, s1) in zip(*res))
 
     def epilogue(tots, res, gi):
-        """``tot += f32(acc_g) * s_g (+ f32(sum_g) * m_g)`` per row tile (acc_g = acc(u) - 8 sum)."""
+        """``tot += f32(acc_g) * s_g (+ f32(sum_g) * m_g)`` per row tile. Symmetric: the accumulator
+        holds 16 * acc_g and the scale is taken / 16, exact powers of two, so ``t`` has the same bits."""
         s = _load_layer(s_ref, layer, pl.ds(gi, 1), interpret).astype(jnp.float32)  # [bn, 1]
+        if symmetric:
+            s = s * np.float32(1 / SIGNED_SCALE)
         mn = None if symmetric else _load_layer(m_ref, layer, pl.ds(gi, 1), interpret).astype(jnp.float32)
         out = []
         for r, (acc, xs) in enumerate(res):
-            if symmetric:
-                acc = acc - SYMMETRIC_OFFSET * xs
             if return_acc:
                 view = o_ref.at[pl.ds(gi, 1), pl.ds(r * bm, bm), :]
-                pl_triton.store(view, acc.T[None], mask=jnp.broadcast_to(masks[r][None], view.shape))
+                exact = jax.lax.shift_right_arithmetic(acc, np.int32(4)) if symmetric else acc  # acc_g
+                pl_triton.store(view, exact.T[None], mask=jnp.broadcast_to(masks[r][None], view.shape))
                 out.append(tots[r])
                 continue
             t = acc.astype(jnp.float32) * s
@@ -477,7 +491,7 @@ def _w4ax_kernel(l_ref, qx_ref, sa_ref, p_ref, s_ref, *rest, m: int, k: int, gro
 
             def chunk(c, carry):
                 res = both(planes(gi * (group // 2) + c * (block_k // 2), block_k // 2))
-                return tuple((a + ra, s + rs) for (a, s), (ra, rs) in zip(carry, res))
+                return tuple((a + ra, None if s is None else s + rs) for (a, s), (ra, rs) in zip(carry, res))
 
             return epilogue(tots, jax.lax.fori_loop(0, group // block_k, chunk, zeros), gi)
 
@@ -497,8 +511,10 @@ def w4ax_quantized(qx: jax.Array, sa: jax.Array, w: QuantizedWeight, *, layer: j
                    block_m: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                    interpret: bool = False, return_acc: bool = False) -> jax.Array:
     """The W4AX kernel on pre-quantized rows (``qx`` int8[M, K], ``sa`` f32[M, 1], as
-    :func:`pallas_kernels.reference.quantize_activations` returns them) -> ``f32[M, N]``; with
-    ``return_acc`` the per-group int32 accumulations ``int32[G, M, N]`` instead (for tests).
+    :func:`pallas_kernels.reference.quantize_activations` returns them, or ``qx`` already in the
+    kernel's plane layout ``[2, M, K/2]`` as :mod:`pallas_kernels.gpu_quantize` writes it) ->
+    ``f32[M, N]``; with ``return_acc`` the per-group int32 accumulations ``int32[G, M, N]`` instead
+    (for tests).
 
     ``split_k`` > 1: each of that many programs per output tile sums its own groups in order; the
     partial sums are added left to right after the kernel, then scaled by ``sa`` (so the group sum
@@ -507,11 +523,13 @@ def w4ax_quantized(qx: jax.Array, sa: jax.Array, w: QuantizedWeight, *, layer: j
     (packed, scales, mins), lidx = _stacked_arrays(w, w.packed, layer)
     nl = packed.shape[0]
     block_n, block_k, split_k = default_config(*w.shape, w.group_size, "w4ax", block_n, block_k, split_k)
-    n, k, g = _check(qx, w, block_n, block_k, split_k)
-    m = qx.shape[0]
-    if qx.dtype != jnp.int8 or sa.shape != (m, 1):
-        raise ValueError(f"qx must be int8[M, K] and sa float32[M, 1], got {qx.dtype}{qx.shape}, "
-                         f"{sa.shape}")
+    planes = qx if qx.ndim == 3 else activation_planes(qx, 2)
+    if planes.shape[0] != 2 or qx.dtype != jnp.int8:
+        raise ValueError(f"qx must be int8 [M, K] or [2, M, K/2], got {qx.dtype}{qx.shape}")
+    m = planes.shape[1]
+    n, k, g = _check(jax.ShapeDtypeStruct((m, 2 * planes.shape[2]), jnp.int8), w, block_n, block_k, split_k)
+    if sa.shape != (m, 1):
+        raise ValueError(f"sa must be float32[M, 1] for M={m} rows, got {sa.shape}")
     bm, tiles, stages = _tiles(m, "int8", block_m, lambda rows: (rows + block_n // 2) * block_k)
     rows = tiles * bm
     gcount = k // g
@@ -521,7 +539,7 @@ def w4ax_quantized(qx: jax.Array, sa: jax.Array, w: QuantizedWeight, *, layer: j
     in_specs = [LAYER_SPEC, pl.BlockSpec((2, rows, k // 2), lambda i, j, s: (0, i, 0)),
                 pl.BlockSpec((rows, 1), lambda i, j, s: (i, 0)),
                 stacked_spec(nl, (block_n, k // 2), lambda i, j, s: (j, 0)), sspec]
-    args = [lidx, activation_planes(qx, 2), sa.astype(jnp.float32), packed, scales]
+    args = [lidx, planes, sa.astype(jnp.float32), packed, scales]
     if not w.symmetric:
         in_specs.append(sspec)
         args.append(mins)
@@ -541,14 +559,13 @@ def w4ax_matmul(x: jax.Array, w: QuantizedWeight, bits: int, *, layer: jax.Array
                 block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
                 block_m: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                 interpret: bool = False) -> jax.Array:
-    """W4A8 (``bits=8``) / W4A4 (``bits=4``): per-row activation quantization (a jnp step before the
-    kernel, :func:`pallas_kernels.reference.quantize_activations`), then the int8 kernel with int32
-    group accumulation and the float32 epilogue -> ``f32[M, N]``."""
-    if bits not in (4, 8):
-        raise ValueError(f"activation bits must be 4 or 8, got {bits}")
+    """W4A8 (``bits=8``) / W4A4 (``bits=4``): per-row activation quantization
+    (:func:`pallas_kernels.gpu_quantize.quantize_rows`: ``reference.quantize_activations`` in one
+    kernel that writes the plane layout), then the int8 kernel with int32 group accumulation and the
+    float32 epilogue -> ``f32[M, N]``."""
     if x.ndim != 2:
         raise ValueError(f"x must be [M, K], got shape {x.shape}")
-    qx, sa = quantize_activations(x, bits)
+    qx, sa = quantize_rows(x, bits, interpret=interpret)
     return w4ax_quantized(qx, sa, w, layer=layer, block_n=block_n, block_k=block_k, split_k=split_k,
                           block_m=block_m, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
 

@@ -29,25 +29,44 @@ def _chunk(h: int) -> int:
     return c
 
 
-def _rms_norm_kernel(l_ref, x_ref, s_ref, o_ref, *, h: int, chunk: int, eps: float, interpret: bool):
-    n = h // chunk
-    layer = l_ref[0]
+def inv_rms(x_ref, h: int, eps: float) -> jax.Array:
+    """``rsqrt(mean(x^2) + eps)`` of the row ``x_ref[H]`` in float32: squares summed chunk-wise in a
+    fixed order, then across the chunk (a function of H only)."""
+    chunk = _chunk(h)
 
     def sq(i, acc):
         v = x_ref[pl.ds(i * chunk, chunk)].astype(jnp.float32)
         return acc + v * v
 
-    ss = jnp.sum(jax.lax.fori_loop(0, n, sq, jnp.zeros((chunk,), jnp.float32)))
-    r = jax.lax.rsqrt(ss / np.float32(h) + np.float32(eps))
+    ss = jnp.sum(jax.lax.fori_loop(0, h // chunk, sq, jnp.zeros((chunk,), jnp.float32)))
+    return jax.lax.rsqrt(ss / np.float32(h) + np.float32(eps))
+
+
+def _rounded(v: jax.Array, dtype, interpret: bool) -> jax.Array:
+    """float32 ``v`` rounded to ``dtype``. In interpret mode XLA may drop a float32 -> bfloat16 ->
+    float32 rounding (excess precision); ``reduce_precision`` keeps it, as the GPU kernel does."""
+    if interpret and dtype == jnp.bfloat16:
+        v = jax.lax.reduce_precision(v, exponent_bits=8, mantissa_bits=7)
+    return v.astype(dtype)
+
+
+def normalized(v: jax.Array, r: jax.Array, s: jax.Array, interpret: bool) -> jax.Array:
+    """``s * (v * r)`` in ``v``'s dtype (each product rounded to it), as the model's RMSNorm does."""
+    y = _rounded(v.astype(jnp.float32) * r, v.dtype, interpret)
+    return _rounded(s.astype(v.dtype).astype(jnp.float32) * y.astype(jnp.float32), v.dtype, interpret)
+
+
+def _rms_norm_kernel(l_ref, x_ref, s_ref, o_ref, *, h: int, eps: float, interpret: bool):
+    chunk = _chunk(h)
+    layer = l_ref[0]
+    r = inv_rms(x_ref, h, eps)
 
     def write(i, carry):
         cols = pl.ds(i * chunk, chunk)
-        v = x_ref[cols]
-        s = pl_triton.load(at_layer(s_ref, layer, (cols,), interpret))
-        o_ref[cols] = s.astype(v.dtype) * (v.astype(jnp.float32) * r).astype(v.dtype)
+        o_ref[cols] = normalized(x_ref[cols], r, pl_triton.load(at_layer(s_ref, layer, (cols,), interpret)), interpret)
         return carry
 
-    jax.lax.fori_loop(0, n, write, 0)
+    jax.lax.fori_loop(0, h // chunk, write, 0)
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float, *, layer: jax.Array | None = None,
@@ -60,7 +79,7 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float, *, layer: jax.Array | N
                          f"got {x.shape} and {scale.shape}")
     m, h = x.shape
     scale, lidx = stacked_input(scale, layer)
-    kernel = functools.partial(_rms_norm_kernel, h=h, chunk=_chunk(h), eps=eps, interpret=interpret)
+    kernel = functools.partial(_rms_norm_kernel, h=h, eps=eps, interpret=interpret)
     return call_kernel(kernel, jax.ShapeDtypeStruct((m, h), x.dtype), (m,),
                        [LAYER_SPEC, pl.BlockSpec((None, h), lambda i: (i, 0)),
                         stacked_spec(scale.shape[0], (h,), lambda i: (0,))],

@@ -7,7 +7,7 @@ These functions define what every mode computes; the Pallas GPU kernels must rep
 * ``w4a16``: weights dequantized in bfloat16 (:func:`pallas_kernels.layout.w4a16_weights`),
   activations cast to bfloat16, float32 accumulation.
 * ``w4a8`` / ``w4a4``: activations quantized per token (row) to symmetric INT8 / INT4
-  (scale = absmax * f32(1/127) or f32(1/7), q = round_half_even(x / scale) with IEEE division, clamp), int8 x int8 -> int32 products
+  (scale = absmax * f32(1/127) or f32(1/7), q = round_half_even(x * f32(1 / scale)), clamp), int8 x int8 -> int32 products
   summed within each weight group, then ``y = s_act * sum_g(s_w[g] * acc[g] + m_w[g] * sum(q_act[g]))``
   in float32 (the minimum term only for asymmetric weights).
 """
@@ -33,7 +33,9 @@ def quantize_activations(x: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]
     # absmax * f32(1/qmax), not absmax / qmax: compilers turn division by a constant into this
     # multiplication anyway (XLA on CPU does), so spelling it out makes every backend agree.
     scale = jnp.where(absmax > 0, absmax * np.float32(1 / qmax), 1.0)
-    q = jnp.clip(jnp.round(xf / scale), -qmax - 1, qmax).astype(jnp.int8)
+    # times the reciprocal, not / scale: XLA rewrites a division by a broadcast into this product
+    # (on the CPU it does), so spelling it out makes the references and the kernels agree bitwise.
+    q = jnp.clip(jnp.round(xf * (np.float32(1) / scale)), -qmax - 1, qmax).astype(jnp.int8)
     return q, scale
 
 

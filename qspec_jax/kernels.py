@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import gpu_attention, gpu_matmul, gpu_norm, reference
+from pallas_kernels import gpu_attention, gpu_matmul, gpu_norm, gpu_quantize, reference
 from pallas_kernels.layout import QuantizedWeight, dequantize, w4a16_weights
 from pallas_kernels.rows import map_row_tiles
 
@@ -41,6 +41,31 @@ class Layer:
     def get(self) -> Any:
         """The layer's own arrays (a slice: what the reference implementations take)."""
         return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, self.index, keepdims=False), self.stacked)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PendingNorm:
+    """The RMSNorm of ``x``, not yet computed: the linear layer that consumes it either runs it
+    fused with its activation quantization (the W4A8 / W4A4 kernel path) or computes it first
+    (:meth:`value`). Quacks like the array it stands for (``shape``, ``dtype``)."""
+
+    x: jax.Array
+    scale: Any  # [H] or a Layer of stacked scales
+    eps: float = dataclasses.field(metadata=dict(static=True))
+    row_tile: int | None = dataclasses.field(metadata=dict(static=True))
+    kernels: str = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.x.shape
+
+    @property
+    def dtype(self) -> Any:
+        return self.x.dtype
+
+    def value(self) -> jax.Array:
+        return rms_norm(self.x, self.scale, self.eps, self.row_tile, self.kernels)
 
 
 def unstack(v: Any) -> Any:
@@ -80,10 +105,10 @@ def _matmul_supported(w: QuantizedWeight | jax.Array, mode: str) -> bool:
     return gpu_matmul.supported("w4a16" if mode == "w4a16" else "w4ax", *w.shape, w.group_size)
 
 
-def linear(x: jax.Array, w: QuantizedWeight | jax.Array | Layer, mode: str, row_tile: int | None = None,
-           kernels: str = "reference") -> jax.Array:
+def linear(x: jax.Array | PendingNorm, w: QuantizedWeight | jax.Array | Layer, mode: str,
+           row_tile: int | None = None, kernels: str = "reference") -> jax.Array:
     """``x @ W.T`` as float32: packed weights in any mode, float weights only in ``w16a16``; ``w`` may
-    be a :class:`Layer` of stacked weights.
+    be a :class:`Layer` of stacked weights, ``x`` a :class:`PendingNorm`.
 
     With ``row_tile`` set the result is row-count invariant: the references run rows in fixed tiles,
     the kernels are invariant by construction.
@@ -96,6 +121,15 @@ def linear(x: jax.Array, w: QuantizedWeight | jax.Array | Layer, mode: str, row_
             f"mode {mode!r} needs packed INT4 weights, but this layer holds float weights "
             "(convert the checkpoint with quantization)")
     on_kernel = _on_kernels(kernels, row_tile) and _matmul_supported(w, mode)
+    if isinstance(x, PendingNorm):
+        if on_kernel and packed and mode in reference.ACT_BITS:  # the norm fused with the quantization
+            norm_scale, norm_layer = _split_layer(x.scale)
+            qx, sa = gpu_quantize.rms_norm_quantize(
+                x.x.reshape(-1, x.shape[-1]), norm_scale, x.eps, reference.ACT_BITS[mode], layer=norm_layer,
+                interpret=kernels == "interpret")
+            y = gpu_matmul.w4ax_quantized(qx, sa, w, layer=layer, interpret=kernels == "interpret")
+            return y.reshape(*x.shape[:-1], y.shape[-1])
+        x = x.value()
     if layer is not None and not (on_kernel and packed and mode != "w16a16"):
         w = Layer(w, layer).get()  # only the INT4 kernels read a stacked weight in place
     if not on_kernel:
@@ -150,9 +184,12 @@ def attention(q: jax.Array, k: jax.Array | Layer, v: jax.Array | Layer, q_pos: j
 
 
 def rms_norm(x: jax.Array, scale: jax.Array | Layer, eps: float, row_tile: int | None = None,
-             kernels: str = "reference") -> jax.Array:
+             kernels: str = "reference", defer: bool = False) -> jax.Array | PendingNorm:
     """``scale * (x * rsqrt(mean(x^2) + eps))`` over the last axis, statistics in float32; ``scale``
-    may be a :class:`Layer` of stacked scales."""
+    may be a :class:`Layer` of stacked scales. ``defer`` (its consumer is a W4A8 / W4A4 linear
+    layer): on the kernel path a :class:`PendingNorm`, for that layer to fuse with its quantization."""
+    if defer and _on_kernels(kernels, row_tile) and x.shape[-1] % gpu_quantize.PACK_BLOCK == 0:
+        return PendingNorm(x, scale, eps, row_tile, kernels)
     if _on_kernels(kernels, row_tile) and x.shape[-1] % 16 == 0:
         stacked, layer = _split_layer(scale)
         y = gpu_norm.rms_norm(x.reshape(-1, x.shape[-1]), stacked, eps, layer=layer,  # cast in the kernel

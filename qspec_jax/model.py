@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qspec_jax.config import LlamaConfig
-from qspec_jax.kernels import Layer, attention, check_mode, linear, resolve_kernels, rms_norm, unstack
+from qspec_jax.kernels import Layer, PendingNorm, attention, check_mode, linear, resolve_kernels, rms_norm, unstack
 from pallas_kernels import reference
 from pallas_kernels.layout import QuantizedWeight
 from pallas_kernels.rows import map_row_tiles
@@ -99,14 +99,18 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
+    """``defer``: the output feeds a W4A8 / W4A4 linear layer, which may fuse the norm with its
+    activation quantization (:class:`qspec_jax.kernels.PendingNorm`)."""
+
     eps: float
     row_tile: int | None = None
     kernels: str = "reference"
+    defer: bool = False
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array) -> jax.Array | PendingNorm:
         scale = _param(self, "scale", nn.initializers.ones, (x.shape[-1],))
-        return rms_norm(x, scale, self.eps, self.row_tile, self.kernels)
+        return rms_norm(x, scale, self.eps, self.row_tile, self.kernels, self.defer)
 
 
 class Attention(nn.Module):
@@ -170,11 +174,12 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, x, cache: tuple[Layer, Layer] | None, positions):
         c, tile, kern = self.config, self.row_tile, self.kernels
+        fuse = self.mode in reference.ACT_BITS  # the norms feed W4AX linears: quantize in the norm kernel
         h, cache = Attention(c, self.mode, self.online_rotation_seed, tile, kern, name="attn")(
-            RMSNorm(c.rms_norm_eps, tile, kern, name="attn_norm")(x), positions, cache)
+            RMSNorm(c.rms_norm_eps, tile, kern, fuse, name="attn_norm")(x), positions, cache)
         x = x + h
         x = x + MLP(c, self.mode, self.online_rotation_seed, tile, kern, name="mlp")(
-            RMSNorm(c.rms_norm_eps, tile, kern, name="mlp_norm")(x))
+            RMSNorm(c.rms_norm_eps, tile, kern, fuse, name="mlp_norm")(x))
         return x, cache
 
 

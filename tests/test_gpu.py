@@ -6,6 +6,8 @@ Run on the device: ``PYTHONPATH=. python3 -m pytest -q -s tests/test_gpu.py`` (w
 * the kernels against the references, on the GPU: W4A4/W4A8 bitwise (symmetric weights, K not
   split) or to 1e-6 (asymmetric / split K), the int32 group accumulations bitwise, W4A16, the dense
   kernel, attention and RMSNorm within 1e-2 relative of float64 numpy;
+* the activation-quantization kernels (alone and fused with the RMSNorm) bitwise against the
+  reference quantization computed on the CPU;
 * row-count invariance, bitwise: every row of an M-row call equals the same row computed alone, for
   M = 1..256 (matmuls, RMSNorm) and 1..8 queries per sequence (attention);
 * the whole decode-time forward: a verify pass over several tokens gives bitwise the logits and KV
@@ -130,6 +132,31 @@ def test_attention_kernel(rng, dtype, heads, kv, d):
     assert err <= 1e-2
     for t in range(1, 9):  # queries 0..t-1 in one call == the same queries of the 8-query call
         np.testing.assert_array_equal(np.asarray(att(q[:, :t], k, v, pos[:, :t])), full[:, :t], err_msg=f"T={t}")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_activation_quantization_kernels(rng, dtype):
+    """On the GPU, bitwise: quantize_rows == the reference quantization computed on the CPU (IEEE
+    reciprocal and round-half-even in PTX), rms_norm_quantize == the same of the RMSNorm kernel's
+    output, for 1..40 rows, both bit widths, in the W4AX plane layout."""
+    from pallas_kernels import gpu_quantize
+
+    cpu = jax.devices("cpu")[0]
+    h = 1536
+    scales = jnp.asarray(rng.random((3, h)) + 0.5, dtype)
+    for m in (1, 7, 40):
+        x = _x(rng, m, h, dtype)
+        normed = gpu_norm.rms_norm(x, scales, 1e-5, layer=jnp.int32(1))
+        for bits in (8, 4):
+            for name, (planes, sa), values in (
+                    ("quantize_rows", gpu_quantize.quantize_rows(x, bits), x),
+                    ("rms_norm_quantize", gpu_quantize.rms_norm_quantize(x, scales, 1e-5, bits, layer=jnp.int32(1)),
+                     normed)):
+                with jax.default_device(cpu):
+                    q, s = reference.quantize_activations(jax.device_put(values, cpu), bits)
+                    want = gpu_matmul.activation_planes(q, 2)
+                np.testing.assert_array_equal(np.asarray(planes), np.asarray(want), err_msg=f"{name} M={m} bits={bits}")
+                np.testing.assert_array_equal(np.asarray(sa), np.asarray(s), err_msg=f"{name} M={m} bits={bits}")
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

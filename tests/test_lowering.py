@@ -25,8 +25,9 @@ from tests.test_kernels import random_weight
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 # Per forward: qkv, o, gate/up, down, attention and two RMSNorms in the layer scan's body (once),
-# the final RMSNorm and the lm_head.
-KERNELS_PER_FORWARD = 9
+# the final RMSNorm and the lm_head; W4A8 / W4A4 quantize the inputs of o and down in a kernel of
+# their own (the RMSNorms quantize those of qkv and gate/up).
+KERNELS_PER_FORWARD = {"w16a16": 9, "w4a16": 9, "w4a8": 11, "w4a4": 11}
 
 
 @pytest.fixture
@@ -61,7 +62,7 @@ def test_decode_forward_lowers_for_cuda(cuda_target, model, mode, dtype, tokens)
     def step(p, t, q, c):
         return forward(p, cfg, t, q, c, mode=mode, dtype=dtype, row_tile=ROW_TILE, kernels="pallas")
 
-    assert _triton_calls(step, params, toks, pos, cache) == KERNELS_PER_FORWARD
+    assert _triton_calls(step, params, toks, pos, cache) == KERNELS_PER_FORWARD[mode]
 
 
 @pytest.mark.parametrize("m", [1, 16, 17, 32, 33, 64, 65, 128, 129, 256])
@@ -69,8 +70,8 @@ def test_matmuls_lower_for_cuda_at_every_tile_height(cuda_target, rng, m):
     n, k = 128, 512
     w = random_weight(rng, n, k, 128, True)
     x = jnp.zeros((m, k), jnp.bfloat16)
-    calls = [lambda a: gm.w4a16_matmul(a, w), lambda a: gm.w4ax_matmul(a, w, 8),
-             lambda a: gm.dense_matmul(a, dequantize(w, jnp.bfloat16)),
-             lambda a: gm.dense_matmul(a.astype(jnp.float32), dequantize(w, jnp.float32))]
-    for fn in calls:
-        assert _triton_calls(fn, x) == 1
+    calls = {lambda a: gm.w4a16_matmul(a, w): 1, lambda a: gm.w4ax_matmul(a, w, 8): 2,  # + quantization
+             lambda a: gm.dense_matmul(a, dequantize(w, jnp.bfloat16)): 1,
+             lambda a: gm.dense_matmul(a.astype(jnp.float32), dequantize(w, jnp.float32)): 1}
+    for fn, launches in calls.items():
+        assert _triton_calls(fn, x) == launches

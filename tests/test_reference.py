@@ -52,14 +52,17 @@ def test_dequantize_matches_definition(rng, symmetric):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_activation_quantization_matches_numpy(rng, bits):
     qmax = 2 ** (bits - 1) - 1
-    x = (rng.standard_normal((7, 96)) * rng.uniform(0.01, 30, (7, 1))).astype(np.float32)
+    # bfloat16-representable values (as the model's activations are): x / scale then often lands on
+    # a half-integer that x * (1 / scale) misses, so the test tells the two definitions apart
+    x = (rng.standard_normal((64, 96)) * rng.uniform(0.01, 30, (64, 1))).astype(np.float32)
+    x = np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32)
     x[0] = 0.0  # an all-zero row must not divide by zero
     x[1, :4] = [qmax, 2.5, -1.5, 0.5]  # scale 1 exactly: ties must round half to even
     x[1, 4:] = 0.0
     q, s = reference.quantize_activations(jnp.asarray(x), bits)
     absmax = np.abs(x).max(-1, keepdims=True)
     s_np = np.where(absmax > 0, absmax * np.float32(1 / qmax), np.float32(1.0)).astype(np.float32)
-    q_np = np.clip(np.rint(x / s_np), -qmax - 1, qmax).astype(np.int8)
+    q_np = np.clip(np.rint(x * (np.float32(1) / s_np)), -qmax - 1, qmax).astype(np.int8)
     assert np.array_equal(np.asarray(s), s_np)
     assert np.array_equal(np.asarray(q), q_np)
     assert list(np.asarray(q)[1, :4]) == [qmax, 2, -2, 0]

@@ -1,0 +1,132 @@
+"""Per-row activation quantization for the W4A8 / W4A4 kernel as one Pallas GPU kernel (Triton
+lowering), alone or fused with the RMSNorm before it.
+
+One program per row: (the RMSNorm's statistics, as :mod:`pallas_kernels.gpu_norm` computes them,)
+the row's absmax, then the int8 codes written straight into the W4AX kernel's plane layout
+``[2, M, K/2]`` (:func:`pallas_kernels.gpu_matmul.activation_planes`) with the float32 row scales.
+This replaces the separate passes of the unfused path (the norm, an absmax reduction, the
+quantization and the plane transpose) with one launch, and gives the same codes and scales as
+:func:`pallas_kernels.reference.quantize_activations` applied to that path's values: the absmax is
+exact in any order, ``scale = absmax * f32(1/qmax)``, and each code is
+``round_half_even(v * f32(1 / scale))``, clamped (PTX ``rcp.rn.f32`` for the correctly rounded
+reciprocal, where Triton's division would be approximate, and ``cvt.rni`` for the rounding). The row is read in tiles of whole 64-element blocks, ``[blocks, 32]`` per plane.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from pallas_kernels.gpu_norm import inv_rms, normalized
+from pallas_kernels.launch import LAYER_SPEC, at_layer, call_kernel, pl_triton, stacked_input, stacked_spec
+from pallas_kernels.layout import PACK_BLOCK
+
+HALF = PACK_BLOCK // 2  # a 64-block's elements in each plane
+MAX_BLOCKS = 16  # 64-blocks per tile at most (1024 elements)
+_RCP_ASM = "rcp.rn.f32 $0, $1;"  # 1 / x, correctly rounded (Triton's division is approximate)
+_ROUND_ASM = "cvt.rni.s32.f32 $0, $1;"  # to the nearest integer, ties to even
+
+
+def _tile_blocks(blocks: int) -> int:
+    """The largest power of two <= MAX_BLOCKS dividing the row's 64-block count."""
+    b = MAX_BLOCKS
+    while blocks % b:
+        b //= 2
+    return b
+
+
+def _asm(code: str, v: jax.Array, dtype) -> jax.Array:
+    return pl_triton.elementwise_inline_asm(code, args=[v], constraints="=r,r", pack=1,
+                                            result_shape_dtypes=[jax.ShapeDtypeStruct(v.shape, dtype)])[0]
+
+
+def _reciprocal(scale: jax.Array, interpret: bool) -> jax.Array:
+    """``f32(1 / scale)`` correctly rounded, as a ``[1]`` tile."""
+    v = jnp.full((1,), scale, jnp.float32)
+    return np.float32(1) / v if interpret else _asm(_RCP_ASM, v, jnp.float32)
+
+
+def _round(v: jax.Array, interpret: bool) -> jax.Array:
+    """``round_half_even(v)`` as int32."""
+    return jnp.round(v).astype(jnp.int32) if interpret else _asm(_ROUND_ASM, v, jnp.int32)
+
+
+def _quantize_kernel(l_ref, x_ref, x2_ref, *rest, h: int, eps: float | None, bits: int, interpret: bool):
+    """Row ``x_ref[H]`` (also as ``x2_ref[H / 64, 64]``), its RMSNorm when ``eps`` is set (scale
+    ``s_ref[L, H / 64, 64]`` at the layer), then codes ``q_ref[2, H / 64, 32]`` and scale ``sa_ref[1]``."""
+    norm = eps is not None
+    s_ref, q_ref, sa_ref = rest if norm else (None, *rest)
+    layer = l_ref[0]
+    qmax = 2 ** (bits - 1) - 1
+    blocks = h // PACK_BLOCK
+    tb = _tile_blocks(blocks)
+    r = inv_rms(x_ref, h, eps) if norm else None
+
+    def values(i, half):
+        """float32 values of blocks [i * tb, +tb), plane ``half`` ([tb, 32])."""
+        idx = (pl.ds(i * tb, tb), pl.ds(half * HALF, HALF))
+        v = x2_ref[idx]
+        if norm:
+            v = normalized(v, r, pl_triton.load(at_layer(s_ref, layer, idx, interpret)), interpret)
+        return v.astype(jnp.float32)
+
+    def absmax(i, m):
+        for half in (0, 1):
+            m = jnp.maximum(m, jnp.max(jnp.abs(values(i, half))))
+        return m
+
+    amax = jax.lax.fori_loop(0, blocks // tb, absmax, jnp.float32(0))
+    scale = jnp.where(amax > 0, amax * np.float32(1 / qmax), np.float32(1))
+    inv = _reciprocal(scale, interpret)
+
+    def write(i, carry):
+        for half in (0, 1):
+            q = jnp.clip(_round(values(i, half) * inv[:, None], interpret), -qmax - 1, qmax).astype(jnp.int8)
+            q_ref[pl.ds(half, 1), pl.ds(i * tb, tb), :] = q[None]
+        return carry
+
+    jax.lax.fori_loop(0, blocks // tb, write, 0)
+    sa_ref[...] = jnp.full((1,), scale, jnp.float32)
+
+
+def _call(x: jax.Array, bits: int, scale: jax.Array | None, eps: float | None, layer, interpret: bool):
+    if bits not in (4, 8):
+        raise ValueError(f"activation bits must be 4 or 8, got {bits}")
+    if x.ndim != 2 or x.shape[1] % PACK_BLOCK:
+        raise ValueError(f"x must be [M, K] with K a multiple of {PACK_BLOCK}, got shape {x.shape}")
+    m, h = x.shape
+    blocks = h // PACK_BLOCK
+    kernel = functools.partial(_quantize_kernel, h=h, eps=eps, bits=bits, interpret=interpret)
+    row = pl.BlockSpec((None, h), lambda i: (i, 0))
+    in_specs = [LAYER_SPEC, row, pl.BlockSpec((None, blocks, PACK_BLOCK), lambda i: (i, 0, 0))]
+    args = [x, x.reshape(m, blocks, PACK_BLOCK)]
+    lidx = jnp.zeros((1,), jnp.int32)
+    if eps is not None:
+        want = (h,) if layer is None else (scale.shape[0], h)
+        if scale.shape != want:
+            raise ValueError(f"expected scale {'[H]' if layer is None else '[L, H]'} for x {x.shape}, "
+                             f"got {scale.shape}")
+        scale, lidx = stacked_input(scale, layer)
+        in_specs.append(stacked_spec(scale.shape[0], (blocks, PACK_BLOCK), lambda i: (0, 0)))
+        args.append(scale.reshape(scale.shape[0], blocks, PACK_BLOCK))
+    out_shape = (jax.ShapeDtypeStruct((2, m, blocks, HALF), jnp.int8), jax.ShapeDtypeStruct((m, 1), jnp.float32))
+    out_specs = (pl.BlockSpec((2, None, blocks, HALF), lambda i: (0, i, 0, 0)), pl.BlockSpec((None, 1), lambda i: (i, 0)))
+    planes, sa = call_kernel(kernel, out_shape, (m,), in_specs, out_specs, interpret, 4, 1, lidx, *args)
+    return planes.reshape(2, m, h // 2), sa
+
+
+def quantize_rows(x: jax.Array, bits: int, *, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Rows of ``x[M, K]`` quantized to ``bits`` (8 or 4) -> ``(int8 codes [2, M, K/2] in plane layout,
+    float32 scales [M, 1])``: ``reference.quantize_activations(x, bits)`` laid out for the W4AX kernel."""
+    return _call(x, bits, None, None, None, interpret)
+
+
+def rms_norm_quantize(x: jax.Array, scale: jax.Array, eps: float, bits: int, *, layer: jax.Array | None = None,
+                      interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """:func:`quantize_rows` of ``gpu_norm.rms_norm(x, scale, eps, layer=layer)``, in one kernel (the
+    normalized rows are never written out)."""
+    return _call(x, bits, scale, eps, layer, interpret)
