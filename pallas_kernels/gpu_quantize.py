@@ -40,7 +40,9 @@ def _tile_blocks(blocks: int) -> int:
 
 
 def _asm(code: str, v: jax.Array, dtype) -> jax.Array:
-    return pl_triton.elementwise_inline_asm(code, args=[v], constraints="=r,r", pack=1,
+    """One PTX instruction per float32 element of ``v`` (``f``: a float32 register, ``r``: int32)."""
+    out = "=f" if dtype == jnp.float32 else "=r"
+    return pl_triton.elementwise_inline_asm(code, args=[v], constraints=f"{out},f", pack=1,
                                             result_shape_dtypes=[jax.ShapeDtypeStruct(v.shape, dtype)])[0]
 
 
