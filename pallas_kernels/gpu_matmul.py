@@ -12,7 +12,7 @@ the high nibbles k 32..63), in the modes of :mod:`pallas_kernels.reference`:
   the matching activation columns (the wrapper permutes x into 4 planes ``[4, M, K/4]``); float32
   accumulation.
 * :func:`w4ax_matmul` (``bits`` 8 or 4): activations quantized per row by a small kernel before
-  the matmul (:mod:`pallas_kernels.gpu_quantize`, fused with the RMSNorm where one comes first;
+  the matmul (:mod:`pallas_kernels.gpu_activations`, fused with the RMSNorm where one comes first;
   int8 codes laid out as the weights' low/high planes ``[2, M, K/2]``, float32 row scales). In the
   kernel, 4 packed bytes become 4 int8 weight operands in one or two instructions: the codes ``u``
   (asymmetric weights), or ``16 * (u - 8)`` for symmetric ones (the nibble at the byte's top, its
@@ -53,7 +53,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.layout import PACK_BLOCK, SYMMETRIC_OFFSET, QuantizedWeight
 from pallas_kernels.launch import LAYER_SPEC, at_layer, call_kernel, pl_triton, stacked_input, stacked_spec
-from pallas_kernels.gpu_quantize import quantize_rows
+from pallas_kernels.gpu_activations import quantize_rows
 
 # (rows per row tile, pipeline stages), smallest first, by activation operand; a call takes the first
 # tile that holds its M rows, else the last. The tile height is the MMA's N side: a tile wider than M
@@ -359,11 +359,18 @@ def w4a16_matmul(x: jax.Array, w: QuantizedWeight, *, layer: jax.Array | None = 
                  block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
                  block_m: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                  interpret: bool = False) -> jax.Array:
-    """``x[M, K] @ w4a16_weights(w).T`` with bf16 activations and float32 accumulation -> ``f32[M, N]``.
+    """``x[M, K] @ w4a16_weights(w).T`` with bf16 activations and float32 accumulation -> ``f32[M, N]``;
+    ``x`` may already be bf16 planes ``[4, M, K/4]`` (:func:`activation_planes`, as
+    :func:`pallas_kernels.gpu_activations.rms_norm_planes` writes them).
 
     With ``layer`` (an int32 scalar), ``w`` is a stack ``[L, N, ...]`` and layer ``layer`` is read in
     place. Tiles left as None come from :func:`default_config` (a function of N, K and the group size);
     ``block_m`` (rows per tile), ``num_warps`` and ``num_stages`` change only timing (for tuning)."""
+    if x.ndim == 3 and (x.shape[0] != 4 or x.dtype != jnp.bfloat16):
+        raise ValueError(f"activation planes must be bfloat16 [4, M, K/4], got {x.dtype}{x.shape}")
+    xp = x if x.ndim == 3 else None
+    if xp is not None:
+        x = jax.ShapeDtypeStruct((xp.shape[1], 4 * xp.shape[2]), jnp.bfloat16)
     block_n, block_k, split_k = default_config(*w.shape, w.group_size, "w4a16", block_n, block_k, split_k)
     n, k, g = _check(x, w, block_n, block_k, split_k)
     # read as uint16 elements (a bitcast), before stacking: 2-byte elements keep int32 offsets valid
@@ -373,7 +380,8 @@ def w4a16_matmul(x: jax.Array, w: QuantizedWeight, *, layer: jax.Array | None = 
     m = x.shape[0]
     bm, tiles, stages = _tiles(m, "bf16", block_m, lambda rows: (rows * 2 + block_n // 2) * block_k)
     rows = tiles * bm
-    xp = activation_planes(x.astype(jnp.bfloat16), 4)
+    if xp is None:
+        xp = activation_planes(x.astype(jnp.bfloat16), 4)
     kernel = functools.partial(_w4a16_kernel, m=m, k=k, group=g, block_k=block_k, split_k=split_k,
                                bm=bm, tiles=tiles, interpret=interpret)
     sspec = stacked_spec(nl, (block_n, k // g), lambda i, j, s: (j, 0))
@@ -512,7 +520,7 @@ def w4ax_quantized(qx: jax.Array, sa: jax.Array, w: QuantizedWeight, *, layer: j
                    interpret: bool = False, return_acc: bool = False) -> jax.Array:
     """The W4AX kernel on pre-quantized rows (``qx`` int8[M, K], ``sa`` f32[M, 1], as
     :func:`pallas_kernels.reference.quantize_activations` returns them, or ``qx`` already in the
-    kernel's plane layout ``[2, M, K/2]`` as :mod:`pallas_kernels.gpu_quantize` writes it) ->
+    kernel's plane layout ``[2, M, K/2]`` as :mod:`pallas_kernels.gpu_activations` writes it) ->
     ``f32[M, N]``; with ``return_acc`` the per-group int32 accumulations ``int32[G, M, N]`` instead
     (for tests).
 
@@ -560,7 +568,7 @@ def w4ax_matmul(x: jax.Array, w: QuantizedWeight, bits: int, *, layer: jax.Array
                 block_m: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                 interpret: bool = False) -> jax.Array:
     """W4A8 (``bits=8``) / W4A4 (``bits=4``): per-row activation quantization
-    (:func:`pallas_kernels.gpu_quantize.quantize_rows`: ``reference.quantize_activations`` in one
+    (:func:`pallas_kernels.gpu_activations.quantize_rows`: ``reference.quantize_activations`` in one
     kernel that writes the plane layout), then the int8 kernel with int32 group accumulation and the
     float32 epilogue -> ``f32[M, N]``."""
     if x.ndim != 2:

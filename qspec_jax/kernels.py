@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import gpu_attention, gpu_matmul, gpu_norm, gpu_quantize, reference
+from pallas_kernels import gpu_activations, gpu_attention, gpu_matmul, gpu_norm, reference
 from pallas_kernels.layout import QuantizedWeight, dequantize, w4a16_weights
 from pallas_kernels.rows import map_row_tiles
 
@@ -46,9 +46,10 @@ class Layer:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PendingNorm:
-    """The RMSNorm of ``x``, not yet computed: the linear layer that consumes it either runs it
-    fused with its activation quantization (the W4A8 / W4A4 kernel path) or computes it first
-    (:meth:`value`). Quacks like the array it stands for (``shape``, ``dtype``)."""
+    """The RMSNorm of ``x``, not yet computed: the INT4 linear layer that consumes it either runs it
+    fused with its activation prologue (on the kernel path: quantization or the bf16 plane layout,
+    :mod:`pallas_kernels.gpu_activations`) or computes it first (:meth:`value`). Quacks like the
+    array it stands for (``shape``, ``dtype``)."""
 
     x: jax.Array
     scale: Any  # [H] or a Layer of stacked scales
@@ -122,12 +123,16 @@ def linear(x: jax.Array | PendingNorm, w: QuantizedWeight | jax.Array | Layer, m
             "(convert the checkpoint with quantization)")
     on_kernel = _on_kernels(kernels, row_tile) and _matmul_supported(w, mode)
     if isinstance(x, PendingNorm):
-        if on_kernel and packed and mode in reference.ACT_BITS:  # the norm fused with the quantization
-            norm_scale, norm_layer = _split_layer(x.scale)
-            qx, sa = gpu_quantize.rms_norm_quantize(
-                x.x.reshape(-1, x.shape[-1]), norm_scale, x.eps, reference.ACT_BITS[mode], layer=norm_layer,
-                interpret=kernels == "interpret")
-            y = gpu_matmul.w4ax_quantized(qx, sa, w, layer=layer, interpret=kernels == "interpret")
+        if on_kernel and packed and mode != "w16a16":  # the norm fused with the activation prologue
+            interpret = kernels == "interpret"
+            (norm_scale, norm_layer), rows = _split_layer(x.scale), x.x.reshape(-1, x.shape[-1])
+            if mode == "w4a16":
+                planes = gpu_activations.rms_norm_planes(rows, norm_scale, x.eps, layer=norm_layer, interpret=interpret)
+                y = gpu_matmul.w4a16_matmul(planes, w, layer=layer, interpret=interpret)
+            else:
+                qx, sa = gpu_activations.rms_norm_quantize(rows, norm_scale, x.eps, reference.ACT_BITS[mode],
+                                                           layer=norm_layer, interpret=interpret)
+                y = gpu_matmul.w4ax_quantized(qx, sa, w, layer=layer, interpret=interpret)
             return y.reshape(*x.shape[:-1], y.shape[-1])
         x = x.value()
     if layer is not None and not (on_kernel and packed and mode != "w16a16"):
@@ -186,9 +191,9 @@ def attention(q: jax.Array, k: jax.Array | Layer, v: jax.Array | Layer, q_pos: j
 def rms_norm(x: jax.Array, scale: jax.Array | Layer, eps: float, row_tile: int | None = None,
              kernels: str = "reference", defer: bool = False) -> jax.Array | PendingNorm:
     """``scale * (x * rsqrt(mean(x^2) + eps))`` over the last axis, statistics in float32; ``scale``
-    may be a :class:`Layer` of stacked scales. ``defer`` (its consumer is a W4A8 / W4A4 linear
-    layer): on the kernel path a :class:`PendingNorm`, for that layer to fuse with its quantization."""
-    if defer and _on_kernels(kernels, row_tile) and x.shape[-1] % gpu_quantize.PACK_BLOCK == 0:
+    may be a :class:`Layer` of stacked scales. ``defer`` (its consumer is an INT4 linear layer): on
+    the kernel path a :class:`PendingNorm`, for that layer to fuse with its activation prologue."""
+    if defer and _on_kernels(kernels, row_tile) and x.shape[-1] % gpu_activations.PACK_BLOCK == 0:
         return PendingNorm(x, scale, eps, row_tile, kernels)
     if _on_kernels(kernels, row_tile) and x.shape[-1] % 16 == 0:
         stacked, layer = _split_layer(scale)

@@ -99,8 +99,8 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """``defer``: the output feeds a W4A8 / W4A4 linear layer, which may fuse the norm with its
-    activation quantization (:class:`qspec_jax.kernels.PendingNorm`)."""
+    """``defer``: the output feeds an INT4 linear layer, which may fuse the norm with its activation
+    prologue (:class:`qspec_jax.kernels.PendingNorm`)."""
 
     eps: float
     row_tile: int | None = None
@@ -174,7 +174,7 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, x, cache: tuple[Layer, Layer] | None, positions):
         c, tile, kern = self.config, self.row_tile, self.kernels
-        fuse = self.mode in reference.ACT_BITS  # the norms feed W4AX linears: quantize in the norm kernel
+        fuse = self.mode != "w16a16"  # the norms feed INT4 linears: their activation prologue in the norm kernel
         h, cache = Attention(c, self.mode, self.online_rotation_seed, tile, kern, name="attn")(
             RMSNorm(c.rms_norm_eps, tile, kern, fuse, name="attn_norm")(x), positions, cache)
         x = x + h

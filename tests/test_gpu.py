@@ -6,8 +6,9 @@ Run on the device: ``PYTHONPATH=. python3 -m pytest -q -s tests/test_gpu.py`` (w
 * the kernels against the references, on the GPU: W4A4/W4A8 bitwise (symmetric weights, K not
   split) or to 1e-6 (asymmetric / split K), the int32 group accumulations bitwise, W4A16, the dense
   kernel, attention and RMSNorm within 1e-2 relative of float64 numpy;
-* the activation-quantization kernels (alone and fused with the RMSNorm) bitwise against the
-  reference quantization computed on the CPU;
+* the activation prologue kernels (quantization alone or fused with the RMSNorm, the RMSNorm in
+  the W4A16 plane layout) bitwise against the reference quantization computed on the CPU and the
+  RMSNorm kernel;
 * row-count invariance, bitwise: every row of an M-row call equals the same row computed alone, for
   M = 1..256 (matmuls, RMSNorm) and 1..8 queries per sequence (attention);
 * the whole decode-time forward: a verify pass over several tokens gives bitwise the logits and KV
@@ -135,11 +136,12 @@ def test_attention_kernel(rng, dtype, heads, kv, d):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_activation_quantization_kernels(rng, dtype):
+def test_activation_prologue_kernels(rng, dtype):
     """On the GPU, bitwise: quantize_rows == the reference quantization computed on the CPU (IEEE
     reciprocal and round-half-even in PTX), rms_norm_quantize == the same of the RMSNorm kernel's
-    output, for 1..40 rows, both bit widths, in the W4AX plane layout."""
-    from pallas_kernels import gpu_quantize
+    output, for 1..40 rows, both bit widths, in the W4AX plane layout; rms_norm_planes == that output
+    in the W4A16 plane layout."""
+    from pallas_kernels import gpu_activations
 
     cpu = jax.devices("cpu")[0]
     h = 1536
@@ -149,14 +151,17 @@ def test_activation_quantization_kernels(rng, dtype):
         normed = gpu_norm.rms_norm(x, scales, 1e-5, layer=jnp.int32(1))
         for bits in (8, 4):
             for name, (planes, sa), values in (
-                    ("quantize_rows", gpu_quantize.quantize_rows(x, bits), x),
-                    ("rms_norm_quantize", gpu_quantize.rms_norm_quantize(x, scales, 1e-5, bits, layer=jnp.int32(1)),
+                    ("quantize_rows", gpu_activations.quantize_rows(x, bits), x),
+                    ("rms_norm_quantize", gpu_activations.rms_norm_quantize(x, scales, 1e-5, bits, layer=jnp.int32(1)),
                      normed)):
                 with jax.default_device(cpu):
                     q, s = reference.quantize_activations(jax.device_put(values, cpu), bits)
                     want = gpu_matmul.activation_planes(q, 2)
                 np.testing.assert_array_equal(np.asarray(planes), np.asarray(want), err_msg=f"{name} M={m} bits={bits}")
                 np.testing.assert_array_equal(np.asarray(sa), np.asarray(s), err_msg=f"{name} M={m} bits={bits}")
+        bf = gpu_activations.rms_norm_planes(x, scales, 1e-5, layer=jnp.int32(1))
+        want = gpu_matmul.activation_planes(normed.astype(jnp.bfloat16), 4)
+        np.testing.assert_array_equal(np.asarray(bf, np.float32), np.asarray(want, np.float32), err_msg=f"planes M={m}")
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

@@ -12,7 +12,7 @@ inside M = 5, 8, 13 calls, bitwise (and M = 37, more than one row tile, for the 
 W4A4 path). Decode attention,
 RMSNorm and the dense matmul against float64 numpy, attention also bitwise across query counts. In
 interpret mode the kernels' PTX steps run as jnp (the GPU tests check the PTX: tests/test_gpu.py).
-The activation-quantization kernels against the reference quantization, bitwise;
+The activation prologue kernels against the reference quantization / plane layout, bitwise;
 the last test lowers every kernel for an H200 and checks no deprecation warning reaches the user.
 """
 
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import gpu_attention, gpu_matmul as gm, gpu_norm, gpu_quantize as gq
+from pallas_kernels import gpu_attention, gpu_matmul as gm, gpu_norm, gpu_activations as gq
 from pallas_kernels import reference as ref
 from pallas_kernels.layout import QuantizedWeight, pack_codes, w4a16_weights
 
@@ -229,9 +229,10 @@ def test_rms_norm_kernel(rng):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("bits", [8, 4])
-def test_activation_quantization_kernels(rng, dtype, bits):
+def test_activation_prologue_kernels(rng, dtype, bits):
     """quantize_rows == the reference quantization in the W4AX plane layout; rms_norm_quantize ==
-    that of the RMSNorm kernel's output (stacked scale, layer 2), bitwise; zero rows get scale 1."""
+    that of the RMSNorm kernel's output (stacked scale, layer 2), rms_norm_planes == that output in
+    the W4A16 plane layout, bitwise, and the matmuls take them; zero rows get scale 1."""
     m, h = 5, 576  # 9 64-blocks: tiles of one block
     x = jnp.asarray(rng.standard_normal((m, h)) * np.exp(rng.standard_normal((m, 1))), dtype).at[1].set(0)
     scales = jnp.asarray(rng.random((3, h)) + 0.5, dtype)
@@ -243,10 +244,19 @@ def test_activation_quantization_kernels(rng, dtype, bits):
         np.testing.assert_array_equal(np.asarray(planes), np.asarray(gm.activation_planes(q, 2)), err_msg=name)
         np.testing.assert_array_equal(np.asarray(sa), np.asarray(s), err_msg=name)
         assert np.asarray(sa)[1, 0] == 1.0 and not np.asarray(planes)[:, 1].any()
+    # W4A16: the normalized rows as bf16 planes, and the matmul on them
+    bf_planes = gq.rms_norm_planes(x, scales, 1e-5, layer=jnp.int32(2), interpret=True)
+    normed = cases["rms_norm_quantize"][1]
+    np.testing.assert_array_equal(np.asarray(bf_planes, np.float32),
+                                  np.asarray(gm.activation_planes(normed.astype(jnp.bfloat16), 4), np.float32))
     w = random_weight(rng, 32, h, 32, False)  # the planes feed the W4AX kernel as its own quantization would
     planes, sa = cases["quantize_rows"][0]
     np.testing.assert_array_equal(np.asarray(gm.w4ax_quantized(planes, sa, w, interpret=True)),
                                   np.asarray(gm.w4ax_matmul(x, w, bits, interpret=True)))
+    np.testing.assert_array_equal(np.asarray(gm.w4a16_matmul(bf_planes, w, interpret=True)),
+                                  np.asarray(gm.w4a16_matmul(normed, w, interpret=True)))
+    with pytest.raises(ValueError, match="planes"):
+        gm.w4a16_matmul(bf_planes.astype(jnp.float32), w, interpret=True)
     with pytest.raises(ValueError, match="multiple of 64"):
         gq.quantize_rows(x[:, :96], bits, interpret=True)
     with pytest.raises(ValueError, match="bits"):
@@ -330,7 +340,7 @@ def test_lowers_for_gpu_without_deprecation_warning():
         from jax._src.pallas.triton import gpu_info
         h200 = gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200)
         gpu_info.get_gpu_info = lambda: h200
-        from pallas_kernels import gpu_attention, gpu_matmul as gm, gpu_norm, gpu_quantize
+        from pallas_kernels import gpu_attention, gpu_matmul as gm, gpu_norm, gpu_activations
         from pallas_kernels.layout import QuantizedWeight
         def lower(f, *args):
             text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -347,8 +357,9 @@ def test_lowers_for_gpu_without_deprecation_warning():
         bf = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
         lower(gm.dense_matmul, bf(3, 576), bf(49152, 576))
         lower(lambda x, s: gpu_norm.rms_norm(x, s, 1e-5), bf(3, 576), bf(576))
-        lower(lambda x: gpu_quantize.quantize_rows(x, 4), bf(3, 14336))
-        lower(lambda x, s: gpu_quantize.rms_norm_quantize(x, s, 1e-5, 8, layer=jnp.int32(1)), bf(3, 576), bf(4, 576))
+        lower(lambda x: gpu_activations.quantize_rows(x, 4), bf(3, 14336))
+        lower(lambda x, s: gpu_activations.rms_norm_quantize(x, s, 1e-5, 8, layer=jnp.int32(1)), bf(3, 576), bf(4, 576))
+        lower(lambda x, s: gpu_activations.rms_norm_planes(x, s, 1e-5, layer=jnp.int32(1)), bf(3, 576), bf(4, 576))
         lower(gpu_attention.decode_attention, bf(2, 4, 32, 128), bf(2, 256, 8, 128), bf(2, 256, 8, 128),
               jax.ShapeDtypeStruct((2, 4), jnp.int32))
         print("lowered")

@@ -1,0 +1,176 @@
+"""The INT4 matmuls' activation inputs, prepared by one Pallas GPU kernel per call (Triton
+lowering): the RMSNorm before the layer if there is one, the W4A8 / W4A4 quantization, and the
+plane layout the matmul kernel reads (:func:`pallas_kernels.gpu_matmul.activation_planes`).
+
+Unfused, the same work is the norm kernel, then XLA ops for the absmax, the quantization and the
+plane transpose. One program per row: the RMSNorm's statistics as :mod:`pallas_kernels.gpu_norm`
+computes them (same values, bit for bit), then
+
+* W4AX (:func:`quantize_rows`, :func:`rms_norm_quantize`): the row's absmax (exact in any order),
+  ``scale = absmax * f32(1/qmax)``, codes ``round_half_even(v * f32(1 / scale))`` clamped, as
+  :func:`pallas_kernels.reference.quantize_activations` (PTX ``rcp.rn.f32`` for the correctly
+  rounded reciprocal, where Triton's division would be approximate, and ``cvt.rni``), written as
+  int8 planes ``[2, M, K/2]`` with float32 row scales ``[M, 1]``;
+* W4A16 (:func:`rms_norm_planes`): the normalized row as bf16 planes ``[4, M, K/4]``.
+
+The row is read in tiles of whole 64-element blocks: ``[blocks, 32]`` per W4AX plane, ``[blocks, 16]``
+(every other element) per W4A16 plane.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from pallas_kernels.gpu_norm import inv_rms, normalized
+from pallas_kernels.launch import LAYER_SPEC, at_layer, call_kernel, pl_triton, stacked_input, stacked_spec
+from pallas_kernels.layout import PACK_BLOCK
+
+HALF = PACK_BLOCK // 2  # a 64-block's elements in each W4AX plane (and each half of a block)
+MAX_BLOCKS = 16  # 64-blocks per tile at most (1024 elements)
+_RCP_ASM = "rcp.rn.f32 $0, $1;"  # 1 / x, correctly rounded
+_ROUND_ASM = "cvt.rni.s32.f32 $0, $1;"  # to the nearest integer, ties to even
+
+
+def _tile_blocks(blocks: int) -> int:
+    """The largest power of two <= MAX_BLOCKS dividing the row's 64-block count."""
+    b = MAX_BLOCKS
+    while blocks % b:
+        b //= 2
+    return b
+
+
+def _asm(code: str, v: jax.Array, dtype) -> jax.Array:
+    """One PTX instruction per float32 element of ``v`` (``f``: a float32 register, ``r``: int32)."""
+    out = "=f" if dtype == jnp.float32 else "=r"
+    return pl_triton.elementwise_inline_asm(code, args=[v], constraints=f"{out},f", pack=1,
+                                            result_shape_dtypes=[jax.ShapeDtypeStruct(v.shape, dtype)])[0]
+
+
+def _reciprocal(scale: jax.Array, interpret: bool) -> jax.Array:
+    """``f32(1 / scale)`` correctly rounded, as a ``[1]`` tile."""
+    v = jnp.full((1,), scale, jnp.float32)
+    return np.float32(1) / v if interpret else _asm(_RCP_ASM, v, jnp.float32)
+
+
+def _round(v: jax.Array, interpret: bool) -> jax.Array:
+    """``round_half_even(v)`` as int32."""
+    return jnp.round(v).astype(jnp.int32) if interpret else _asm(_ROUND_ASM, v, jnp.int32)
+
+
+def _load_cols(ref, layer, first: jax.Array, tb: int, half: int, byte: int | None, interpret: bool):
+    """Blocks ``[first, first + tb)`` of a ``[.., blocks, 64]`` row: half ``half`` of each block
+    ``[tb, 32]``, or with ``byte`` its elements ``byte, byte + 2, ...`` ``[tb, 16]``."""
+    rows = pl.ds(first, tb)
+    if byte is None or interpret:  # the interpreter takes no strided slice: every other column after
+        v = pl_triton.load(at_layer(ref, layer, (rows, pl.ds(half * HALF, HALF)), interpret))
+        return v if byte is None else v[:, byte::2]
+    return pl_triton.load(at_layer(ref, layer, (rows, pl.ds(half * HALF + byte, HALF // 2, stride=2)), interpret))
+
+
+def _prologue_kernel(l_ref, x_ref, x2_ref, *rest, h: int, eps: float | None, bits: int | None,
+                     interpret: bool):
+    """Row ``x_ref[H]`` (also as ``x2_ref[H / 64, 64]``), its RMSNorm when ``eps`` is set (scale
+    ``s_ref[L, H / 64, 64]`` at the layer), then W4AX codes ``q_ref[2, H / 64, 32]`` and their scale
+    ``sa_ref[1]`` (``bits``), or bf16 W4A16 planes ``p_ref[4, H / 64, 16]`` (``bits`` None)."""
+    norm = eps is not None
+    s_ref, *outs = rest if norm else (None, *rest)
+    layer = l_ref[0]
+    blocks = h // PACK_BLOCK
+    tb = _tile_blocks(blocks)
+    r = inv_rms(x_ref, h, eps) if norm else None
+
+    def values(i, half, byte=None):
+        """The (normalized) values of tile ``i``, plane ``(half, byte)``, in the input's dtype."""
+        v = _load_cols(x2_ref, None, i * tb, tb, half, byte, interpret)
+        if norm:
+            v = normalized(v, r, _load_cols(s_ref, layer, i * tb, tb, half, byte, interpret), interpret)
+        return v
+
+    if bits is None:
+        (p_ref,) = outs
+
+        def planes(i, carry):
+            for byte in (0, 1):
+                for half in (0, 1):
+                    p_ref[pl.ds(2 * byte + half, 1), pl.ds(i * tb, tb), :] = values(i, half, byte).astype(jnp.bfloat16)[None]
+            return carry
+
+        jax.lax.fori_loop(0, blocks // tb, planes, 0)
+        return
+
+    q_ref, sa_ref = outs
+    qmax = 2 ** (bits - 1) - 1
+
+    def absmax(i, m):
+        for half in (0, 1):
+            m = jnp.maximum(m, jnp.max(jnp.abs(values(i, half).astype(jnp.float32))))
+        return m
+
+    amax = jax.lax.fori_loop(0, blocks // tb, absmax, jnp.float32(0))
+    scale = jnp.where(amax > 0, amax * np.float32(1 / qmax), np.float32(1))
+    inv = _reciprocal(scale, interpret)
+
+    def codes(i, carry):
+        for half in (0, 1):
+            q = _round(values(i, half).astype(jnp.float32) * inv[:, None], interpret)
+            q_ref[pl.ds(half, 1), pl.ds(i * tb, tb), :] = jnp.clip(q, -qmax - 1, qmax).astype(jnp.int8)[None]
+        return carry
+
+    jax.lax.fori_loop(0, blocks // tb, codes, 0)
+    sa_ref[...] = jnp.full((1,), scale, jnp.float32)
+
+
+def _call(x: jax.Array, bits: int | None, scale: jax.Array | None, eps: float | None, layer, interpret: bool):
+    if bits not in (None, 4, 8):
+        raise ValueError(f"activation bits must be 4 or 8, got {bits}")
+    if x.ndim != 2 or x.shape[1] % PACK_BLOCK:
+        raise ValueError(f"x must be [M, K] with K a multiple of {PACK_BLOCK}, got shape {x.shape}")
+    m, h = x.shape
+    blocks = h // PACK_BLOCK
+    kernel = functools.partial(_prologue_kernel, h=h, eps=eps, bits=bits, interpret=interpret)
+    in_specs = [LAYER_SPEC, pl.BlockSpec((None, h), lambda i: (i, 0)),
+                pl.BlockSpec((None, blocks, PACK_BLOCK), lambda i: (i, 0, 0))]
+    args = [x, x.reshape(m, blocks, PACK_BLOCK)]
+    lidx = jnp.zeros((1,), jnp.int32)
+    if eps is not None:
+        want = (h,) if layer is None else (scale.shape[0], h)
+        if scale.shape != want:
+            raise ValueError(f"expected scale {'[H]' if layer is None else '[L, H]'} for x {x.shape}, "
+                             f"got {scale.shape}")
+        scale, lidx = stacked_input(scale, layer)
+        in_specs.append(stacked_spec(scale.shape[0], (blocks, PACK_BLOCK), lambda i: (0, 0)))
+        args.append(scale.reshape(scale.shape[0], blocks, PACK_BLOCK))
+    if bits is None:
+        out_shape = jax.ShapeDtypeStruct((4, m, blocks, HALF // 2), jnp.bfloat16)
+        out_specs = pl.BlockSpec((4, None, blocks, HALF // 2), lambda i: (0, i, 0, 0))
+        planes = call_kernel(kernel, out_shape, (m,), in_specs, out_specs, interpret, 4, 1, lidx, *args)
+        return planes.reshape(4, m, h // 4)
+    out_shape = (jax.ShapeDtypeStruct((2, m, blocks, HALF), jnp.int8), jax.ShapeDtypeStruct((m, 1), jnp.float32))
+    out_specs = (pl.BlockSpec((2, None, blocks, HALF), lambda i: (0, i, 0, 0)), pl.BlockSpec((None, 1), lambda i: (i, 0)))
+    planes, sa = call_kernel(kernel, out_shape, (m,), in_specs, out_specs, interpret, 4, 1, lidx, *args)
+    return planes.reshape(2, m, h // 2), sa
+
+
+def quantize_rows(x: jax.Array, bits: int, *, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Rows of ``x[M, K]`` quantized to ``bits`` (8 or 4) -> ``(int8 codes [2, M, K/2] in plane layout,
+    float32 scales [M, 1])``: ``reference.quantize_activations(x, bits)`` laid out for the W4AX kernel."""
+    return _call(x, bits, None, None, None, interpret)
+
+
+def rms_norm_quantize(x: jax.Array, scale: jax.Array, eps: float, bits: int, *, layer: jax.Array | None = None,
+                      interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """:func:`quantize_rows` of ``gpu_norm.rms_norm(x, scale, eps, layer=layer)``, in one kernel (the
+    normalized rows are never written out)."""
+    return _call(x, bits, scale, eps, layer, interpret)
+
+
+def rms_norm_planes(x: jax.Array, scale: jax.Array, eps: float, *, layer: jax.Array | None = None,
+                    interpret: bool = False) -> jax.Array:
+    """``gpu_norm.rms_norm(x, scale, eps, layer=layer)`` cast to bf16 and laid out as the W4A16
+    kernel's planes ``[4, M, K/4]`` (``activation_planes(y.astype(bf16), 4)``), in one kernel."""
+    return _call(x, None, scale, eps, layer, interpret)
