@@ -18,6 +18,9 @@ from jax.experimental import pallas as pl
 from pallas_kernels.launch import LAYER_SPEC, at_layer, call_kernel, pl_triton, stacked_input, stacked_spec
 
 MAX_CHUNK = 1024
+# Warps per row program. inv_rms' sum across the chunk is a tree over the threads, so its bits depend
+# on this: every kernel that normalizes a row uses it.
+NUM_WARPS = 4
 
 
 def _chunk(h: int) -> int:
@@ -83,4 +86,4 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float, *, layer: jax.Array | N
     return call_kernel(kernel, jax.ShapeDtypeStruct((m, h), x.dtype), (m,),
                        [LAYER_SPEC, pl.BlockSpec((None, h), lambda i: (i, 0)),
                         stacked_spec(scale.shape[0], (h,), lambda i: (0,))],
-                       pl.BlockSpec((None, h), lambda i: (i, 0)), interpret, 4, 1, lidx, x, scale)
+                       pl.BlockSpec((None, h), lambda i: (i, 0)), interpret, NUM_WARPS, 1, lidx, x, scale)

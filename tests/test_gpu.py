@@ -136,15 +136,16 @@ def test_attention_kernel(rng, dtype, heads, kv, d):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_activation_prologue_kernels(rng, dtype):
+@pytest.mark.parametrize("h", [1536, 28672])
+def test_activation_prologue_kernels(rng, dtype, h):
     """On the GPU, bitwise: quantize_rows == the reference quantization computed on the CPU (IEEE
     reciprocal and round-half-even in PTX), rms_norm_quantize == the same of the RMSNorm kernel's
     output, for 1..40 rows, both bit widths, in the W4AX plane layout; rms_norm_planes == that output
-    in the W4A16 plane layout."""
+    in the W4A16 plane layout. Rows of 24 64-blocks (one tile padded to 32, masked) and of 448 (tiles
+    of 64)."""
     from pallas_kernels import gpu_activations
 
     cpu = jax.devices("cpu")[0]
-    h = 1536
     scales = jnp.asarray(rng.random((3, h)) + 0.5, dtype)
     for m in (1, 7, 40):
         x = _x(rng, m, h, dtype)
