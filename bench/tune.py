@@ -1,7 +1,7 @@
 """Tile and launch sweep of the Pallas matmuls on the GPU: which tiles the defaults should be.
 
     PYTHONPATH=. python3 -m bench.tune [--shapes qkv,o,gate_up,down,lm_head] [--kinds w4a16,w4a8,dense]
-        [--ms 16,32,64,128,256] [--attn 8,16:1024,2048] [--out DIR] [--budget-s 400]
+        [--ms 16,32,64,128,256] [--attn 8,16:1024,2048] [--prologue 1,16,64] [--out DIR] [--budget-s 400]
 
 Llama-3-8B layer shapes (:data:`bench.kernels.MODELS`). For each (shape, kind, M) the kernel with its
 default tiles and a set of variants (:func:`variants`: warps, pipeline stages, weight tile, K chunk,
@@ -11,7 +11,9 @@ variant's output on the first input is compared with the default's: ``same bits`
 else the max relative difference (a K chunk, split or weight tile other than the default changes the
 summation order; rows per tile, warps and stages must not change a bit). Writes ``tune.json`` / ``tune.md``
 under ``--out`` (default ``$OUT``, else bench/results) after every shape. ``--attn`` also sweeps
-the decode attention kernel's KV block and cache splits (``--shapes ''`` for attention alone).
+the decode attention kernel's KV block and cache splits (``--shapes ''`` for attention alone);
+``--prologue`` the activation-prologue kernels' tile width (:mod:`pallas_kernels.gpu_activations`)
+at the Llama-3-8B hidden and intermediate widths.
 """
 
 from __future__ import annotations
@@ -30,12 +32,17 @@ import numpy as np
 
 from bench.kernels import (CALLS, GROUP, MODELS, Job, _attn_bytes, _attn_inputs, _copies, _max_rel_diff, _weight,
                            _weight_bytes, copy_bandwidth, log, measure)
-from pallas_kernels import gpu_attention, gpu_matmul as gm
+from pallas_kernels import gpu_activations, gpu_attention, gpu_matmul as gm
 
 KINDS = {
     "w4a16": lambda x, w, kw: gm.w4a16_matmul(x, w, **kw),
     "w4a8": lambda x, w, kw: gm.w4ax_matmul(x, w, 8, **kw),
     "dense": lambda x, w, kw: gm.dense_matmul(x, w, **kw),
+}
+PROLOGUES = {  # the activation-prologue kernels, on x [M, K] and an RMSNorm scale [K]
+    "quantize": lambda x, s, kw: gpu_activations.quantize_rows(x, 8, **kw),
+    "norm_quantize": lambda x, s, kw: gpu_activations.rms_norm_quantize(x, s, 1e-5, 8, **kw),
+    "norm_planes": lambda x, s, kw: gpu_activations.rms_norm_planes(x, s, 1e-5, **kw),
 }
 ORDER_KEYS = ("block_k", "split_k", "block_n")  # change the summation order (the default split follows block_n)
 
@@ -69,7 +76,8 @@ def _weights(kind: str, n: int, k: int) -> list:
 def _compare(job: Job, base: Job, kw: dict) -> str:
     if job.error or base.error:
         return "-"
-    a, b = (np.asarray(j.compiled(*j.arg_sets[0]), np.float64) for j in (job, base))
+    a, b = (np.concatenate([np.asarray(leaf, np.float64).ravel() for leaf in jax.tree.leaves(j.compiled(*j.arg_sets[0]))])
+            for j in (job, base))
     if np.array_equal(a, b):
         return "same bits"
     rel = float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
@@ -104,6 +112,35 @@ def sweep_shape(shape: str, kinds: list[str], ms: list[int], tmp: Path, threads:
             log(f"{shape} {kind} M={m} {kw or 'default'}: "
                 + (f"{job.us:.1f} us {row['vs_default']}" if job.us else f"error {job.error}"))
         del jobs, ws
+    return rows
+
+
+def prologue_variants(k: int) -> list[dict]:
+    """Tile widths tried for a row of ``k``; the first, ``{}``, is the default (the whole row)."""
+    return [{}] + [{"max_blocks": b} for b in (16, 64) if b < k // gpu_activations.PACK_BLOCK]
+
+
+def sweep_prologue(ms: list[int], tmp: Path, threads: int) -> list[dict]:
+    """The activation-prologue kernels at the hidden and intermediate widths: the default tile (the
+    whole row) against narrower ones, which must give the same bits."""
+    rows = []
+    for k in sorted({MODELS["llama3-8b"]["o"][1], MODELS["llama3-8b"]["down"][1]}):
+        scale = jax.random.uniform(jax.random.key(7), (k,), jnp.bfloat16, 0.5, 1.5)
+        jobs, meta = [], []
+        for m in ms:
+            xs = [jax.random.normal(jax.random.key(2000 + i), (m, k), jnp.bfloat16) for i in range(CALLS)]
+            for kind, fn in PROLOGUES.items():
+                for kw in prologue_variants(k):
+                    jobs.append(Job(lambda x, s, fn=fn, kw=kw: fn(x, s, kw), [(x, scale) for x in xs], pallas=True))
+                    meta.append((kind, m, kw))
+        measure(jobs, tmp, threads)
+        base = {(kind, m): job for job, (kind, m, kw) in zip(jobs, meta) if not kw}
+        for job, (kind, m, kw) in zip(jobs, meta):
+            row = {"shape": f"prologue K={k}", "N": 0, "K": k, "kind": kind, "M": m, "config": kw, "us": job.us,
+                   "error": job.error, "vs_default": _compare(job, base[kind, m], kw) if kw else ""}
+            rows.append(row)
+            log(f"prologue K={k} {kind} M={m} {kw or 'default'}: "
+                + (f"{job.us:.1f} us {row['vs_default']}" if job.us else f"error {job.error}"))
     return rows
 
 
@@ -167,6 +204,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--budget-s", type=float, default=400.0, help="start no shape after this")
     ap.add_argument("--attn", default=None, metavar="BATCHES:CONTEXTS",
                     help="also sweep decode attention, e.g. 8,16:1024,2048 (KV block x cache splits)")
+    ap.add_argument("--prologue", default=None, metavar="MS",
+                    help="also sweep the activation-prologue kernels' tile width at these row counts, e.g. 1,16,64")
     ap.add_argument("--threads", type=int, default=min(16, os.cpu_count() or 1))
     args = ap.parse_args(argv)
     if jax.default_backend() != "gpu":
@@ -185,6 +224,8 @@ def main(argv: list[str] | None = None) -> None:
             batches, contexts = ([int(v) for v in part.split(",")] for part in args.attn.split(":"))
             copy_bandwidth(run, Path(tmp), args.threads)
             run["rows"] += sweep_attention(batches, contexts, Path(tmp), args.threads, run["copy_bw"])
+        if args.prologue:
+            run["rows"] += sweep_prologue([int(m) for m in args.prologue.split(",")], Path(tmp), args.threads)
         for shape in [s for s in args.shapes.split(",") if s]:
             if time.time() > deadline:
                 log(f"time budget: {shape} not run")

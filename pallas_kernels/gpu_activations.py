@@ -38,12 +38,12 @@ _RCP_ASM = "rcp.rn.f32 $0, $1;"  # 1 / x, correctly rounded
 _ROUND_ASM = "cvt.rni.s32.f32 $0, $1;"  # to the nearest integer, ties to even
 
 
-def _tile_blocks(blocks: int) -> int:
-    """The whole row's 64-block count if at most MAX_BLOCKS, else the largest power of two <=
-    MAX_BLOCKS dividing it."""
-    if blocks <= MAX_BLOCKS:
+def _tile_blocks(blocks: int, max_blocks: int) -> int:
+    """The whole row's 64-block count if at most ``max_blocks``, else the largest power of two <=
+    ``max_blocks`` dividing it."""
+    if blocks <= max_blocks:
         return blocks
-    b = MAX_BLOCKS
+    b = max_blocks
     while blocks % b:
         b //= 2
     return b
@@ -102,7 +102,7 @@ def _store_rows(ref, plane: int, first: jax.Array, tb: int, v: jax.Array) -> Non
 
 
 def _prologue_kernel(l_ref, x_ref, x2_ref, *rest, h: int, eps: float | None, bits: int | None,
-                     interpret: bool):
+                     max_blocks: int, interpret: bool):
     """Row ``x_ref[H]`` (also as ``x2_ref[H / 64, 64]``), its RMSNorm when ``eps`` is set (scale
     ``s_ref[L, H / 64, 64]`` at the layer), then W4AX codes ``q_ref[2, H / 64, 32]`` and their scale
     ``sa_ref[1]`` (``bits``), or bf16 W4A16 planes ``p_ref[4, H / 64, 16]`` (``bits`` None)."""
@@ -110,7 +110,7 @@ def _prologue_kernel(l_ref, x_ref, x2_ref, *rest, h: int, eps: float | None, bit
     s_ref, *outs = rest if norm else (None, *rest)
     layer = l_ref[0]
     blocks = h // PACK_BLOCK
-    tb = _tile_blocks(blocks)
+    tb = _tile_blocks(blocks, max_blocks)
     r = inv_rms(x_ref, h, eps) if norm else None
 
     def values(i, half, byte=None):
@@ -154,14 +154,18 @@ def _prologue_kernel(l_ref, x_ref, x2_ref, *rest, h: int, eps: float | None, bit
     sa_ref[...] = jnp.full((1,), scale, jnp.float32)
 
 
-def _call(x: jax.Array, bits: int | None, scale: jax.Array | None, eps: float | None, layer, interpret: bool):
+def _call(x: jax.Array, bits: int | None, scale: jax.Array | None, eps: float | None, layer,
+          max_blocks: int | None, interpret: bool):
     if bits not in (None, 4, 8):
         raise ValueError(f"activation bits must be 4 or 8, got {bits}")
+    max_blocks = max_blocks or MAX_BLOCKS
+    if max_blocks & (max_blocks - 1):
+        raise ValueError(f"max_blocks must be a power of two, got {max_blocks}")
     if x.ndim != 2 or x.shape[1] % PACK_BLOCK:
         raise ValueError(f"x must be [M, K] with K a multiple of {PACK_BLOCK}, got shape {x.shape}")
     m, h = x.shape
     blocks = h // PACK_BLOCK
-    kernel = functools.partial(_prologue_kernel, h=h, eps=eps, bits=bits, interpret=interpret)
+    kernel = functools.partial(_prologue_kernel, h=h, eps=eps, bits=bits, max_blocks=max_blocks, interpret=interpret)
     in_specs = [LAYER_SPEC, pl.BlockSpec((None, h), lambda i: (i, 0)),
                 pl.BlockSpec((None, blocks, PACK_BLOCK), lambda i: (i, 0, 0))]
     args = [x, x.reshape(m, blocks, PACK_BLOCK)]
@@ -185,21 +189,24 @@ def _call(x: jax.Array, bits: int | None, scale: jax.Array | None, eps: float | 
     return planes.reshape(2, m, h // 2), sa
 
 
-def quantize_rows(x: jax.Array, bits: int, *, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+def quantize_rows(x: jax.Array, bits: int, *, max_blocks: int | None = None,
+                  interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """Rows of ``x[M, K]`` quantized to ``bits`` (8 or 4) -> ``(int8 codes [2, M, K/2] in plane layout,
-    float32 scales [M, 1])``: ``reference.quantize_activations(x, bits)`` laid out for the W4AX kernel."""
-    return _call(x, bits, None, None, None, interpret)
+    float32 scales [M, 1])``: ``reference.quantize_activations(x, bits)`` laid out for the W4AX kernel.
+    ``max_blocks``: 64-blocks per tile at most (default :data:`MAX_BLOCKS`; timing only, for
+    bench/tune.py: the bits do not depend on it)."""
+    return _call(x, bits, None, None, None, max_blocks, interpret)
 
 
 def rms_norm_quantize(x: jax.Array, scale: jax.Array, eps: float, bits: int, *, layer: jax.Array | None = None,
-                      interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                      max_blocks: int | None = None, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """:func:`quantize_rows` of ``gpu_norm.rms_norm(x, scale, eps, layer=layer)``, in one kernel (the
     normalized rows are never written out)."""
-    return _call(x, bits, scale, eps, layer, interpret)
+    return _call(x, bits, scale, eps, layer, max_blocks, interpret)
 
 
 def rms_norm_planes(x: jax.Array, scale: jax.Array, eps: float, *, layer: jax.Array | None = None,
-                    interpret: bool = False) -> jax.Array:
+                    max_blocks: int | None = None, interpret: bool = False) -> jax.Array:
     """``gpu_norm.rms_norm(x, scale, eps, layer=layer)`` cast to bf16 and laid out as the W4A16
     kernel's planes ``[4, M, K/4]`` (``activation_planes(y.astype(bf16), 4)``), in one kernel."""
-    return _call(x, None, scale, eps, layer, interpret)
+    return _call(x, None, scale, eps, layer, max_blocks, interpret)

@@ -49,6 +49,22 @@ def test_attention_variants_agree(rng):
         np.testing.assert_allclose(out, base, rtol=1e-5, atol=1e-5, err_msg=str(kw))
 
 
+@pytest.mark.parametrize("kind", sorted(tune.PROLOGUES))
+def test_prologue_tile_widths_keep_bits(rng, kind):
+    """The tile widths the prologue sweep tries (4 tiles of 16 blocks per 4096-wide row, or the whole
+    row) give the default's bits: the row's absmax and statistics do not depend on the tiling."""
+    k = 4096
+    configs = tune.prologue_variants(k)
+    assert configs[0] == {} and {"max_blocks": 16} in configs
+    x = random_x(rng, 5, k).astype(jnp.bfloat16)
+    scale = jnp.asarray(rng.random(k) + 0.5, jnp.bfloat16)
+    base = jax.tree.leaves(tune.PROLOGUES[kind](x, scale, {"interpret": True}))
+    for kw in configs[1:]:
+        out = jax.tree.leaves(tune.PROLOGUES[kind](x, scale, {**kw, "interpret": True}))
+        for a, b in zip(out, base, strict=True):
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=f"{kind} {kw}")
+
+
 def test_refuses_without_gpu():
     if jax.default_backend() == "gpu":
         pytest.skip("runs on a GPU")

@@ -183,6 +183,10 @@ def test_unsupported_shapes_raise(rng):
     assert not gm.supported("w4a16", 32, 96, 32) and gm.supported("w4ax", 32, 576, 32)
     with pytest.raises(ValueError, match="multiples of 16"):
         gm.dense_matmul(random_x(rng, 2, 40), jnp.zeros((32, 40)), interpret=True)
+    with pytest.raises(ValueError, match="power of two"):
+        gq.quantize_rows(random_x(rng, 2, 256), 8, max_blocks=3, interpret=True)
+    with pytest.raises(ValueError, match="bits must be 4 or 8"):
+        gq.quantize_rows(random_x(rng, 2, 256), 6, interpret=True)
 
 
 def _attention64(q, k, v, pos) -> np.ndarray:
