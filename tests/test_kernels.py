@@ -155,6 +155,9 @@ def test_split_k(rng, symmetric, k, splits):
         y16 = np.asarray(gm.w4a16_matmul(x, w, block_n=BN, block_k=128, split_k=split, interpret=True))
         w16 = np.asarray(ref.quantized_matmul(x, w, "w4a16"))
         assert np.linalg.norm(y16 - w16) / np.linalg.norm(w16) < 1e-5
+        # the prefetching loop (next chunk loaded a step ahead, the last split shorter) sums the same chunks
+        pre = gm.w4a16_matmul(x, w, block_n=BN, block_k=128, split_k=split, prefetch=True, interpret=True)
+        np.testing.assert_array_equal(np.asarray(pre), y16)
         for f in (lambda a: gm.w4ax_matmul(a, w, 4, block_n=BN, split_k=split, interpret=True),
                   lambda a: gm.w4a16_matmul(a, w, block_n=BN, block_k=128, split_k=split, interpret=True)):
             alone = np.asarray(f(x[4:5]))[0]
