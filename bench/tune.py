@@ -78,11 +78,10 @@ def _weights(kind: str, n: int, k: int) -> list:
 def _compare(job: Job, base: Job, kw: dict) -> str:
     if job.error or base.error:
         return "-"
-    a, b = (np.concatenate([np.asarray(leaf, np.float64).ravel() for leaf in jax.tree.leaves(j.compiled(*j.arg_sets[0]))])
-            for j in (job, base))
-    if np.array_equal(a, b):
+    outs = [[np.asarray(leaf, np.float64) for leaf in jax.tree.leaves(j.compiled(*j.arg_sets[0]))] for j in (job, base)]
+    if all(np.array_equal(a, b) for a, b in zip(*outs, strict=True)):
         return "same bits"
-    rel = float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+    rel = max(float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)) for a, b in zip(*outs, strict=True))
     flag = "" if any(key in kw for key in ORDER_KEYS) else " (BITS DIFFER)"
     return f"rel {rel:.1e}{flag}"
 
@@ -118,8 +117,11 @@ def sweep_shape(shape: str, kinds: list[str], ms: list[int], tmp: Path, threads:
 
 
 def prologue_variants(k: int) -> list[dict]:
-    """Tile widths tried for a row of ``k``; the first, ``{}``, is the default (the whole row)."""
-    return [{}] + [{"max_blocks": b} for b in (16, 64) if b < k // gpu_activations.PACK_BLOCK]
+    """Tile widths tried for a row of ``k``; the first, ``{}``, is the default (the whole row). Each
+    ``max_blocks`` is the tile the kernel will use (a power of two dividing the row's block count)."""
+    blocks = k // gpu_activations.PACK_BLOCK
+    tiles = sorted({gpu_activations.tile_blocks(blocks, b) for b in (16, 64)} - {blocks})
+    return [{}] + [{"max_blocks": t} for t in tiles]
 
 
 def sweep_prologue(ms: list[int], tmp: Path, threads: int) -> list[dict]:

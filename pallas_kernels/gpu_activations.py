@@ -38,7 +38,7 @@ _RCP_ASM = "rcp.rn.f32 $0, $1;"  # 1 / x, correctly rounded
 _ROUND_ASM = "cvt.rni.s32.f32 $0, $1;"  # to the nearest integer, ties to even
 
 
-def _tile_blocks(blocks: int, max_blocks: int) -> int:
+def tile_blocks(blocks: int, max_blocks: int) -> int:
     """The whole row's 64-block count if at most ``max_blocks``, else the largest power of two <=
     ``max_blocks`` dividing it."""
     if blocks <= max_blocks:
@@ -110,7 +110,7 @@ def _prologue_kernel(l_ref, x_ref, x2_ref, *rest, h: int, eps: float | None, bit
     s_ref, *outs = rest if norm else (None, *rest)
     layer = l_ref[0]
     blocks = h // PACK_BLOCK
-    tb = _tile_blocks(blocks, max_blocks)
+    tb = tile_blocks(blocks, max_blocks)
     r = inv_rms(x_ref, h, eps) if norm else None
 
     def values(i, half, byte=None):
@@ -154,12 +154,23 @@ def _prologue_kernel(l_ref, x_ref, x2_ref, *rest, h: int, eps: float | None, bit
     sa_ref[...] = jnp.full((1,), scale, jnp.float32)
 
 
+def _check_bits(bits) -> int:
+    if bits not in (4, 8):
+        raise ValueError(f"activation bits must be 4 or 8, got {bits}")
+    return bits
+
+
+def _check_eps(eps) -> float:
+    if eps is None:
+        raise ValueError("the RMSNorm needs an eps")
+    return eps
+
+
 def _call(x: jax.Array, bits: int | None, scale: jax.Array | None, eps: float | None, layer,
           max_blocks: int | None, interpret: bool):
-    if bits not in (None, 4, 8):
-        raise ValueError(f"activation bits must be 4 or 8, got {bits}")
-    max_blocks = max_blocks or MAX_BLOCKS
-    if max_blocks & (max_blocks - 1):
+    """``bits`` None: W4A16 planes; ``eps`` None: no RMSNorm (the public functions check both)."""
+    max_blocks = MAX_BLOCKS if max_blocks is None else max_blocks
+    if max_blocks < 1 or max_blocks & (max_blocks - 1):
         raise ValueError(f"max_blocks must be a power of two, got {max_blocks}")
     if x.ndim != 2 or x.shape[1] % PACK_BLOCK:
         raise ValueError(f"x must be [M, K] with K a multiple of {PACK_BLOCK}, got shape {x.shape}")
@@ -195,18 +206,18 @@ def quantize_rows(x: jax.Array, bits: int, *, max_blocks: int | None = None,
     float32 scales [M, 1])``: ``reference.quantize_activations(x, bits)`` laid out for the W4AX kernel.
     ``max_blocks``: 64-blocks per tile at most (default :data:`MAX_BLOCKS`; timing only, for
     bench/tune.py: the bits do not depend on it)."""
-    return _call(x, bits, None, None, None, max_blocks, interpret)
+    return _call(x, _check_bits(bits), None, None, None, max_blocks, interpret)
 
 
 def rms_norm_quantize(x: jax.Array, scale: jax.Array, eps: float, bits: int, *, layer: jax.Array | None = None,
                       max_blocks: int | None = None, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """:func:`quantize_rows` of ``gpu_norm.rms_norm(x, scale, eps, layer=layer)``, in one kernel (the
     normalized rows are never written out)."""
-    return _call(x, bits, scale, eps, layer, max_blocks, interpret)
+    return _call(x, _check_bits(bits), scale, _check_eps(eps), layer, max_blocks, interpret)
 
 
 def rms_norm_planes(x: jax.Array, scale: jax.Array, eps: float, *, layer: jax.Array | None = None,
                     max_blocks: int | None = None, interpret: bool = False) -> jax.Array:
     """``gpu_norm.rms_norm(x, scale, eps, layer=layer)`` cast to bf16 and laid out as the W4A16
     kernel's planes ``[4, M, K/4]`` (``activation_planes(y.astype(bf16), 4)``), in one kernel."""
-    return _call(x, None, scale, eps, layer, max_blocks, interpret)
+    return _call(x, None, scale, _check_eps(eps), layer, max_blocks, interpret)

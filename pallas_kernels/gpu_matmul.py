@@ -208,9 +208,9 @@ def _load_layer(ref, layer, cols, interpret: bool, **kw):
     return pl_triton.load(at_layer(ref, layer, (slice(None), cols), interpret), **kw)
 
 
-def _load_weight(ref, layer, cols, interpret: bool):
+def _load_weight(ref, layer, cols, interpret: bool, **kw):
     """A weight tile, read once per program: ask the cache to evict it first."""
-    return _load_layer(ref, layer, cols, interpret, eviction_policy="evict_first")
+    return _load_layer(ref, layer, cols, interpret, eviction_policy="evict_first", **kw)
 
 
 def _stacked_arrays(w: QuantizedWeight, packed: jax.Array, layer) -> tuple[tuple, jax.Array]:
@@ -328,14 +328,15 @@ def _w4a16_kernel(l_ref, x_ref, p_ref, s_ref, *rest, m: int, k: int, group: int,
     base, steps = _k_range(k // block_k, split_k)
     dims = (((1,), (1,)), ((), ()))
 
-    def weights(i):
-        return _load_weight(p_ref, layer, pl.ds((base + i) * words, words), interpret)  # uint16 [bn, words]
+    def weights(i, **kw):
+        return _load_weight(p_ref, layer, pl.ds((base + i) * words, words), interpret, **kw)  # uint16 [bn, words]
 
     def body(j, carry):
         accs, p = carry
         i = base + j
-        if prefetch:  # the last iteration reloads its own chunk rather than read past the range
-            p, carry_p = p, weights(jnp.minimum(j + 1, steps - 1))
+        if prefetch:  # the last iteration's load is masked off (its index kept in range)
+            more = jnp.full((bn, words), j + 1 < steps)
+            p, carry_p = p, weights(jnp.minimum(j + 1, steps - 1), mask=more, other=0)
         else:
             p, carry_p = weights(j), p
         accs = list(accs)
@@ -420,6 +421,8 @@ _CODE_ASM = {
     (True, True): "lop3.b32 $0, $1, 0xF0F0F0F0, 0x80808080, 0x6A;",
 }
 SIGNED_SCALE = 16  # symmetric codes enter the MMA as 16 * (u - 8): acc = 16 * sum((u - 8) * x), exactly
+# (|16 (u - 8) x| <= 16256: int32 holds a group of up to 132k elements)
+assert SYMMETRIC_OFFSET == 8 and SIGNED_SCALE == 16, "_CODE_ASM hard-codes both (0x80: -8 << 4)"
 
 
 def _codes_int8(p: jax.Array, high: bool, symmetric: bool, interpret: bool) -> jax.Array:

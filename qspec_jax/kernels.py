@@ -122,8 +122,9 @@ def linear(x: jax.Array | PendingNorm, w: QuantizedWeight | jax.Array | Layer, m
             f"mode {mode!r} needs packed INT4 weights, but this layer holds float weights "
             "(convert the checkpoint with quantization)")
     on_kernel = _on_kernels(kernels, row_tile) and _matmul_supported(w, mode)
+    int4_kernel = on_kernel and packed and mode != "w16a16"  # reads a stacked weight in place
     if isinstance(x, PendingNorm):
-        if on_kernel and packed and mode != "w16a16":  # the norm fused with the activation prologue
+        if int4_kernel:  # the norm fused with the activation prologue
             interpret = kernels == "interpret"
             (norm_scale, norm_layer), rows = _split_layer(x.scale), x.x.reshape(-1, x.shape[-1])
             if mode == "w4a16":
@@ -135,8 +136,8 @@ def linear(x: jax.Array | PendingNorm, w: QuantizedWeight | jax.Array | Layer, m
                 y = gpu_matmul.w4ax_quantized(qx, sa, w, layer=layer, interpret=interpret)
             return y.reshape(*x.shape[:-1], y.shape[-1])
         x = x.value()
-    if layer is not None and not (on_kernel and packed and mode != "w16a16"):
-        w = Layer(w, layer).get()  # only the INT4 kernels read a stacked weight in place
+    if layer is not None and not int4_kernel:
+        w = Layer(w, layer).get()
     if not on_kernel:
         if packed and mode == "w4a16" and kernels == "pallas" and row_tile is None:
             wd = w4a16_weights(w)

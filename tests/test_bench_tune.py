@@ -55,7 +55,8 @@ def test_prologue_tile_widths_keep_bits(rng, kind):
     row) give the default's bits: the row's absmax and statistics do not depend on the tiling."""
     k = 4096
     configs = tune.prologue_variants(k)
-    assert configs[0] == {} and {"max_blocks": 16} in configs
+    assert configs == [{}, {"max_blocks": 16}]  # 64 blocks: 64-block tiles are the whole row
+    assert tune.prologue_variants(14336) == [{}, {"max_blocks": 16}, {"max_blocks": 32}]  # 224 = 7 * 32
     x = random_x(rng, 5, k).astype(jnp.bfloat16)
     scale = jnp.asarray(rng.random(k) + 0.5, jnp.bfloat16)
     base = jax.tree.leaves(tune.PROLOGUES[kind](x, scale, {"interpret": True}))

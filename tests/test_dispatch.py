@@ -15,7 +15,7 @@ from convert.pipeline import convert_model
 from convert.quantize import QuantScheme
 from qspec_jax.api import generate
 from qspec_jax.decode import ROW_TILE
-from qspec_jax.kernels import resolve_kernels
+from qspec_jax.kernels import Layer, PendingNorm, linear, resolve_kernels
 from qspec_jax.model import forward, init_cache
 from pallas_kernels import gpu_attention, gpu_matmul
 from tests.conftest import TINY, memory_model, random_source
@@ -81,6 +81,24 @@ def test_shapes_the_kernels_cannot_tile_fall_back_to_the_references(rng):
                    for n, k in ((cfg.hidden_size, cfg.hidden_size), (cfg.hidden_size, cfg.intermediate_size)))
     assert not gpu_matmul.supported("dense", cfg.vocab_size, cfg.hidden_size, 0)
     _check_kernel_path(params, cfg, *_prefilled(rng, params, cfg), "w4a16")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_pending_norm_fused_equals_norm_then_linear(rng, dtype):
+    """A linear layer handed a PendingNorm (the RMSNorm fused with its activation prologue) gives
+    the bits of the same layer on the norm computed first, in every INT4 mode, stacked weights and
+    norm scales read at a layer index."""
+    params, cfg = _model(rng)
+    layers = params["layers"]
+    w = Layer(layers["mlp"]["gate_up"]["w"], jnp.int32(1))
+    x = jnp.asarray(rng.standard_normal((2, 3, cfg.hidden_size)), dtype)
+    pending = PendingNorm(x, Layer(layers["mlp_norm"]["scale"], jnp.int32(1)), cfg.rms_norm_eps,
+                          ROW_TILE, "interpret")
+    for mode in ("w4a16", "w4a8", "w4a4"):
+        fused = linear(pending, w, mode, ROW_TILE, "interpret")
+        plain = linear(pending.value(), w, mode, ROW_TILE, "interpret")
+        assert fused.shape == (2, 3, 2 * cfg.intermediate_size)
+        np.testing.assert_array_equal(np.asarray(fused), np.asarray(plain), err_msg=mode)
 
 
 def test_bad_kernels_value_raises(rng):

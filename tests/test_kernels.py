@@ -18,6 +18,7 @@ the last test lowers every kernel for an H200 and checks no deprecation warning 
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 import textwrap
@@ -156,8 +157,10 @@ def test_split_k(rng, symmetric, k, splits):
         w16 = np.asarray(ref.quantized_matmul(x, w, "w4a16"))
         assert np.linalg.norm(y16 - w16) / np.linalg.norm(w16) < 1e-5
         # the prefetching loop (next chunk loaded a step ahead, the last split shorter) sums the same chunks
-        pre = gm.w4a16_matmul(x, w, block_n=BN, block_k=128, split_k=split, prefetch=True, interpret=True)
-        np.testing.assert_array_equal(np.asarray(pre), y16)
+        for s in (1, split):
+            pre = gm.w4a16_matmul(x, w, block_n=BN, block_k=128, split_k=s, prefetch=True, interpret=True)
+            plain = gm.w4a16_matmul(x, w, block_n=BN, block_k=128, split_k=s, interpret=True)
+            np.testing.assert_array_equal(np.asarray(pre), np.asarray(plain), err_msg=f"split_k={s}")
         for f in (lambda a: gm.w4ax_matmul(a, w, 4, block_n=BN, split_k=split, interpret=True),
                   lambda a: gm.w4a16_matmul(a, w, block_n=BN, block_k=128, split_k=split, interpret=True)):
             alone = np.asarray(f(x[4:5]))[0]
@@ -240,7 +243,7 @@ def test_activation_prologue_kernels(rng, dtype, bits):
     """quantize_rows == the reference quantization in the W4AX plane layout; rms_norm_quantize ==
     that of the RMSNorm kernel's output (stacked scale, layer 2), rms_norm_planes == that output in
     the W4A16 plane layout, bitwise, and the matmuls take them; zero rows get scale 1."""
-    m, h = 5, 576  # 9 64-blocks: tiles of one block
+    m, h = 5, 576  # 9 64-blocks: one tile (9 rows; on the GPU 16, masked)
     x = jnp.asarray(rng.standard_normal((m, h)) * np.exp(rng.standard_normal((m, 1))), dtype).at[1].set(0)
     scales = jnp.asarray(rng.random((3, h)) + 0.5, dtype)
     cases = {"quantize_rows": (gq.quantize_rows(x, bits, interpret=True), x),
@@ -270,6 +273,19 @@ def test_activation_prologue_kernels(rng, dtype, bits):
         gq.quantize_rows(x, 2, interpret=True)
     with pytest.raises(ValueError, match="scale"):
         gq.rms_norm_quantize(x, scales[0, :128], 1e-5, bits, interpret=True)
+    with pytest.raises(ValueError, match="bits"):
+        gq.quantize_rows(x, None, interpret=True)
+    with pytest.raises(ValueError, match="eps"):
+        gq.rms_norm_planes(x, scales[0], None, interpret=True)
+    with pytest.raises(ValueError, match="power of two"):
+        gq.quantize_rows(x, bits, max_blocks=0, interpret=True)
+    # tiles of one block (9 of them, the row's block count being odd) give the same bits
+    for name, (out, _) in cases.items():
+        fn = gq.quantize_rows if name == "quantize_rows" else functools.partial(
+            gq.rms_norm_quantize, scale=scales, eps=1e-5, layer=jnp.int32(2))
+        narrow = fn(x, bits=bits, max_blocks=4, interpret=True)
+        for a, b in zip(narrow, out, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{name} max_blocks=4")
 
 
 def test_stacked_inputs_read_the_indexed_layer(rng):
@@ -359,12 +375,14 @@ def test_lowers_for_gpu_without_deprecation_warning():
                 x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
                 for f in (gm.w4a16_matmul, lambda x, w: gm.w4ax_matmul(x, w, 4),
                           lambda x, w: gm.w4a16_matmul(x, w, split_k=2, block_k=128),
+                          lambda x, w: gm.w4a16_matmul(x, w, split_k=2, block_k=128, prefetch=True),
                           lambda x, w: gm.w4ax_matmul(x, w, 8, split_k=2)):
                     lower(f, x, w)
         bf = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
         lower(gm.dense_matmul, bf(3, 576), bf(49152, 576))
         lower(lambda x, s: gpu_norm.rms_norm(x, s, 1e-5), bf(3, 576), bf(576))
         lower(lambda x: gpu_activations.quantize_rows(x, 4), bf(3, 14336))
+        lower(lambda x: gpu_activations.quantize_rows(x, 4, max_blocks=16), bf(3, 14336))
         lower(lambda x, s: gpu_activations.rms_norm_quantize(x, s, 1e-5, 8, layer=jnp.int32(1)), bf(3, 576), bf(4, 576))
         lower(lambda x, s: gpu_activations.rms_norm_planes(x, s, 1e-5, layer=jnp.int32(1)), bf(3, 576), bf(4, 576))
         lower(gpu_attention.decode_attention, bf(2, 4, 32, 128), bf(2, 256, 8, 128), bf(2, 256, 8, 128),
