@@ -24,7 +24,11 @@ rest of a round is overhead; the speed-up model of DESIGN.md §2,
 ``S = E[L] * T_w4a16 / (gamma * T_draft + T_verify + T_overhead)`` with E[L] the measured tokens
 per round, next to the measured speed-up. Floor per step: the bytes one W4A16 step must move
 (packed weights + scales + bf16 lm_head + the KV cache read) over the copy bandwidth measured in the
-same run. Peak GPU memory (``memory_stats``) after each (model, context, batch).
+same run. Phase floors: a draft step or verify pass cannot beat the larger of that byte floor and
+its matmul FLOPs (2 x the matmul weights per token, attention left out) over the dense matmul rate
+measured in the same run (XLA's bf16 dot for the W4A16 verify, its int8 dot for a W4A8 / W4A4
+draft); each phase is reported as a multiple of its floor. Peak GPU memory (``memory_stats``) after
+each (model, context, batch).
 
 Writes ``decode.json`` / ``decode.md`` under ``--out`` (default ``$OUT``, else bench/results), after
 every configuration. ``--resume OLD.json`` continues an earlier run: its configurations are kept and
@@ -109,6 +113,14 @@ def weight_bytes(params: dict) -> int:
     """Bytes one step reads: every weight but the embedding table (unless it is tied, read as the lm_head)."""
     total = sum(a.nbytes for a in jax.tree.leaves(params))
     return int(total - params["embed"].nbytes if "lm_head" in params else total)
+
+
+def matmul_flops_per_token(cfg: LlamaConfig) -> int:
+    """2 x the weights every token multiplies (qkv, o, gate/up, down per layer, and the lm_head)."""
+    qkv = cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    o = cfg.num_heads * cfg.head_dim * cfg.hidden_size
+    mlp = 3 * cfg.hidden_size * cfg.intermediate_size
+    return 2 * (cfg.num_layers * (qkv + o + mlp) + cfg.vocab_size * cfg.hidden_size)
 
 
 def kv_bytes(cfg: LlamaConfig, batch: int, slots: int) -> int:
@@ -236,6 +248,24 @@ def copy_bandwidth() -> float:
     return 10 * 8 * a.size / (time.perf_counter() - t)
 
 
+def matmul_rates() -> dict[str, float]:
+    """Dense matmul rate (FLOP/s) of XLA's bf16 dot and its int8 -> int32 dot on square operands
+    (8192 on a GPU, 256 elsewhere), best of 5: the compute roof of the phase floors."""
+    n = 8192 if jax.default_backend() == "gpu" else 256
+    rates = {}
+    for name, dtype, acc in (("bf16", jnp.bfloat16, jnp.float32), ("int8", jnp.int8, jnp.int32)):
+        a = jnp.ones((n, n), dtype)
+        f = jax.jit(lambda x, y, acc=acc: jnp.dot(x, y, preferred_element_type=acc))
+        jax.block_until_ready(f(a, a))
+        best = float("inf")
+        for _ in range(5):
+            t = time.perf_counter()
+            jax.block_until_ready(f(a, a))
+            best = min(best, time.perf_counter() - t)
+        rates[name] = 2 * n**3 / best
+    return rates
+
+
 def peak_memory() -> float | None:
     stats = jax.local_devices()[0].memory_stats() or {}
     return stats.get("peak_bytes_in_use")
@@ -244,7 +274,7 @@ def peak_memory() -> float | None:
 # ------------------------------------------------------------------------------ one configuration
 
 def bench_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None, batch: int, context: int,
-                 args, trace: dict | None, bw: float, model=None) -> dict:
+                 args, trace: dict | None, bw: float, rates: dict[str, float], model=None) -> dict:
     """Every method at one (model, context, batch): all loops compiled at once, then timed one by one.
     ``model`` (real weights): states prefilled from real prompts and QSPEC's own accept decisions
     (``trace`` None); otherwise random states and the trace's accept decisions replayed."""
@@ -265,6 +295,11 @@ def bench_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None
     floor_ms = 1e3 * (weight_bytes(params) + kv_bytes(cfg, batch, round(prompt) + args.new // 2)) / bw
     res["floor_ms_per_step"] = floor_ms
     res["copy_bw"] = bw
+    flops = matmul_flops_per_token(cfg)
+
+    def phase_floor_ms(tokens: int, mma: str) -> float:
+        """The larger of the byte floor and ``tokens`` tokens' matmul FLOPs at the measured rate."""
+        return max(floor_ms, 1e3 * tokens * flops / rates[mma])
     ar = [m for m in args.ar if (fparams if m == "w16a16" else params) is not None]
     jobs: dict = {}
     for method in ar:
@@ -307,7 +342,9 @@ def bench_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None
             overhead = t_round - g * t_draft - t_verify
             tpr = args.new / rounds
             entry = {"tokens_per_s": batch * args.new / secs, "ms_per_round": t_round, "tokens_per_round": tpr,
-                     "draft_ms": t_draft, "verify_ms": t_verify, "overhead_ms": overhead}
+                     "draft_ms": t_draft, "verify_ms": t_verify, "overhead_ms": overhead,
+                     "draft_floor_ms": phase_floor_ms(batch, "int8"),
+                     "verify_floor_ms": phase_floor_ms(batch * (g + 1), "bf16")}
             if base and t_target:
                 entry["speedup_vs_w4a16"] = base * args.new / (1e3 * secs)
                 entry["model_speedup"] = tpr * t_target / (g * t_draft + t_verify + overhead)
@@ -350,6 +387,13 @@ def record_trace(args) -> None:
 
 # ------------------------------------------------------------------------------ report
 
+def _over_floor(e: dict) -> str:
+    """``draft / verify`` time as multiples of their phase floors (absent in older runs)."""
+    if "draft_floor_ms" not in e:
+        return ""
+    return f"{e['draft_ms'] / e['draft_floor_ms']:.2f} / {e['verify_ms'] / e['verify_floor_ms']:.2f}"
+
+
 def markdown(run: dict) -> str:
     lines = [f"# Decode throughput ({run['device']})", "", f"`{run['command']}`", "",
              f"Copy bandwidth {run['copy_bw'] / 1e12:.2f} TB/s (this call; each section's floor uses its own "
@@ -357,23 +401,28 @@ def markdown(run: dict) -> str:
              f"**replayed** from {run['trace_source']}; {REAL_MODEL}: real weights, few-shot GSM8K prompts, "
              "QSPEC's own (**measured**) acceptance. tok/s counts "
              "generated tokens of the whole batch; speed-ups are against W4A16 AR in the same run; "
-             "floor = bytes one W4A16 step moves (weights + KV read at the mid context) / copy bandwidth.", ""]
+             "floor = bytes one W4A16 step moves (weights + KV read at the mid context) / copy bandwidth; "
+             "`x floor`: each QSPEC phase over the larger of that and its matmul FLOPs at the dense matmul rate "
+             "(bf16 for the verify, int8 for the draft)"
+             + (f", measured in this call at {run['matmul_rates']['bf16'] / 1e12:.0f} TFLOP/s bf16 and "
+                f"{run['matmul_rates']['int8'] / 1e12:.0f} TOP/s int8" if "matmul_rates" in run else "") + ".", ""]
     for r in run["results"]:
         acceptance = r.get("acceptance", "replayed")
         prompt = f"; prompts of {r['prompt_tokens']:.0f} tokens on average" if "prompt_tokens" in r else ""
         lines += [f"## {r['model']}, batch {r['batch']}, context {r['context']} + {r['new']}", "",
                   f"W4A16 step floor {r['floor_ms_per_step']:.2f} ms; peak GPU memory "
                   f"{(r.get('peak_bytes') or 0) / 1e9:.1f} GB (KV cache {r['cache_bytes'] / 1e9:.1f} GB){prompt}", "",
-                  "| method | tok/s | ms/step or round | tokens/round | draft / verify / overhead ms | vs W4A16 | model |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| method | tok/s | ms/step or round | tokens/round | draft / verify / overhead ms | "
+                  "draft / verify x floor | vs W4A16 | model |",
+                  "|---|---|---|---|---|---|---|---|"]
         for m, e in r["methods"].items():
             if "ms_per_step" in e:
                 ratio = r["methods"].get("w4a16", {}).get("ms_per_step", float("nan")) / e["ms_per_step"]
-                lines.append(f"| {m} | {e['tokens_per_s']:.0f} | {e['ms_per_step']:.2f} | 1 | | {ratio:.2f}× | |")
+                lines.append(f"| {m} | {e['tokens_per_s']:.0f} | {e['ms_per_step']:.2f} | 1 | | | {ratio:.2f}× | |")
             else:
                 lines.append(f"| qspec {m[6:]} ({acceptance}) | {e['tokens_per_s']:.0f} | {e['ms_per_round']:.2f} | "
                              f"{e['tokens_per_round']:.2f} | {e['draft_ms']:.2f} / {e['verify_ms']:.2f} / "
-                             f"{e['overhead_ms']:.2f} | {e.get('speedup_vs_w4a16', float('nan')):.2f}× | "
+                             f"{e['overhead_ms']:.2f} | {_over_floor(e)} | {e.get('speedup_vs_w4a16', float('nan')):.2f}× | "
                              f"{e.get('model_speedup', float('nan')):.2f}× |")
         lines.append("")
     return "\n".join(lines)
@@ -425,16 +474,17 @@ def main(argv: list[str] | None = None) -> None:
         if missing:
             raise SystemExit(f"the trace has no {d} rounds for gamma {missing}")
     deadline = time.perf_counter() + args.budget_s
-    bw = copy_bandwidth()
+    bw, rates = copy_bandwidth(), matmul_rates()
     command = " ".join(["python3 -m bench.decode", *(argv if argv is not None else sys.argv[1:])])
-    run = {"command": command, "device": jax.devices()[0].device_kind, "copy_bw": bw,
+    run = {"command": command, "device": jax.devices()[0].device_kind, "copy_bw": bw, "matmul_rates": rates,
            "trace_source": trace.get("source", "-"), "results": []}
     if args.resume:
         old = json.loads(args.resume.read_text())
         run["results"] = [r for r in old["results"] if "skipped" not in r]
         run["command"] = f"{old['command']}; then {command}"
     done = {(r["model"], r["context"], r["batch"]) for r in run["results"]}
-    log(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+    log(f"copy bandwidth {bw / 1e12:.2f} TB/s; dense matmul {rates['bf16'] / 1e12:.0f} TFLOP/s bf16, "
+        f"{rates['int8'] / 1e12:.0f} TOP/s int8")
     contexts = [int(c) for c in args.contexts.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     for name in args.models.split(","):
@@ -457,7 +507,7 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             log(f"{name} B={batch} ctx={context}")
             run["results"].append(bench_config(name, cfg, params, fparams, batch, context, args,
-                                               trace if model is None else None, bw, model))
+                                               trace if model is None else None, bw, rates, model))
             save(run, args.out)
         del params, fparams, model
     save(run, args.out)

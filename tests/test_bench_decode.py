@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import jax
+
 from bench import decode, plot
 
 
@@ -21,6 +23,18 @@ def test_decode_bench_smoke(tmp_path):
     assert set(res["methods"]) == {"w16a16", "w4a16", "w4a8", "qspec w4a8 g=3"}
     q = res["methods"]["qspec w4a8 g=3"]
     assert abs(q["tokens_per_round"] - 16 / 6) < 1e-9  # 2 accepted + 1 per round: 16 tokens in 6 rounds
+    # phase floors: the byte floor, or the phase's matmul FLOPs at the rate measured in the run
+    cfg = decode.MODELS["smoke"]
+    params = decode.random_params(cfg, jax.random.key(0))  # 2 FLOPs per weight element of every matmul
+    layer_weights = [params["layers"][blk][name]["w"] for blk, name in
+                     (("attn", "qkv"), ("attn", "o"), ("mlp", "gate_up"), ("mlp", "down"))]
+    elements = sum(w.packed.size * 2 for w in layer_weights) + params["lm_head"].size
+    flops = 2 * elements
+    assert decode.matmul_flops_per_token(cfg) == flops
+    rates = run["matmul_rates"]
+    assert rates["bf16"] > 0 and rates["int8"] > 0
+    assert q["verify_floor_ms"] == max(res["floor_ms_per_step"], 1e3 * 2 * 4 * flops / rates["bf16"])
+    assert q["draft_floor_ms"] == max(res["floor_ms_per_step"], 1e3 * 2 * flops / rates["int8"])
     assert all(e["tokens_per_s"] > 0 for e in res["methods"].values())
     assert "replayed" in (out / "decode.md").read_text()
 
