@@ -1,15 +1,17 @@
 """What a user would run instead: Hugging Face transformers (PyTorch, bf16, static KV cache,
 ``generate``) decoding random-weight Llama shapes on the same GPU, tokens/s per batch size.
 
-    PYTHONPATH=. python3 -m bench.hf_baseline [--models llama3-8b,llama2-7b] [--batches 8,16,32]
-        [--context 512] [--new 128] [--out DIR]
+    PYTHONPATH=. python3 -m bench.hf_baseline [--models llama3-8b,llama2-7b,llama2-13b]
+        [--batches 1,8,16,32,64] [--contexts 512,3584] [--new 128] [--budget-s 500] [--out DIR]
 
 Needs torch with CUDA and transformers (present on the lent H200, not in this project's
 dependencies). The model shapes are bench/decode.py's; weights are transformers' random init in
 bf16. Greedy, ``min_new_tokens = max_new_tokens`` so every sequence decodes all tokens; one warm-up
 call (compilation of the static-cache graph), then the median of ``--reps`` timed calls.
 Prefill is included in the time, as a user's ``generate`` call includes it; the table also gives
-the prefill alone (``max_new_tokens=1``) so the decode rate can be read off.
+the prefill alone (``max_new_tokens=1``) so the decode rate can be read off. The table is written
+after every configuration; one that runs out of GPU memory is recorded as skipped; none starts after
+``--budget-s``.
 """
 
 from __future__ import annotations
@@ -53,45 +55,74 @@ def time_generate(model, ids, new: int, reps: int) -> float:
     return statistics.median(times)
 
 
-def main(argv: list[str] | None = None) -> None:
-    import torch
-    from transformers import LlamaForCausalLM
+def markdown(run: dict) -> str:
+    lines = ["# Hugging Face transformers baseline (bf16, static cache, greedy generate)", "",
+             f"`{run['command']}` on {run['device']}", "",
+             "| model | batch | context + new | tok/s (incl. prefill) | decode tok/s | decode ms/step |",
+             "|---|---|---|---|---|---|"]
+    for r in run["rows"]:
+        if "skipped" in r:
+            lines.append(f"| {r['model']} | {r['batch']} | {r['context']} + {r['new']} | {r['skipped']} | | |")
+        else:
+            lines.append(f"| {r['model']} | {r['batch']} | {r['context']} + {r['new']} | {r['tokens_per_s']:.0f} | "
+                         f"{r['decode_tokens_per_s']:.0f} | {1e3 * r['batch'] / r['decode_tokens_per_s']:.2f} |")
+    return "\n".join(lines) + "\n"
 
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="llama3-8b,llama2-7b")
-    ap.add_argument("--batches", default="8,16,32")
-    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--models", default="llama3-8b,llama2-7b,llama2-13b")
+    ap.add_argument("--batches", default="1,8,16,32,64")
+    ap.add_argument("--contexts", default="512")
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--budget-s", type=float, default=float("inf"), help="start no configuration after this")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench/results"))
     args = ap.parse_args(argv)
+    unknown = [m for m in args.models.split(",") if m not in MODELS]
+    if unknown:
+        raise SystemExit(f"unknown models {unknown}; known: {', '.join(MODELS)}")
+    try:
+        import torch
+        from transformers import LlamaForCausalLM
+    except ImportError as e:
+        raise SystemExit(f"needs torch with CUDA and transformers ({e}); torch is not a dependency of this project")
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
-    rows = []
+    deadline = time.perf_counter() + args.budget_s
+    run = {"command": "python3 -m bench.hf_baseline " + " ".join(argv), "device": torch.cuda.get_device_name(),
+           "rows": []}
+    args.out.mkdir(parents=True, exist_ok=True)
     for name in args.models.split(","):
         with torch.device("cuda"):
             model = LlamaForCausalLM(hf_config(name)).to(torch.bfloat16).eval()
-        for b in (int(x) for x in args.batches.split(",")):
-            ids = torch.randint(1, MODELS[name].vocab_size, (b, args.context), device="cuda")
-            with torch.inference_mode():
-                total = time_generate(model, ids, args.new, args.reps)
-                prefill = time_generate(model, ids, 1, args.reps)
-            decode_rate = b * (args.new - 1) / max(total - prefill, 1e-9)
-            rows.append({"model": name, "batch": b, "context": args.context, "new": args.new, "seconds": total,
-                         "tokens_per_s": b * args.new / total, "prefill_s": prefill, "decode_tokens_per_s": decode_rate})
-            print(f"{name} B={b}: {b * args.new / total:.0f} tok/s with prefill, {decode_rate:.0f} tok/s decode",
-                  flush=True)
+        for context in (int(c) for c in args.contexts.split(",")):
+            for b in (int(x) for x in args.batches.split(",")):
+                row = {"model": name, "batch": b, "context": context, "new": args.new}
+                if time.perf_counter() > deadline:
+                    print(f"{name} B={b} ctx={context}: time budget spent, not run", flush=True)
+                    continue
+                ids = torch.randint(1, MODELS[name].vocab_size, (b, context), device="cuda")
+                try:
+                    with torch.inference_mode():
+                        total = time_generate(model, ids, args.new, args.reps)
+                        prefill = time_generate(model, ids, 1, args.reps)
+                except torch.cuda.OutOfMemoryError:
+                    torch.cuda.empty_cache()
+                    row["skipped"] = "out of GPU memory"
+                else:
+                    row |= {"seconds": total, "tokens_per_s": b * args.new / total, "prefill_s": prefill,
+                            "decode_tokens_per_s": b * (args.new - 1) / max(total - prefill, 1e-9)}
+                run["rows"].append(row)
+                print(f"{name} B={b} ctx={context}: " + (row.get("skipped") or
+                      f"{row['tokens_per_s']:.0f} tok/s with prefill, {row['decode_tokens_per_s']:.0f} tok/s decode"),
+                      flush=True)
+                (args.out / "hf_baseline.json").write_text(json.dumps(run, indent=1))
+                (args.out / "hf_baseline.md").write_text(markdown(run))
         del model
         torch.cuda.empty_cache()
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "hf_baseline.json").write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows}, indent=1))
-    lines = ["# Hugging Face transformers baseline (bf16, static cache, greedy generate)", "",
-             f"`python3 -m bench.hf_baseline {' '.join(sys.argv[1:])}` on {torch.cuda.get_device_name()}", "",
-             "| model | batch | context + new | tok/s (incl. prefill) | decode tok/s |", "|---|---|---|---|---|"]
-    lines += [f"| {r['model']} | {r['batch']} | {r['context']} + {r['new']} | {r['tokens_per_s']:.0f} | "
-              f"{r['decode_tokens_per_s']:.0f} |" for r in rows]
-    (args.out / "hf_baseline.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    print(markdown(run))
 
 
 if __name__ == "__main__":

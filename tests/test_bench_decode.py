@@ -1,14 +1,15 @@
 """bench/decode.py end to end on a tiny random model (CPU): every method runs, QSPEC's accept
 decisions follow the replayed trace (so its round count is known in advance), the report is written;
-bench/plot.py draws that report."""
+bench/plot.py draws that report; bench/hf_baseline.py's arguments and report (its runs need a GPU)."""
 
 from __future__ import annotations
 
 import json
 
 import jax
+import pytest
 
-from bench import decode, plot
+from bench import decode, hf_baseline, plot
 
 
 def test_decode_bench_smoke(tmp_path):
@@ -109,3 +110,19 @@ def test_record_trace_on_the_real_model(tmp_path):
     assert rounds and all(len(r) == 2 and all(0 <= a <= 2 for a in r) for r in rounds)
     for seq in zip(*rounds):
         assert sum(a + 1 for a in seq) <= 8
+
+
+def test_hf_baseline_arguments_and_report(tmp_path):
+    """bench/hf_baseline.py without a GPU: unknown models and a missing torch / GPU are clear errors;
+    the report gives decode ms per step as batch / decode rate and lists skipped configurations."""
+    with pytest.raises(SystemExit, match="unknown models"):
+        hf_baseline.main(["--models", "llama9-1t", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="needs"):
+        hf_baseline.main(["--models", "smoke", "--out", str(tmp_path)])
+    run = {"command": "c", "device": "d", "rows": [
+        {"model": "llama3-8b", "batch": 8, "context": 512, "new": 128, "tokens_per_s": 700.0,
+         "decode_tokens_per_s": 800.0},
+        {"model": "llama2-13b", "batch": 64, "context": 3584, "new": 128, "skipped": "out of GPU memory"}]}
+    md = hf_baseline.markdown(run)
+    assert "| llama3-8b | 8 | 512 + 128 | 700 | 800 | 10.00 |" in md
+    assert "| llama2-13b | 64 | 3584 + 128 | out of GPU memory | | |" in md
