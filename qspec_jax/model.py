@@ -113,12 +113,18 @@ class RMSNorm(nn.Module):
         return rms_norm(x, scale, self.eps, self.row_tile, self.kernels, self.defer)
 
 
-class Attention(nn.Module):
+class _Block(nn.Module):
+    """What every part of a decoder layer is configured with (the model's settings)."""
+
     config: LlamaConfig
     mode: str
     online_rotation_seed: int | None = None
     row_tile: int | None = None
     kernels: str = "reference"
+
+
+class Attention(_Block):
+    """Fused qkv projection, RoPE, the KV cache write and grouped-query attention, then o."""
 
     @nn.compact
     def __call__(self, x, positions, cache: tuple[Layer, Layer] | None):
@@ -146,12 +152,8 @@ class Attention(nn.Module):
         return out, cache
 
 
-class MLP(nn.Module):
-    config: LlamaConfig
-    mode: str
-    online_rotation_seed: int | None = None
-    row_tile: int | None = None
-    kernels: str = "reference"
+class MLP(_Block):
+    """SwiGLU: fused gate/up projection, ``silu(gate) * up``, then down."""
 
     @nn.compact
     def __call__(self, x):
@@ -164,12 +166,8 @@ class MLP(nn.Module):
                       name="down")(h)
 
 
-class DecoderLayer(nn.Module):
-    config: LlamaConfig
-    mode: str
-    online_rotation_seed: int | None = None
-    row_tile: int | None = None
-    kernels: str = "reference"
+class DecoderLayer(_Block):
+    """Pre-norm residual block: attention, then the MLP."""
 
     @nn.compact
     def __call__(self, x, cache: tuple[Layer, Layer] | None, positions):
