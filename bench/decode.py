@@ -4,7 +4,7 @@
     PYTHONPATH=. python3 -m bench.decode --trace bench/results/acceptance_trace.json \
         [--models llama3-8b,llama2-7b,llama2-13b] [--batches 1,8,16,32,64] [--contexts 512]
         [--new 512] [--gammas 1,3,5] [--drafts w4a8,w4a4] [--out DIR] [--resume OLD.json] [--budget-s 480]
-        [--threads 8] [--reps 2]
+        [--threads 8] [--reps 1]
     python -m bench.decode --record-trace bench/results/acceptance_trace.json \
         --gsm8k ../shared/data/gsm8k_test_dev.jsonl      # the trace, on SmolLM2's real weights
 
@@ -15,7 +15,8 @@ in the context, chat template, prefilled), QSPEC with its own accept decisions.
 Per (model, context P, batch B): a decode state holding P committed tokens per sequence is made
 directly (random tokens, a zeroed KV cache: decode time does not depend on the values), then each
 method generates ``--new`` tokens in its jitted ``while_loop`` (a configuration's loops are all
-compiled ahead, ``--threads`` at once; each is timed on a fresh state): tokens/s, ms per step (AR)
+compiled ahead, ``--threads`` at once; each is timed on a fresh state after a warm-up run of a few
+tokens): tokens/s, ms per step (AR)
 or per round (QSPEC), and the ratio to W4A16 AR measured in the same run. QSPEC's accept decisions are **replayed** from a per-round accepted-draft trace recorded
 on SmolLM2's real weights (``--record-trace``; every draft step and verify pass still runs, only
 the accept decision is replayed): random weights would accept nothing. Phases: one draft step
@@ -70,6 +71,7 @@ GROUP = 128  # random weights: symmetric, group 128
 REAL_MODEL = "smollm2"  # the embedded model (or --checkpoint) with real prompts and real acceptance
 MEM_LIMIT = 120e9  # skip a configuration whose weights + KV cache would exceed this
 FORWARD_REPS = 16  # forwards per timed phase loop
+WARM_TOKENS = 4  # tokens per sequence a decode loop's warm-up run generates
 
 
 def log(*a: Any) -> None:
@@ -192,9 +194,13 @@ def compile_all(jobs: dict[Any, tuple[Any, tuple]], threads: int) -> dict[Any, A
     return {key: f.result() for key, f in futures.items()}
 
 
-def time_loop(compiled, params, make_state, reps: int = 2) -> tuple[float, DecodeState]:
-    """Seconds of one compiled decode loop ``compiled(params, state)`` (best of ``reps`` runs, each
-    on a fresh state)."""
+def time_loop(compiled, params, make_state, new: int, reps: int = 1) -> tuple[float, DecodeState]:
+    """Seconds of one compiled decode loop ``compiled(params, state)``: best of ``reps`` runs, each on
+    a fresh state, after a warm-up run of the same executable on a state that starts with all but
+    :data:`WARM_TOKENS` of its ``new`` tokens counted as generated (so it stops after a few steps)."""
+    warm = make_state()
+    warm = dataclasses.replace(warm, prompt_lengths=warm.prompt_lengths - max(new - WARM_TOKENS, 0))
+    jax.block_until_ready(compiled(params, warm))
     best, out = float("inf"), None
     for _ in range(reps):
         st = jax.block_until_ready(make_state())
@@ -326,7 +332,8 @@ def bench_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None
         return time_forward(compiled["fwd", mode, tokens], params, forward_carry(make(), tokens), FORWARD_REPS)
 
     for method in ar:
-        secs, _ = time_loop(compiled["ar", method], fparams if method == "w16a16" else params, make, args.reps)
+        secs, _ = time_loop(compiled["ar", method], fparams if method == "w16a16" else params, make, args.new,
+                            args.reps)
         res["methods"][method] = {"tokens_per_s": batch * args.new / secs, "ms_per_step": 1e3 * secs / args.new}
         log(f"  {method}: {res['methods'][method]['ms_per_step']:.2f} ms/step, "
             f"{res['methods'][method]['tokens_per_s']:.0f} tok/s (floor {floor_ms:.2f} ms/step)")
@@ -335,7 +342,7 @@ def bench_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None
     for draft in args.drafts:
         t_draft = forward_ms(draft, 1)
         for g in args.gammas:
-            secs, out = time_loop(compiled["qspec", draft, g], params, make, args.reps)
+            secs, out = time_loop(compiled["qspec", draft, g], params, make, args.new, args.reps)
             rounds = float(np.asarray(out.rounds).mean())
             t_round = 1e3 * secs / rounds
             t_verify = forward_ms("w4a16", g + 1)
@@ -448,7 +455,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--resume", type=Path, default=None, help="an earlier decode.json: its configurations are kept")
     ap.add_argument("--budget-s", type=float, default=float("inf"), help="start no configuration after this")
     ap.add_argument("--threads", type=int, default=min(8, os.cpu_count() or 1), help="compiles at once")
-    ap.add_argument("--reps", type=int, default=2, help="timed runs of each decode loop (the best is kept)")
+    ap.add_argument("--reps", type=int, default=1,
+                    help="timed runs of each decode loop after its short warm-up (the best is kept)")
     args = ap.parse_args(argv)
     if args.reps < 1:
         ap.error("--reps must be at least 1")

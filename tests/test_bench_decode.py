@@ -126,3 +126,19 @@ def test_hf_baseline_arguments_and_report(tmp_path):
     md = hf_baseline.markdown(run)
     assert "| llama3-8b | 8 | 512 + 128 | 700 | 800 | 10.00 |" in md
     assert "| llama2-13b | 64 | 3584 + 128 | out of GPU memory | | |" in md
+
+
+def test_time_loop_warms_up_on_a_nearly_finished_state():
+    """The warm-up run gets a state with all but WARM_TOKENS of the new tokens counted as generated;
+    every timed run gets a fresh state, and the last timed run's output is returned."""
+    cfg = decode.MODELS["smoke"]
+    seen = []
+
+    def fake_loop(params, state):
+        seen.append(int((state.lengths - state.prompt_lengths)[0]))
+        return state
+
+    make = lambda: decode.fresh_state(cfg, 2, 32, 16, 3, 0)  # noqa: E731
+    secs, out = decode.time_loop(fake_loop, None, make, 16, reps=2)
+    assert seen == [16 - decode.WARM_TOKENS, 0, 0]
+    assert secs > 0 and int((out.lengths - out.prompt_lengths)[0]) == 0
