@@ -57,6 +57,8 @@ def variants(kind: str, m: int, n: int, k: int) -> list[dict]:
             out += [{"block_n": 2 * bn}, {"block_n": 2 * bn, "num_warps": 8}, {"block_n": bn // 2},
                     {"block_k": 2 * bk}, {"block_k": bk // 2}, {"split_k": 2 * split},
                     {"block_n": 2 * bn, "split_k": 2 * split}]
+        if split > 1:  # fewer programs, each with more K chunks to pipeline (qkv / o: one chunk each by default)
+            out += [{"split_k": split // 2}, {"block_n": bn // 2, "split_k": split // 2}]
         if kind == "w4a16":
             out += [{"prefetch": True}, {"prefetch": True, "num_stages": 1}, {"prefetch": True, "num_stages": 2}]
         return out
