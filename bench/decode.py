@@ -306,6 +306,7 @@ def bench_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None
     def phase_floor_ms(tokens: int, mma: str) -> float:
         """The larger of the byte floor and ``tokens`` tokens' matmul FLOPs at the measured rate."""
         return max(floor_ms, 1e3 * tokens * flops / rates[mma])
+
     ar = [m for m in args.ar if (fparams if m == "w16a16" else params) is not None]
     jobs: dict = {}
     for method in ar:
