@@ -1,10 +1,11 @@
 """Tokens/s against batch size per method, one panel per model shape, from ``bench/decode.py`` runs.
 
     python -m bench.plot bench/results/decode.json [more.json ...] [--context 512] [--gamma 3] \
-        [--out bench/results/decode.svg]
+        [--hf bench/results/hf_baseline.json] [--out bench/results/decode.svg]
 
 Methods: the autoregressive ones (W16A16, W4A16, W4A8, W4A4) and QSPEC with each draft at one
-gamma (default 3, the paper's); QSPEC's acceptance is the replayed trace the runs name. Run it where
+gamma (default 3, the paper's); QSPEC's acceptance is the replayed trace the runs name. ``--hf``
+adds Hugging Face transformers' bf16 decode rate (``bench/hf_baseline.py``) at the same context. Run it where
 the project's venv is (matplotlib is in requirements.lock; the lent GPU machine has none), on the
 ``decode.json`` files the GPU runs wrote.
 """
@@ -41,6 +42,18 @@ def series(results: list[dict], context: int, gamma: int) -> dict[str, dict[str,
     return out
 
 
+HF_LABEL = "HF transformers bf16 (decode rate)"
+
+
+def hf_series(rows: list[dict], context: int) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """``{model: {HF_LABEL: [(batch, decode tokens/s), ...]}}`` from bench/hf_baseline.py rows."""
+    out: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    for r in rows:
+        if "skipped" not in r and r["context"] == context:
+            out.setdefault(r["model"], {}).setdefault(HF_LABEL, []).append((r["batch"], r["decode_tokens_per_s"]))
+    return out
+
+
 def plot(data: dict, context: int, out: Path) -> None:
     """One panel per model; log-2 batch axis."""
     models = sorted(data)
@@ -51,7 +64,7 @@ def plot(data: dict, context: int, out: Path) -> None:
         for label, pts in sorted(data[model].items()):
             pts = sorted(pts)
             ax.plot([b for b, _ in pts], [t for _, t in pts], marker="o", label=label,
-                    linestyle="--" if label.startswith("qspec") else "-")
+                    linestyle="--" if label.startswith("qspec") else ":" if label == HF_LABEL else "-")
         ax.set_xscale("log", base=2)
         ax.set_title(f"{model}, context {context}")
         ax.set_xlabel("batch size")
@@ -68,10 +81,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("runs", nargs="+", type=Path, help="decode.json files from bench/decode.py")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--gamma", type=int, default=3)
+    ap.add_argument("--hf", type=Path, default=None, help="hf_baseline.json from bench/hf_baseline.py")
     ap.add_argument("--out", type=Path, default=Path("bench/results/decode.svg"))
     args = ap.parse_args(argv)
     results = [r for path in args.runs for r in json.loads(path.read_text())["results"]]
-    plot(series(results, args.context, args.gamma), args.context, args.out)
+    data = series(results, args.context, args.gamma)
+    if args.hf:  # only for the models the decode runs have
+        for model, lines in hf_series(json.loads(args.hf.read_text())["rows"], args.context).items():
+            if model in data:
+                data[model] |= lines
+    plot(data, args.context, args.out)
     print(f"wrote {args.out}")
 
 

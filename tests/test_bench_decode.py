@@ -58,6 +58,15 @@ def test_plot_series_and_file(tmp_path):
     run.write_text(json.dumps({"results": results}))
     plot.main([str(run), "--out", str(tmp_path / "p.svg")])
     assert (tmp_path / "p.svg").read_text().lstrip().startswith("<?xml")
+    # the HF baseline: its decode rate, at the chosen context, skipped rows left out
+    hf_rows = [{"model": "a", "batch": 8, "context": 512, "decode_tokens_per_s": 30.0},
+               {"model": "a", "batch": 8, "context": 4096, "decode_tokens_per_s": 3.0},
+               {"model": "a", "batch": 16, "context": 512, "skipped": "out of GPU memory"}]
+    assert plot.hf_series(hf_rows, 512) == {"a": {plot.HF_LABEL: [(8, 30.0)]}}
+    hf = tmp_path / "hf.json"
+    hf.write_text(json.dumps({"rows": hf_rows}))
+    plot.main([str(run), "--hf", str(hf), "--out", str(tmp_path / "q.svg")])
+    assert plot.HF_LABEL in (tmp_path / "q.svg").read_text()
 
 
 def test_decode_bench_resume_and_budget(tmp_path):
