@@ -334,9 +334,9 @@ def _w4a16_kernel(l_ref, x_ref, p_ref, s_ref, *rest, m: int, k: int, group: int,
     def body(j, carry):
         accs, p = carry
         i = base + j
-        if prefetch:  # the last iteration's load is masked off (its index kept in range)
+        if prefetch:  # p was loaded a step ago; the last iteration's load is masked off (index kept in range)
             more = jnp.full((bn, words), j + 1 < steps)
-            p, carry_p = p, weights(jnp.minimum(j + 1, steps - 1), mask=more, other=0)
+            carry_p = weights(jnp.minimum(j + 1, steps - 1), mask=more, other=0)
         else:
             p, carry_p = weights(j), p
         accs = list(accs)

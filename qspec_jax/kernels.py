@@ -122,21 +122,11 @@ def linear(x: jax.Array | PendingNorm, w: QuantizedWeight | jax.Array | Layer, m
             f"mode {mode!r} needs packed INT4 weights, but this layer holds float weights "
             "(convert the checkpoint with quantization)")
     on_kernel = _on_kernels(kernels, row_tile) and _matmul_supported(w, mode)
-    int4_kernel = on_kernel and packed and mode != "w16a16"  # reads a stacked weight in place
+    if on_kernel and packed and mode != "w16a16":
+        return _int4_matmul(x, w, layer, mode, kernels == "interpret")
     if isinstance(x, PendingNorm):
-        if int4_kernel:  # the norm fused with the activation prologue
-            interpret = kernels == "interpret"
-            (norm_scale, norm_layer), rows = _split_layer(x.scale), x.x.reshape(-1, x.shape[-1])
-            if mode == "w4a16":
-                planes = gpu_activations.rms_norm_planes(rows, norm_scale, x.eps, layer=norm_layer, interpret=interpret)
-                y = gpu_matmul.w4a16_matmul(planes, w, layer=layer, interpret=interpret)
-            else:
-                qx, sa = gpu_activations.rms_norm_quantize(rows, norm_scale, x.eps, reference.ACT_BITS[mode],
-                                                           layer=norm_layer, interpret=interpret)
-                y = gpu_matmul.w4ax_quantized(qx, sa, w, layer=layer, interpret=interpret)
-            return y.reshape(*x.shape[:-1], y.shape[-1])
         x = x.value()
-    if layer is not None and not int4_kernel:
+    if layer is not None:
         w = Layer(w, layer).get()
     if not on_kernel:
         if packed and mode == "w4a16" and kernels == "pallas" and row_tile is None:
@@ -145,16 +135,30 @@ def linear(x: jax.Array | PendingNorm, w: QuantizedWeight | jax.Array | Layer, m
         if packed:
             return reference.quantized_matmul(x, w, mode, row_tile)
         return reference.dense_matmul(x, w, row_tile)
-    interpret = kernels == "interpret"
     rows = x.reshape(-1, x.shape[-1])
-    if not packed:
-        y = gpu_matmul.dense_matmul(rows, w.astype(x.dtype), interpret=interpret)
-    elif mode == "w16a16":
-        y = gpu_matmul.dense_matmul(rows, dequantize(w, x.dtype), interpret=interpret)
-    elif mode == "w4a16":
-        y = gpu_matmul.w4a16_matmul(rows, w, layer=layer, interpret=interpret)
+    wf = dequantize(w, x.dtype) if packed else w.astype(x.dtype)
+    y = gpu_matmul.dense_matmul(rows, wf, interpret=kernels == "interpret")
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _int4_matmul(x: jax.Array | PendingNorm, w: QuantizedWeight, layer: jax.Array | None, mode: str,
+                 interpret: bool) -> jax.Array:
+    """An INT4 kernel matmul reading the (stacked) weight in place: the activation prologue
+    (:mod:`pallas_kernels.gpu_activations`) prepares the input, with a :class:`PendingNorm`'s RMSNorm
+    fused into it; W4A16 takes bf16 rows (laid out by the kernel wrapper) or the fused planes."""
+    pending = isinstance(x, PendingNorm)
+    rows = (x.x if pending else x).reshape(-1, x.shape[-1])
+    if pending:
+        norm_scale, norm_layer = _split_layer(x.scale)
+        norm = dict(scale=norm_scale, eps=x.eps, layer=norm_layer, interpret=interpret)
+    if mode == "w4a16":
+        xin = gpu_activations.rms_norm_planes(rows, **norm) if pending else rows
+        y = gpu_matmul.w4a16_matmul(xin, w, layer=layer, interpret=interpret)
     else:
-        y = gpu_matmul.w4ax_matmul(rows, w, reference.ACT_BITS[mode], layer=layer, interpret=interpret)
+        bits = reference.ACT_BITS[mode]
+        qx, sa = (gpu_activations.rms_norm_quantize(rows, bits=bits, **norm) if pending
+                  else gpu_activations.quantize_rows(rows, bits, interpret=interpret))
+        y = gpu_matmul.w4ax_quantized(qx, sa, w, layer=layer, interpret=interpret)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
