@@ -59,8 +59,6 @@ def variants(kind: str, m: int, n: int, k: int) -> list[dict]:
                     {"block_n": 2 * bn, "split_k": 2 * split}]
         if split > 1:  # fewer programs, each with more K chunks to pipeline (qkv / o: one chunk each by default)
             out += [{"split_k": split // 2}, {"block_n": bn // 2, "split_k": split // 2}]
-        if kind == "w4a16":
-            out += [{"prefetch": True}, {"prefetch": True, "num_stages": 1}, {"prefetch": True, "num_stages": 2}]
         return out
     out = [{}, {"num_warps": 8}]
     if m > 32:

@@ -208,9 +208,9 @@ def _load_layer(ref, layer, cols, interpret: bool, **kw):
     return pl_triton.load(at_layer(ref, layer, (slice(None), cols), interpret), **kw)
 
 
-def _load_weight(ref, layer, cols, interpret: bool, **kw):
+def _load_weight(ref, layer, cols, interpret: bool):
     """A weight tile, read once per program: ask the cache to evict it first."""
-    return _load_layer(ref, layer, cols, interpret, eviction_policy="evict_first", **kw)
+    return _load_layer(ref, layer, cols, interpret, eviction_policy="evict_first")
 
 
 def _stacked_arrays(w: QuantizedWeight, packed: jax.Array, layer) -> tuple[tuple, jax.Array]:
@@ -314,11 +314,9 @@ def _plane_group_values(ref, layer, i, t, block_k, group, words, interpret):
 
 
 def _w4a16_kernel(l_ref, x_ref, p_ref, s_ref, *rest, m: int, k: int, group: int, block_k: int,
-                  split_k: int, bm: int, tiles: int, prefetch: bool, interpret: bool):
+                  split_k: int, bm: int, tiles: int, interpret: bool):
     """Weight rows ``[bn]`` x up to ``tiles`` row tiles: ``acc_r[bn, bm] += sum_t W_t @ x_t,r.T``
-    over the 4 nibble planes ``t`` of the chunk's uint16 elements. ``prefetch``: each iteration
-    issues the next chunk's weight load before it dequantizes the current one (carried in
-    registers), instead of leaving the loads to Triton's pipeliner."""
+    over the 4 nibble planes ``t`` of the chunk's uint16 elements."""
     symmetric = len(rest) == 1
     m_ref, o_ref = (None, rest[0]) if symmetric else rest
     layer = l_ref[0]
@@ -328,17 +326,9 @@ def _w4a16_kernel(l_ref, x_ref, p_ref, s_ref, *rest, m: int, k: int, group: int,
     base, steps = _k_range(k // block_k, split_k)
     dims = (((1,), (1,)), ((), ()))
 
-    def weights(i, **kw):
-        return _load_weight(p_ref, layer, pl.ds((base + i) * words, words), interpret, **kw)  # uint16 [bn, words]
-
-    def body(j, carry):
-        accs, p = carry
+    def body(j, accs):
         i = base + j
-        if prefetch:  # p was loaded a step ago; the last iteration's load is masked off (index kept in range)
-            more = jnp.full((bn, words), j + 1 < steps)
-            carry_p = weights(jnp.minimum(j + 1, steps - 1), mask=more, other=0)
-        else:
-            p, carry_p = weights(j), p
+        p = _load_weight(p_ref, layer, pl.ds(i * words, words), interpret)  # uint16 [bn, words]
         accs = list(accs)
         for t in range(4):
             s = _plane_group_values(s_ref, layer, i, t, block_k, group, words, interpret)
@@ -347,11 +337,10 @@ def _w4a16_kernel(l_ref, x_ref, p_ref, s_ref, *rest, m: int, k: int, group: int,
             for r in range(tiles):
                 x_t = _plane_rows(x_ref, t, r, pl.ds(i * words, words), masks[r], interpret)
                 accs[r] = accs[r] + jax.lax.dot_general(w_t, x_t, dims, preferred_element_type=jnp.float32)
-        return tuple(accs), carry_p
+        return tuple(accs)
 
-    first = weights(0) if prefetch else jnp.zeros((1,), jnp.uint16)  # the loop's carried tile
     zeros = tuple(jnp.zeros((bn, bm), jnp.float32) for _ in range(tiles))
-    accs, _ = jax.lax.fori_loop(0, steps, body, (zeros, first))
+    accs = jax.lax.fori_loop(0, steps, body, zeros)
     _store_tiles(o_ref, masks, accs)
 
 
@@ -370,15 +359,14 @@ def activation_planes(x: jax.Array, planes: int) -> jax.Array:
 def w4a16_matmul(x: jax.Array, w: QuantizedWeight, *, layer: jax.Array | None = None,
                  block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
                  block_m: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                 prefetch: bool = False, interpret: bool = False) -> jax.Array:
+                 interpret: bool = False) -> jax.Array:
     """``x[M, K] @ w4a16_weights(w).T`` with bf16 activations and float32 accumulation -> ``f32[M, N]``;
     ``x`` may already be bf16 planes ``[4, M, K/4]`` (:func:`activation_planes`, as
     :func:`pallas_kernels.gpu_activations.rms_norm_planes` writes them).
 
     With ``layer`` (an int32 scalar), ``w`` is a stack ``[L, N, ...]`` and layer ``layer`` is read in
     place. Tiles left as None come from :func:`default_config` (a function of N, K and the group size);
-    ``block_m`` (rows per tile), ``num_warps``, ``num_stages`` and ``prefetch`` (see
-    :func:`_w4a16_kernel`) change only timing (for tuning)."""
+    ``block_m`` (rows per tile), ``num_warps`` and ``num_stages`` change only timing (for tuning)."""
     if x.ndim == 3 and (x.shape[0] != 4 or x.dtype != jnp.bfloat16):
         raise ValueError(f"activation planes must be bfloat16 [4, M, K/4], got {x.dtype}{x.shape}")
     xp = x if x.ndim == 3 else None
@@ -396,7 +384,7 @@ def w4a16_matmul(x: jax.Array, w: QuantizedWeight, *, layer: jax.Array | None = 
     if xp is None:
         xp = activation_planes(x.astype(jnp.bfloat16), 4)
     kernel = functools.partial(_w4a16_kernel, m=m, k=k, group=g, block_k=block_k, split_k=split_k,
-                               bm=bm, tiles=tiles, prefetch=prefetch, interpret=interpret)
+                               bm=bm, tiles=tiles, interpret=interpret)
     sspec = stacked_spec(nl, (block_n, k // g), lambda i, j, s: (j, 0))
     in_specs = [LAYER_SPEC, pl.BlockSpec((4, rows, k // 4), lambda i, j, s: (0, i, 0)),
                 stacked_spec(nl, (block_n, k // 4), lambda i, j, s: (j, 0)), sspec]

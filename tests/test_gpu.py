@@ -68,9 +68,6 @@ def test_matmul_kernels_match_references(rng, n, k, group, symmetric):
     err = _rel(y16, xb @ wd.T)
     print(f"W4A16 {n}x{k} g{group}: rel err {err:.2e} vs float64")
     assert err <= 1e-2
-    # the prefetching loop (a tuning variant) loads the same chunks in the same order: the same bits
-    pre = jax.jit(lambda a: gpu_matmul.w4a16_matmul(a, w, prefetch=True))(x)
-    np.testing.assert_array_equal(np.asarray(pre), np.asarray(y16))
     for bits, mode in ((8, "w4a8"), (4, "w4a4")):
         qx, sa = reference.quantize_activations(x, bits)
         acc = jax.jit(lambda q, s: gpu_matmul.w4ax_quantized(q, s, w, return_acc=True))(qx, sa)

@@ -156,11 +156,6 @@ def test_split_k(rng, symmetric, k, splits):
         y16 = np.asarray(gm.w4a16_matmul(x, w, block_n=BN, block_k=128, split_k=split, interpret=True))
         w16 = np.asarray(ref.quantized_matmul(x, w, "w4a16"))
         assert np.linalg.norm(y16 - w16) / np.linalg.norm(w16) < 1e-5
-        # the prefetching loop (next chunk loaded a step ahead, the last split shorter) sums the same chunks
-        for s in (1, split):
-            pre = gm.w4a16_matmul(x, w, block_n=BN, block_k=128, split_k=s, prefetch=True, interpret=True)
-            plain = gm.w4a16_matmul(x, w, block_n=BN, block_k=128, split_k=s, interpret=True)
-            np.testing.assert_array_equal(np.asarray(pre), np.asarray(plain), err_msg=f"split_k={s}")
         for f in (lambda a: gm.w4ax_matmul(a, w, 4, block_n=BN, split_k=split, interpret=True),
                   lambda a: gm.w4a16_matmul(a, w, block_n=BN, block_k=128, split_k=split, interpret=True)):
             alone = np.asarray(f(x[4:5]))[0]
@@ -375,7 +370,6 @@ def test_lowers_for_gpu_without_deprecation_warning():
                 x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
                 for f in (gm.w4a16_matmul, lambda x, w: gm.w4ax_matmul(x, w, 4),
                           lambda x, w: gm.w4a16_matmul(x, w, split_k=2, block_k=128),
-                          lambda x, w: gm.w4a16_matmul(x, w, split_k=2, block_k=128, prefetch=True),
                           lambda x, w: gm.w4ax_matmul(x, w, 8, split_k=2)):
                     lower(f, x, w)
         bf = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
