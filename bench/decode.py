@@ -28,8 +28,9 @@ per round, next to the measured speed-up. Floor per step: the bytes one W4A16 st
 same run. Phase floors: a draft step or verify pass cannot beat the larger of that byte floor and
 its matmul FLOPs (2 x the matmul weights per token, attention left out) over the dense matmul rate
 measured in the same run (XLA's bf16 dot for the W4A16 verify, its int8 dot for a W4A8 / W4A4
-draft); each phase is reported as a multiple of its floor. Peak GPU memory (``memory_stats``) after
-each (model, context, batch).
+draft); each phase is reported as a multiple of its floor. Memory per method (paper Table 5): the
+device memory its compiled decode loop needs, from XLA's buffer assignment (weights, decode state,
+outputs and temporaries; a donated state counted once).
 
 Writes ``decode.json`` / ``decode.md`` under ``--out`` (default ``$OUT``, else bench/results), after
 every configuration. ``--resume OLD.json`` continues an earlier run: its configurations are kept and
@@ -272,9 +273,11 @@ def matmul_rates() -> dict[str, float]:
     return rates
 
 
-def peak_memory() -> float | None:
-    stats = jax.local_devices()[0].memory_stats() or {}
-    return stats.get("peak_bytes_in_use")
+def loop_memory_bytes(compiled) -> int:
+    """Device bytes a compiled program needs: its arguments, outputs (less those aliasing a donated
+    argument) and temporaries, from XLA's buffer assignment."""
+    m = compiled.memory_analysis()
+    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
 
 
 # ------------------------------------------------------------------------------ one configuration
@@ -335,7 +338,8 @@ def bench_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None
     for method in ar:
         secs, _ = time_loop(compiled["ar", method], fparams if method == "w16a16" else params, make, args.new,
                             args.reps)
-        res["methods"][method] = {"tokens_per_s": batch * args.new / secs, "ms_per_step": 1e3 * secs / args.new}
+        res["methods"][method] = {"tokens_per_s": batch * args.new / secs, "ms_per_step": 1e3 * secs / args.new,
+                                  "memory_bytes": loop_memory_bytes(compiled["ar", method])}
         log(f"  {method}: {res['methods'][method]['ms_per_step']:.2f} ms/step, "
             f"{res['methods'][method]['tokens_per_s']:.0f} tok/s (floor {floor_ms:.2f} ms/step)")
     base = res["methods"].get("w4a16", {}).get("ms_per_step")
@@ -352,7 +356,8 @@ def bench_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None
             entry = {"tokens_per_s": batch * args.new / secs, "ms_per_round": t_round, "tokens_per_round": tpr,
                      "draft_ms": t_draft, "verify_ms": t_verify, "overhead_ms": overhead,
                      "draft_floor_ms": phase_floor_ms(batch, "int8"),
-                     "verify_floor_ms": phase_floor_ms(batch * (g + 1), "bf16")}
+                     "verify_floor_ms": phase_floor_ms(batch * (g + 1), "bf16"),
+                     "memory_bytes": loop_memory_bytes(compiled["qspec", draft, g])}
             if base and t_target:
                 entry["speedup_vs_w4a16"] = base * args.new / (1e3 * secs)
                 entry["model_speedup"] = tpr * t_target / (g * t_draft + t_verify + overhead)
@@ -360,7 +365,6 @@ def bench_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None
             log(f"  qspec {draft} g={g}: {t_round:.2f} ms/round ({g} x {t_draft:.2f} draft + {t_verify:.2f} verify + "
                 f"{overhead:.2f}), {tpr:.2f} tok/round, {entry['tokens_per_s']:.0f} tok/s, "
                 f"x{entry.get('speedup_vs_w4a16', float('nan')):.2f} vs w4a16 ({res['acceptance']} acceptance)")
-    res["peak_bytes"] = peak_memory()
     res["cache_bytes"] = sum(a.size * a.dtype.itemsize for a in state.cache)
     return res
 
@@ -418,20 +422,22 @@ def markdown(run: dict) -> str:
         acceptance = r.get("acceptance", "replayed")
         prompt = f"; prompts of {r['prompt_tokens']:.0f} tokens on average" if "prompt_tokens" in r else ""
         lines += [f"## {r['model']}, batch {r['batch']}, context {r['context']} + {r['new']}", "",
-                  f"W4A16 step floor {r['floor_ms_per_step']:.2f} ms; peak GPU memory "
-                  f"{(r.get('peak_bytes') or 0) / 1e9:.1f} GB (KV cache {r['cache_bytes'] / 1e9:.1f} GB){prompt}", "",
+                  f"W4A16 step floor {r['floor_ms_per_step']:.2f} ms; KV cache {r['cache_bytes'] / 1e9:.1f} GB"
+                  + (f"; the process's peak GPU memory so far {r['peak_bytes'] / 1e9:.1f} GB" if r.get("peak_bytes") else "")
+                  + prompt, "",
                   "| method | tok/s | ms/step or round | tokens/round | draft / verify / overhead ms | "
-                  "draft / verify x floor | vs W4A16 | model |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "draft / verify x floor | vs W4A16 | model | memory GB |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for m, e in r["methods"].items():
+            mem = f"{e['memory_bytes'] / 1e9:.2f}" if "memory_bytes" in e else ""
             if "ms_per_step" in e:
                 ratio = r["methods"].get("w4a16", {}).get("ms_per_step", float("nan")) / e["ms_per_step"]
-                lines.append(f"| {m} | {e['tokens_per_s']:.0f} | {e['ms_per_step']:.2f} | 1 | | | {ratio:.2f}× | |")
+                lines.append(f"| {m} | {e['tokens_per_s']:.0f} | {e['ms_per_step']:.2f} | 1 | | | {ratio:.2f}× | | {mem} |")
             else:
                 lines.append(f"| qspec {m[6:]} ({acceptance}) | {e['tokens_per_s']:.0f} | {e['ms_per_round']:.2f} | "
                              f"{e['tokens_per_round']:.2f} | {e['draft_ms']:.2f} / {e['verify_ms']:.2f} / "
                              f"{e['overhead_ms']:.2f} | {_over_floor(e)} | {e.get('speedup_vs_w4a16', float('nan')):.2f}× | "
-                             f"{e.get('model_speedup', float('nan')):.2f}× |")
+                             f"{e.get('model_speedup', float('nan')):.2f}× | {mem} |")
         lines.append("")
     return "\n".join(lines)
 

@@ -37,6 +37,11 @@ def test_decode_bench_smoke(tmp_path):
     assert q["verify_floor_ms"] == max(res["floor_ms_per_step"], 1e3 * 2 * 4 * flops / rates["bf16"])
     assert q["draft_floor_ms"] == max(res["floor_ms_per_step"], 1e3 * 2 * flops / rates["int8"])
     assert all(e["tokens_per_s"] > 0 for e in res["methods"].values())
+    # memory per method: at least its weights (bf16 for W16A16, packed INT4 otherwise) and the KV cache
+    nbytes = lambda tree: sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))  # noqa: E731
+    for m, e in res["methods"].items():
+        weights = nbytes(decode.float_params(params) if m == "w16a16" else params)
+        assert e["memory_bytes"] >= weights + res["cache_bytes"], m
     assert "replayed" in (out / "decode.md").read_text()
 
 
