@@ -39,11 +39,14 @@ KINDS = {
     "w4a8": lambda x, w, kw: gm.w4ax_matmul(x, w, 8, **kw),
     "dense": lambda x, w, kw: gm.dense_matmul(x, w, **kw),
 }
-PROLOGUES = {  # the activation-prologue kernels, on x [M, K] and an RMSNorm scale [K]
+PROLOGUES = {  # the activation-prologue kernels, on x [M, K] (SwiGLU: [M, 2K]) and an RMSNorm scale [K]
     "quantize": lambda x, s, kw: gpu_activations.quantize_rows(x, 8, **kw),
     "norm_quantize": lambda x, s, kw: gpu_activations.rms_norm_quantize(x, s, 1e-5, 8, **kw),
     "norm_planes": lambda x, s, kw: gpu_activations.rms_norm_planes(x, s, 1e-5, **kw),
+    "swiglu_quantize": lambda x, s, kw: gpu_activations.swiglu_quantize(x, 8, **kw),
+    "swiglu_planes": lambda x, s, kw: gpu_activations.swiglu_planes(x, **kw),
 }
+PROLOGUE_PARTS = {"swiglu_quantize": 2, "swiglu_planes": 2}  # input row widths in units of K (else 1)
 ORDER_KEYS = ("block_k", "split_k", "block_n")  # change the summation order (the default split follows block_n)
 
 
@@ -66,6 +69,12 @@ def variants(kind: str, m: int, n: int, k: int) -> list[dict]:
     if m > 64:
         out += [{"block_m": 128, "num_warps": w, "num_stages": 2} for w in (4, 8)] + [
             {"block_m": 128, "num_warps": 8, "num_stages": 1}]
+    if kind == "w4a16":  # tokens on the MMA's M side: the dequantized weights become the shared-memory operand
+        out += [{"rows_first": True}, {"rows_first": True, "num_warps": 8}]
+        if m > 32:
+            out += [{"rows_first": True, "block_n": 128, "num_warps": 8},
+                    {"rows_first": True, "block_m": 128, "num_warps": 8, "num_stages": 2},
+                    {"rows_first": True, "block_m": 128, "block_k": 256, "num_warps": 8, "num_stages": 2}]
     return out
 
 
@@ -132,8 +141,9 @@ def sweep_prologue(ms: list[int], tmp: Path, threads: int) -> list[dict]:
         scale = jax.random.uniform(jax.random.key(7), (k,), jnp.bfloat16, 0.5, 1.5)
         jobs, meta = [], []
         for m in ms:
-            xs = [jax.random.normal(jax.random.key(2000 + i), (m, k), jnp.bfloat16) for i in range(CALLS)]
             for kind, fn in PROLOGUES.items():
+                width = PROLOGUE_PARTS.get(kind, 1) * k
+                xs = [jax.random.normal(jax.random.key(2000 + i), (m, width), jnp.bfloat16) for i in range(CALLS)]
                 for kw in prologue_variants(k):
                     jobs.append(Job(lambda x, s, fn=fn, kw=kw: fn(x, s, kw), [(x, scale) for x in xs], pallas=True))
                     meta.append((kind, m, kw))

@@ -1,17 +1,24 @@
 """The INT4 matmuls' activation inputs, prepared by one Pallas GPU kernel per call (Triton
-lowering): the RMSNorm before the layer if there is one, the W4A8 / W4A4 quantization, and the
-plane layout the matmul kernel reads (:func:`pallas_kernels.gpu_matmul.activation_planes`).
+lowering): the step before the layer (the RMSNorm before qkv and gate/up, the merge of the
+attention's cache splits before o, the MLP's ``silu(gate) * up`` before down), the W4A8 / W4A4
+quantization, and the plane layout the matmul kernel reads
+(:func:`pallas_kernels.gpu_matmul.activation_planes`).
 
-Unfused, the same work is the norm kernel, then XLA ops for the absmax, the quantization and the
-plane transpose. One program per row: the RMSNorm's statistics as :mod:`pallas_kernels.gpu_norm`
-computes them (same values, bit for bit), then
+Unfused, the same work is the norm kernel (or XLA's elementwise merge or SwiGLU), then XLA ops for
+the absmax, the quantization and the plane transpose. One program per row: the RMSNorm's statistics as
+:mod:`pallas_kernels.gpu_norm` computes them (same values, bit for bit), or
+:func:`pallas_kernels.reference.swiglu` of the row's gate and up halves, or the merge of the row's
+(one query's) per-split attention partials as :func:`pallas_kernels.gpu_attention.merge` spells it
+(float32 sums may contract differently: not bitwise the XLA merge), then
 
-* W4AX (:func:`quantize_rows`, :func:`rms_norm_quantize`): the row's absmax (exact in any order),
+* W4AX (:func:`quantize_rows`, :func:`rms_norm_quantize`, :func:`swiglu_quantize`,
+  :func:`attention_quantize`): the row's absmax (exact in any order),
   ``scale = absmax * f32(1/qmax)``, codes ``round_half_even(v * f32(1 / scale))`` clamped, as
   :func:`pallas_kernels.reference.quantize_activations` (PTX ``rcp.rn.f32`` for the correctly
   rounded reciprocal, where Triton's division would be approximate, and ``cvt.rni``), written as
   int8 planes ``[2, M, K/2]`` with float32 row scales ``[M, 1]``;
-* W4A16 (:func:`rms_norm_planes`): the normalized row as bf16 planes ``[4, M, K/4]``.
+* W4A16 (:func:`rms_norm_planes`, :func:`swiglu_planes`, :func:`attention_planes`): the prepared
+  row as bf16 planes ``[4, M, K/4]``.
 
 The row is read in tiles of whole 64-element blocks: ``[blocks, 32]`` per W4AX plane, ``[blocks, 16]``
 (every other element) per W4A16 plane; the whole row in one tile up to ``MAX_BLOCKS`` (rows past a
@@ -28,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from pallas_kernels import reference
 from pallas_kernels.gpu_norm import NUM_WARPS, inv_rms, normalized
 from pallas_kernels.launch import LAYER_SPEC, at_layer, call_kernel, pl_triton, stacked_input, stacked_spec
 from pallas_kernels.layout import PACK_BLOCK
@@ -56,9 +64,8 @@ def _asm(code: str, v: jax.Array, dtype) -> jax.Array:
                                             result_shape_dtypes=[jax.ShapeDtypeStruct(v.shape, dtype)])[0]
 
 
-def _reciprocal(scale: jax.Array, interpret: bool) -> jax.Array:
-    """``f32(1 / scale)`` correctly rounded, as a ``[1]`` tile."""
-    v = jnp.full((1,), scale, jnp.float32)
+def _reciprocal(v: jax.Array, interpret: bool) -> jax.Array:
+    """``f32(1 / v)`` correctly rounded, elementwise over a float32 tile."""
     return np.float32(1) / v if interpret else _asm(_RCP_ASM, v, jnp.float32)
 
 
@@ -101,11 +108,12 @@ def _store_rows(ref, plane: int, first: jax.Array, tb: int, v: jax.Array) -> Non
     pl_triton.store(ref.at[pl.ds(plane, 1), pl.ds(first, v.shape[0]), :], v[None], **_mask(tb, (1, *v.shape), 1, load=False))
 
 
-def _prologue_kernel(l_ref, x_ref, x2_ref, *rest, h: int, eps: float | None, bits: int | None,
+def _prologue_kernel(l_ref, x_ref, x2_ref, *rest, h: int, eps: float | None, swiglu: bool, bits: int | None,
                      max_blocks: int, interpret: bool):
     """Row ``x_ref[H]`` (also as ``x2_ref[H / 64, 64]``), its RMSNorm when ``eps`` is set (scale
-    ``s_ref[L, H / 64, 64]`` at the layer), then W4AX codes ``q_ref[2, H / 64, 32]`` and their scale
-    ``sa_ref[1]`` (``bits``), or bf16 W4A16 planes ``p_ref[4, H / 64, 16]`` (``bits`` None)."""
+    ``s_ref[L, H / 64, 64]`` at the layer), or with ``swiglu`` the SwiGLU of its halves (``x_ref[2H]``,
+    gate then up), then W4AX codes ``q_ref[2, H / 64, 32]`` and their scale ``sa_ref[1]``
+    (``bits``), or bf16 W4A16 planes ``p_ref[4, H / 64, 16]`` (``bits`` None)."""
     norm = eps is not None
     s_ref, *outs = rest if norm else (None, *rest)
     layer = l_ref[0]
@@ -114,12 +122,22 @@ def _prologue_kernel(l_ref, x_ref, x2_ref, *rest, h: int, eps: float | None, bit
     r = inv_rms(x_ref, h, eps) if norm else None
 
     def values(i, half, byte=None):
-        """The (normalized) values of tile ``i``, plane ``(half, byte)``, in the input's dtype."""
+        """The prepared values of tile ``i``, plane ``(half, byte)``, in the input's dtype."""
         v = _load_cols(x2_ref, None, i * tb, tb, half, byte, interpret)
         if norm:
             v = normalized(v, r, _load_cols(s_ref, layer, i * tb, tb, half, byte, interpret), interpret)
+        if swiglu:  # the up half sits `blocks` 64-blocks after the gate half
+            up = _load_cols(x2_ref, None, blocks + i * tb, tb, half, byte, interpret)
+            v = reference.swiglu(v, up, lambda d: _reciprocal(d, interpret))
         return v
 
+    _emit(values, outs, blocks, tb, bits, interpret)
+
+
+def _emit(values, outs, blocks: int, tb: int, bits: int | None, interpret: bool) -> None:
+    """Write a row given ``values(i, half, byte)`` (its tile ``i`` of ``tb`` 64-blocks, plane ``(half,
+    byte)``): W4AX codes ``q_ref[2, blocks, 32]`` and their scale ``sa_ref[1]`` (``bits``), or bf16
+    W4A16 planes ``p_ref[4, blocks, 16]`` (``bits`` None)."""
     if bits is None:
         (p_ref,) = outs
 
@@ -142,7 +160,7 @@ def _prologue_kernel(l_ref, x_ref, x2_ref, *rest, h: int, eps: float | None, bit
 
     amax = jax.lax.fori_loop(0, blocks // tb, absmax, jnp.float32(0))
     scale = jnp.where(amax > 0, amax * np.float32(1 / qmax), np.float32(1))
-    inv = _reciprocal(scale, interpret)
+    inv = _reciprocal(jnp.full((1,), scale, jnp.float32), interpret)
 
     def codes(i, carry):
         for half in (0, 1):
@@ -167,19 +185,23 @@ def _check_eps(eps) -> float:
 
 
 def _call(x: jax.Array, bits: int | None, scale: jax.Array | None, eps: float | None, layer,
-          max_blocks: int | None, interpret: bool):
-    """``bits`` None: W4A16 planes; ``eps`` None: no RMSNorm (the public functions check both)."""
+          max_blocks: int | None, interpret: bool, swiglu: bool = False):
+    """``bits`` None: W4A16 planes; ``eps`` None: no RMSNorm (the public functions check both);
+    ``swiglu``: the rows are ``[gate | up]``, the values their SwiGLU."""
     max_blocks = MAX_BLOCKS if max_blocks is None else max_blocks
     if max_blocks < 1 or max_blocks & (max_blocks - 1):
         raise ValueError(f"max_blocks must be a power of two, got {max_blocks}")
-    if x.ndim != 2 or x.shape[1] % PACK_BLOCK:
-        raise ValueError(f"x must be [M, K] with K a multiple of {PACK_BLOCK}, got shape {x.shape}")
-    m, h = x.shape
+    parts = 2 if swiglu else 1
+    if x.ndim != 2 or x.shape[1] % (parts * PACK_BLOCK):
+        raise ValueError(f"x must be [M, {'2 x ' if swiglu else ''}K] with K a multiple of {PACK_BLOCK}, "
+                         f"got shape {x.shape}")
+    m, h = x.shape[0], x.shape[1] // parts
     blocks = h // PACK_BLOCK
-    kernel = functools.partial(_prologue_kernel, h=h, eps=eps, bits=bits, max_blocks=max_blocks, interpret=interpret)
-    in_specs = [LAYER_SPEC, pl.BlockSpec((None, h), lambda i: (i, 0)),
-                pl.BlockSpec((None, blocks, PACK_BLOCK), lambda i: (i, 0, 0))]
-    args = [x, x.reshape(m, blocks, PACK_BLOCK)]
+    kernel = functools.partial(_prologue_kernel, h=h, eps=eps, swiglu=swiglu, bits=bits, max_blocks=max_blocks,
+                               interpret=interpret)
+    in_specs = [LAYER_SPEC, pl.BlockSpec((None, parts * h), lambda i: (i, 0)),
+                pl.BlockSpec((None, parts * blocks, PACK_BLOCK), lambda i: (i, 0, 0))]
+    args = [x, x.reshape(m, parts * blocks, PACK_BLOCK)]
     lidx = jnp.zeros((1,), jnp.int32)
     if eps is not None:
         want = (h,) if layer is None else (scale.shape[0], h)
@@ -221,3 +243,105 @@ def rms_norm_planes(x: jax.Array, scale: jax.Array, eps: float, *, layer: jax.Ar
     """``gpu_norm.rms_norm(x, scale, eps, layer=layer)`` cast to bf16 and laid out as the W4A16
     kernel's planes ``[4, M, K/4]`` (``activation_planes(y.astype(bf16), 4)``), in one kernel."""
     return _call(x, None, scale, _check_eps(eps), layer, max_blocks, interpret)
+
+
+def swiglu_quantize(gate_up: jax.Array, bits: int, *, max_blocks: int | None = None,
+                    interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """:func:`quantize_rows` of ``reference.swiglu(gate, up)`` for rows ``gate_up[M, 2K] = [gate | up]``,
+    in one kernel (the MLP's hidden rows are never written out)."""
+    return _call(gate_up, _check_bits(bits), None, None, None, max_blocks, interpret, swiglu=True)
+
+
+def swiglu_planes(gate_up: jax.Array, *, max_blocks: int | None = None, interpret: bool = False) -> jax.Array:
+    """``reference.swiglu(gate, up)`` of rows ``gate_up[M, 2K] = [gate | up]`` cast to bf16 in the W4A16
+    kernel's planes ``[4, M, K/4]``, in one kernel."""
+    return _call(gate_up, None, None, None, None, max_blocks, interpret, swiglu=True)
+
+
+def attention_merge_supported(kv_heads: int, group: int, head_dim: int) -> bool:
+    """Whether :func:`attention_quantize` / :func:`attention_planes` can tile a row of these heads
+    (Triton tiles: powers of two; whole 64-blocks per head)."""
+    return all(v > 0 and v & (v - 1) == 0 for v in (kv_heads, group)) and head_dim % PACK_BLOCK == 0 and (
+        head_dim // PACK_BLOCK) & (head_dim // PACK_BLOCK - 1) == 0
+
+
+def _merge_kernel(acc_ref, m_ref, l_ref, *outs, splits: int, dtype, bits: int | None, interpret: bool):
+    """Row ``(b, t)`` of the attention output from its splits' partials (``acc_ref[KV, P, G, nb, 64]``,
+    ``m_ref``, ``l_ref[KV, P, G]``), merged as :func:`pallas_kernels.gpu_attention.merge` does (the
+    largest ``m``, weights ``exp(m_p - top)``, sums over the splits left to right, times the
+    reciprocal of the weights' sum),
+    cast to ``dtype``, then written by :func:`_emit` (the whole row is one tile)."""
+    kvh, _, g, nb, _ = acc_ref.shape
+    blocks = kvh * g * nb
+    if interpret:  # the interpreter takes no integer index beside slices: whole arrays, indexed after
+        acc_ref, m_ref, l_ref = acc_ref[...], m_ref[...], l_ref[...]
+    ms = [m_ref[:, p, :] for p in range(splits)]
+    top = ms[0]
+    for p in range(1, splits):
+        top = jnp.maximum(top, ms[p])
+    ws = [jnp.exp(mp - top) for mp in ms]  # 0 for a split with nothing visible (m = -inf)
+    den = None
+    for p in range(splits):
+        d = ws[p] * l_ref[:, p, :]
+        den = d if den is None else den + d
+    inv = _reciprocal(den, interpret)
+
+    def split_cols(p, half, byte):
+        """Split ``p``'s accumulator ``[KV, G, nb, width]`` at plane ``(half, byte)``."""
+        if interpret:
+            a = acc_ref[:, p, :, :, half * HALF:(half + 1) * HALF]
+            return a if byte is None else a[..., byte::2]
+        cols = pl.ds(half * HALF, HALF) if byte is None else pl.ds(half * HALF + byte, HALF // 2, stride=2)
+        return acc_ref[:, p, :, :, cols]
+
+    def values(i, half, byte=None):
+        num = None
+        for p in range(splits):
+            t = ws[p][:, :, None, None] * split_cols(p, half, byte)
+            num = t if num is None else num + t
+        v = num * inv[:, :, None, None]
+        return v.reshape(blocks, v.shape[-1]).astype(dtype)
+
+    _emit(values, outs, blocks, blocks, bits, interpret)
+
+
+def _merge_call(partials, bits: int | None, interpret: bool):
+    """The merge kernel over ``partials`` (:class:`pallas_kernels.gpu_attention.Partials`), one program
+    per (sequence, query): rows ``[B * T, H * d]`` as W4AX planes and scales, or W4A16 planes."""
+    acc, m, l = partials.acc, partials.m, partials.l
+    b, t, h, d = partials.shape
+    kvh, splits, r = acc.shape[1], acc.shape[2], acc.shape[3]
+    g, nb = h // kvh, d // PACK_BLOCK
+    if not attention_merge_supported(kvh, g, d):
+        raise ValueError(f"the merge kernel needs power-of-two KV heads ({kvh}) and group ({g}) and a "
+                         f"power-of-two number of 64-blocks per head (head_dim {d})")
+    blocks = h * nb
+    kernel = functools.partial(_merge_kernel, splits=splits, dtype=partials.dtype, bits=bits, interpret=interpret)
+    in_specs = [pl.BlockSpec((None, kvh, splits, g, nb, PACK_BLOCK), lambda i, j: (i, 0, 0, j, 0, 0)),
+                pl.BlockSpec((None, kvh, splits, g), lambda i, j: (i, 0, 0, j)),
+                pl.BlockSpec((None, kvh, splits, g), lambda i, j: (i, 0, 0, j))]
+    args = (acc.reshape(b, kvh, splits, r, nb, PACK_BLOCK), m, l)
+    row = lambda i, j: i * t + j  # noqa: E731
+    if bits is None:
+        out_shape = jax.ShapeDtypeStruct((4, b * t, blocks, HALF // 2), jnp.bfloat16)
+        out_specs = pl.BlockSpec((4, None, blocks, HALF // 2), lambda i, j: (0, row(i, j), 0, 0))
+        planes = call_kernel(kernel, out_shape, (b, t), in_specs, out_specs, interpret, NUM_WARPS, 1, *args)
+        return planes.reshape(4, b * t, h * d // 4)
+    out_shape = (jax.ShapeDtypeStruct((2, b * t, blocks, HALF), jnp.int8), jax.ShapeDtypeStruct((b * t, 1), jnp.float32))
+    out_specs = (pl.BlockSpec((2, None, blocks, HALF), lambda i, j: (0, row(i, j), 0, 0)),
+                 pl.BlockSpec((None, 1), lambda i, j: (row(i, j), 0)))
+    planes, sa = call_kernel(kernel, out_shape, (b, t), in_specs, out_specs, interpret, NUM_WARPS, 1, *args)
+    return planes.reshape(2, b * t, h * d // 2), sa
+
+
+def attention_quantize(partials, bits: int, *, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """:func:`quantize_rows` of the attention output ``gpu_attention.merge(partials)`` as rows
+    ``[B * T, H * d]``, in one kernel that merges the cache splits itself (the output is never
+    written out)."""
+    return _merge_call(partials, _check_bits(bits), interpret)
+
+
+def attention_planes(partials, *, interpret: bool = False) -> jax.Array:
+    """``gpu_attention.merge(partials)`` as rows ``[B * T, H * d]`` cast to bf16 in the W4A16 kernel's
+    planes ``[4, B * T, H * d / 4]``, in one kernel."""
+    return _merge_call(partials, None, interpret)

@@ -11,7 +11,8 @@ share a KV head and all T new tokens form the rows ``r = t * G + g`` of that pro
 tiles of :data:`ROW_TILE`; each KV block is loaded once and applied to every row tile, so the cache
 is read once per sequence per call. A program walks its split's KV blocks in order, only as far as
 the largest query position of its sequence needs; partial results ``(max, sum, acc)`` of the
-splits are merged after the kernel by elementwise ops in a fixed order.
+splits are merged after the kernel by elementwise ops in a fixed order (:func:`merge`), or by the
+next matmul's activation prologue (:func:`pallas_kernels.gpu_activations.attention_quantize`).
 
 Row-count invariance: a row tile always has the same shape, whatever T is; a KV block that lies
 beyond a row's position is fully masked for that row and leaves its running state bitwise
@@ -21,8 +22,10 @@ number of splits and the block size depend on the cache length, batch and head c
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -97,7 +100,10 @@ def _attention_kernel(layer_ref, q_ref, pos_ref, k_ref, v_ref, acc_ref, m_ref, l
 
 
 def _merge(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
-    """Combine split partials ``[..., P, R(, d)]`` left to right with elementwise ops only."""
+    """Combine split partials ``[..., P, R(, d)]`` left to right with elementwise ops only, the sum
+    times the correctly rounded reciprocal of the weights' sum (XLA rewrites a division by a
+    broadcast into that product on some backends and not others; spelled out, every backend and
+    the merge kernel of :mod:`pallas_kernels.gpu_activations` agree)."""
     top = m[:, :, 0]
     for p in range(1, m.shape[2]):
         top = jnp.maximum(top, m[:, :, p])
@@ -106,7 +112,7 @@ def _merge(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
         w = jnp.exp(m[:, :, p] - top)  # 0 for a split with nothing visible (m = -inf)
         a, b = w[..., None] * acc[:, :, p], w * l[:, :, p]
         num, den = (a, b) if num is None else (num + a, den + b)
-    return num / den[..., None]
+    return num * (np.float32(1) / den)[..., None]
 
 
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, *,
@@ -119,6 +125,38 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
 
     ``S`` must be a multiple of the KV block (default :data:`BLOCK_S`, or the largest power of two
     >= 16 dividing S). ``splits`` defaults to :func:`num_splits`."""
+    return merge(attention_partials(q, k, v, q_pos, layer=layer, block_s=block_s, splits=splits,
+                                    interpret=interpret))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Partials:
+    """The kernel's per-split online-softmax state of each row ``r = t * G + g`` (query ``t``, head
+    ``g`` of a KV head's group): ``acc [B, KV, P, R, d]``, ``m``, ``l [B, KV, P, R]`` (float32, ``R``
+    padded past ``T * G``), and the output's shape and dtype."""
+
+    acc: jax.Array
+    m: jax.Array
+    l: jax.Array
+    shape: tuple[int, int, int, int] = dataclasses.field(metadata=dict(static=True))  # [B, T, H, d]
+    dtype: Any = dataclasses.field(metadata=dict(static=True))
+
+
+def merge(p: Partials) -> jax.Array:
+    """The attention output ``[B, T, H, d]`` from the splits' partials (:func:`_merge`)."""
+    b, t, h, d = p.shape
+    kvh = p.acc.shape[1]
+    out = _merge(p.acc, p.m, p.l)[:, :, :t * (h // kvh)]  # [B, KV, T*G, d]
+    return out.reshape(b, kvh, t, h // kvh, d).transpose(0, 2, 1, 3, 4).reshape(b, t, h, d).astype(p.dtype)
+
+
+def attention_partials(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, *,
+                       layer: jax.Array | None = None, block_s: int | None = None,
+                       splits: int | None = None, interpret: bool = False) -> Partials:
+    """:func:`decode_attention` up to the merge of the cache splits: the kernel's :class:`Partials`
+    (for :func:`merge`, or for a consumer that merges them itself,
+    :func:`pallas_kernels.gpu_activations.attention_quantize`)."""
     cache_dims = 4 if layer is None else 5
     if q.ndim != 4 or k.ndim != cache_dims or v.shape != k.shape:
         raise ValueError(f"expected q [B,T,H,d] and k, v {'[B,S,KV,d]' if layer is None else '[L,B,S,KV,d]'}; "
@@ -165,5 +203,4 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
          pl.BlockSpec((None, None, None, rows_pad), lambda i, j, p: (i, j, p, 0)),
          pl.BlockSpec((None, None, None, rows_pad), lambda i, j, p: (i, j, p, 0))),
         interpret, 4, 2, lidx, qr, pos, k, v)
-    out = _merge(acc, m, l)[:, :, :rows]  # [B, KV, T*G, d]
-    return out.reshape(b, kvh, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, h, d).astype(q.dtype)
+    return Partials(acc, m, l, (b, t, h, d), q.dtype)

@@ -95,7 +95,10 @@ def default_config(n: int, k: int, group: int, kind: str, block_n: int | None = 
 
     A function of ``(N, K, group)`` only, never of M (row-count invariance): 64-row weight tiles,
     512-wide K chunks for W4A16 and 256-wide for W4AX (halved until they fit K and the group), K
-    split in 2, 4 or 8 until there are :data:`MIN_PROGRAMS` programs. Given values are kept."""
+    split in 2, 4 or 8 until there are :data:`MIN_PROGRAMS` programs, for W4A16 giving each split
+    (but the last) at least 2 K chunks: one chunk leaves Triton's pipeline nothing to overlap (a
+    4096 x 4096 weight ran 1.2x faster split in 4 than in 8, bench/results/tune_session6.md). Given
+    values are kept."""
     if kind not in ("w4a16", "w4ax"):
         raise ValueError(f"kind must be 'w4a16' or 'w4ax', got {kind!r}")
     if block_n is None:
@@ -106,7 +109,9 @@ def default_config(n: int, k: int, group: int, kind: str, block_n: int | None = 
                                         or (split_k is not None and not _split_ok(k, group, block_k, split_k))):
             block_k //= 2
     if split_k is None:
-        split_k = _default_split(n // block_n, lambda s: _split_ok(k, group, block_k, s))
+        chunks = 2 if kind == "w4a16" else 1  # K units per split (but the last) at least
+        split_k = _default_split(n // block_n, lambda s: _split_ok(k, group, block_k, s)
+                                 and -(-_units(k, group, block_k) // s) >= chunks)
     return block_n, block_k, split_k
 
 
@@ -222,11 +227,12 @@ def _stacked_arrays(w: QuantizedWeight, packed: jax.Array, layer) -> tuple[tuple
     return stacked_input((packed, w.scales, w.mins), layer)
 
 
-def _store_tiles(o_ref, masks, accs):
-    """Store each row tile's ``acc[bn, bm]`` transposed into its rows of ``o_ref``."""
+def _store_tiles(o_ref, masks, accs, rows_first: bool = False):
+    """Store each row tile's ``acc[bn, bm]`` transposed (``acc[bm, bn]`` with ``rows_first``) into its
+    rows of ``o_ref``."""
     for r, (mask, acc) in enumerate(zip(masks, accs)):
         view = o_ref.at[pl.ds(r * mask.shape[0], mask.shape[0]), :]
-        pl_triton.store(view, acc.T, mask=jnp.broadcast_to(mask, view.shape))
+        pl_triton.store(view, acc if rows_first else acc.T, mask=jnp.broadcast_to(mask, view.shape))
 
 
 def _split_out(m: int, n: int, block_n: int, split_k: int, rows: int):
@@ -314,9 +320,11 @@ def _plane_group_values(ref, layer, i, t, block_k, group, words, interpret):
 
 
 def _w4a16_kernel(l_ref, x_ref, p_ref, s_ref, *rest, m: int, k: int, group: int, block_k: int,
-                  split_k: int, bm: int, tiles: int, interpret: bool):
+                  split_k: int, bm: int, tiles: int, rows_first: bool, interpret: bool):
     """Weight rows ``[bn]`` x up to ``tiles`` row tiles: ``acc_r[bn, bm] += sum_t W_t @ x_t,r.T``
-    over the 4 nibble planes ``t`` of the chunk's uint16 elements."""
+    over the 4 nibble planes ``t`` of the chunk's uint16 elements; with ``rows_first`` the tokens are
+    the MMA's M side instead, ``acc_r[bm, bn] += sum_t x_t,r @ W_t.T`` (the dequantized weights its
+    shared-memory operand)."""
     symmetric = len(rest) == 1
     m_ref, o_ref = (None, rest[0]) if symmetric else rest
     layer = l_ref[0]
@@ -336,12 +344,13 @@ def _w4a16_kernel(l_ref, x_ref, p_ref, s_ref, *rest, m: int, k: int, group: int,
             w_t = _w4a16_operand(p, t, s, mn, interpret)
             for r in range(tiles):
                 x_t = _plane_rows(x_ref, t, r, pl.ds(i * words, words), masks[r], interpret)
-                accs[r] = accs[r] + jax.lax.dot_general(w_t, x_t, dims, preferred_element_type=jnp.float32)
+                a, b = (x_t, w_t) if rows_first else (w_t, x_t)
+                accs[r] = accs[r] + jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
         return tuple(accs)
 
-    zeros = tuple(jnp.zeros((bn, bm), jnp.float32) for _ in range(tiles))
+    zeros = tuple(jnp.zeros((bm, bn) if rows_first else (bn, bm), jnp.float32) for _ in range(tiles))
     accs = jax.lax.fori_loop(0, steps, body, zeros)
-    _store_tiles(o_ref, masks, accs)
+    _store_tiles(o_ref, masks, accs, rows_first)
 
 
 def activation_planes(x: jax.Array, planes: int) -> jax.Array:
@@ -359,14 +368,17 @@ def activation_planes(x: jax.Array, planes: int) -> jax.Array:
 def w4a16_matmul(x: jax.Array, w: QuantizedWeight, *, layer: jax.Array | None = None,
                  block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
                  block_m: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                 interpret: bool = False) -> jax.Array:
+                 rows_first: bool = False, interpret: bool = False) -> jax.Array:
     """``x[M, K] @ w4a16_weights(w).T`` with bf16 activations and float32 accumulation -> ``f32[M, N]``;
     ``x`` may already be bf16 planes ``[4, M, K/4]`` (:func:`activation_planes`, as
     :func:`pallas_kernels.gpu_activations.rms_norm_planes` writes them).
 
     With ``layer`` (an int32 scalar), ``w`` is a stack ``[L, N, ...]`` and layer ``layer`` is read in
     place. Tiles left as None come from :func:`default_config` (a function of N, K and the group size);
-    ``block_m`` (rows per tile), ``num_warps`` and ``num_stages`` change only timing (for tuning)."""
+    ``block_m`` (rows per tile), ``num_warps`` and ``num_stages`` change only timing (for tuning);
+    ``rows_first`` (tokens on the MMA's M side, see :func:`_w4a16_kernel`) is a tuning variant for
+    large M (the CPU tests find the default's bits in interpret mode; ``bench/tune.py`` compares
+    them on the GPU)."""
     if x.ndim == 3 and (x.shape[0] != 4 or x.dtype != jnp.bfloat16):
         raise ValueError(f"activation planes must be bfloat16 [4, M, K/4], got {x.dtype}{x.shape}")
     xp = x if x.ndim == 3 else None
@@ -384,7 +396,7 @@ def w4a16_matmul(x: jax.Array, w: QuantizedWeight, *, layer: jax.Array | None = 
     if xp is None:
         xp = activation_planes(x.astype(jnp.bfloat16), 4)
     kernel = functools.partial(_w4a16_kernel, m=m, k=k, group=g, block_k=block_k, split_k=split_k,
-                               bm=bm, tiles=tiles, interpret=interpret)
+                               bm=bm, tiles=tiles, rows_first=rows_first, interpret=interpret)
     sspec = stacked_spec(nl, (block_n, k // g), lambda i, j, s: (j, 0))
     in_specs = [LAYER_SPEC, pl.BlockSpec((4, rows, k // 4), lambda i, j, s: (0, i, 0)),
                 stacked_spec(nl, (block_n, k // 4), lambda i, j, s: (j, 0)), sspec]

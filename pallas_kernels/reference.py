@@ -39,6 +39,14 @@ def quantize_activations(x: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]
     return q, scale
 
 
+def swiglu(gate: jax.Array, up: jax.Array, reciprocal=lambda v: np.float32(1) / v) -> jax.Array:
+    """The MLP's ``silu(gate) * up``: ``gate * (1 / (1 + exp(-gate))) * up`` in float32, rounded once
+    to ``gate``'s dtype. ``reciprocal``: the GPU prologue kernel passes PTX ``rcp.rn`` (the same
+    correctly rounded value), where Triton's division would be approximate."""
+    g = gate.astype(jnp.float32)
+    return (g * reciprocal(1 + jnp.exp(-g)) * up.astype(jnp.float32)).astype(gate.dtype)
+
+
 def group_accumulate(qa: jax.Array, qw: jax.Array, group_size: int) -> jax.Array:
     """Integer products summed per weight group: ``int32[M, G, N]`` from ``int8[M, K]``, ``int8[N, K]``."""
     (m, k), n = qa.shape, qw.shape[0]

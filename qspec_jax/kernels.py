@@ -43,13 +43,26 @@ class Layer:
         return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, self.index, keepdims=False), self.stacked)
 
 
+class Pending:
+    """A step not yet computed on ``x`` whose consumer is an INT4 linear layer: on the kernel path
+    the layer runs it fused with its activation prologue (:mod:`pallas_kernels.gpu_activations`:
+    the W4AX quantization, or the W4A16 bf16 planes); otherwise it computes it first
+    (:meth:`value`). Quacks like the array it stands for (``shape``, ``dtype``)."""
+
+    x: jax.Array
+
+    @property
+    def dtype(self) -> Any:
+        return self.x.dtype
+
+    def rows(self) -> jax.Array:
+        return self.x.reshape(-1, self.x.shape[-1])
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class PendingNorm:
-    """The RMSNorm of ``x``, not yet computed: the INT4 linear layer that consumes it either runs it
-    fused with its activation prologue (on the kernel path: quantization or the bf16 plane layout,
-    :mod:`pallas_kernels.gpu_activations`) or computes it first (:meth:`value`). Quacks like the
-    array it stands for (``shape``, ``dtype``)."""
+class PendingNorm(Pending):
+    """The RMSNorm of ``x``."""
 
     x: jax.Array
     scale: Any  # [H] or a Layer of stacked scales
@@ -61,12 +74,68 @@ class PendingNorm:
     def shape(self) -> tuple[int, ...]:
         return self.x.shape
 
-    @property
-    def dtype(self) -> Any:
-        return self.x.dtype
-
     def value(self) -> jax.Array:
         return rms_norm(self.x, self.scale, self.eps, self.row_tile, self.kernels)
+
+    def _norm(self) -> dict:
+        scale, layer = _split_layer(self.scale)
+        return dict(scale=scale, eps=self.eps, layer=layer, interpret=self.kernels == "interpret")
+
+    def planes(self) -> jax.Array:
+        return gpu_activations.rms_norm_planes(self.rows(), **self._norm())
+
+    def quantized(self, bits: int) -> tuple[jax.Array, jax.Array]:
+        return gpu_activations.rms_norm_quantize(self.rows(), bits=bits, **self._norm())
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PendingSwiGLU(Pending):
+    """The MLP's ``silu(gate) * up`` (:func:`pallas_kernels.reference.swiglu`) of ``x = [gate | up]``."""
+
+    x: jax.Array
+    kernels: str = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.x.shape[:-1], self.x.shape[-1] // 2)
+
+    def value(self) -> jax.Array:
+        return reference.swiglu(*jnp.split(self.x, 2, axis=-1))
+
+    def planes(self) -> jax.Array:
+        return gpu_activations.swiglu_planes(self.rows(), interpret=self.kernels == "interpret")
+
+    def quantized(self, bits: int) -> tuple[jax.Array, jax.Array]:
+        return gpu_activations.swiglu_quantize(self.rows(), bits, interpret=self.kernels == "interpret")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PendingAttention(Pending):
+    """The attention output as rows ``[B, T, H * d]``, its cache splits not yet merged
+    (:class:`pallas_kernels.gpu_attention.Partials`)."""
+
+    partials: gpu_attention.Partials
+    kernels: str = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        b, t, h, d = self.partials.shape
+        return (b, t, h * d)
+
+    @property
+    def dtype(self) -> Any:
+        return self.partials.dtype
+
+    def value(self) -> jax.Array:
+        return gpu_attention.merge(self.partials).reshape(self.shape)
+
+    def planes(self) -> jax.Array:
+        return gpu_activations.attention_planes(self.partials, interpret=self.kernels == "interpret")
+
+    def quantized(self, bits: int) -> tuple[jax.Array, jax.Array]:
+        return gpu_activations.attention_quantize(self.partials, bits, interpret=self.kernels == "interpret")
 
 
 def unstack(v: Any) -> Any:
@@ -106,10 +175,10 @@ def _matmul_supported(w: QuantizedWeight | jax.Array, mode: str) -> bool:
     return gpu_matmul.supported("w4a16" if mode == "w4a16" else "w4ax", *w.shape, w.group_size)
 
 
-def linear(x: jax.Array | PendingNorm, w: QuantizedWeight | jax.Array | Layer, mode: str,
+def linear(x: jax.Array | Pending, w: QuantizedWeight | jax.Array | Layer, mode: str,
            row_tile: int | None = None, kernels: str = "reference") -> jax.Array:
     """``x @ W.T`` as float32: packed weights in any mode, float weights only in ``w16a16``; ``w`` may
-    be a :class:`Layer` of stacked weights, ``x`` a :class:`PendingNorm`.
+    be a :class:`Layer` of stacked weights, ``x`` a :class:`Pending` step.
 
     With ``row_tile`` set the result is row-count invariant: the references run rows in fixed tiles,
     the kernels are invariant by construction.
@@ -124,7 +193,7 @@ def linear(x: jax.Array | PendingNorm, w: QuantizedWeight | jax.Array | Layer, m
     on_kernel = _on_kernels(kernels, row_tile) and _matmul_supported(w, mode)
     if on_kernel and packed and mode != "w16a16":
         return _int4_matmul(x, w, layer, mode, kernels == "interpret")
-    if isinstance(x, PendingNorm):
+    if isinstance(x, Pending):
         x = x.value()
     if layer is not None:
         w = Layer(w, layer).get()
@@ -141,39 +210,42 @@ def linear(x: jax.Array | PendingNorm, w: QuantizedWeight | jax.Array | Layer, m
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def _int4_matmul(x: jax.Array | PendingNorm, w: QuantizedWeight, layer: jax.Array | None, mode: str,
+def _int4_matmul(x: jax.Array | Pending, w: QuantizedWeight, layer: jax.Array | None, mode: str,
                  interpret: bool) -> jax.Array:
     """An INT4 kernel matmul reading the (stacked) weight in place: the activation prologue
-    (:mod:`pallas_kernels.gpu_activations`) prepares the input, with a :class:`PendingNorm`'s RMSNorm
-    fused into it; W4A16 takes bf16 rows (laid out by the kernel wrapper) or the fused planes."""
-    pending = isinstance(x, PendingNorm)
-    rows = (x.x if pending else x).reshape(-1, x.shape[-1])
-    if pending:
-        norm_scale, norm_layer = _split_layer(x.scale)
-        norm = dict(scale=norm_scale, eps=x.eps, layer=norm_layer, interpret=interpret)
+    (:mod:`pallas_kernels.gpu_activations`) prepares the input, with a :class:`Pending` step fused
+    into it; W4A16 takes bf16 rows (laid out by the kernel wrapper) or the fused planes."""
+    pending = isinstance(x, Pending)
     if mode == "w4a16":
-        xin = gpu_activations.rms_norm_planes(rows, **norm) if pending else rows
+        xin = x.planes() if pending else x.reshape(-1, x.shape[-1])
         y = gpu_matmul.w4a16_matmul(xin, w, layer=layer, interpret=interpret)
     else:
         bits = reference.ACT_BITS[mode]
-        qx, sa = (gpu_activations.rms_norm_quantize(rows, bits=bits, **norm) if pending
-                  else gpu_activations.quantize_rows(rows, bits, interpret=interpret))
+        qx, sa = x.quantized(bits) if pending else gpu_activations.quantize_rows(
+            x.reshape(-1, x.shape[-1]), bits, interpret=interpret)
         y = gpu_matmul.w4ax_quantized(qx, sa, w, layer=layer, interpret=interpret)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def attention(q: jax.Array, k: jax.Array | Layer, v: jax.Array | Layer, q_pos: jax.Array,
-              row_tile: int | None = None, kernels: str = "reference") -> jax.Array:
+              row_tile: int | None = None, kernels: str = "reference",
+              defer: bool = False) -> jax.Array | PendingAttention:
     """Attention of ``q[B,T,H,d]`` over a KV cache ``k, v[B,S,KV,d]`` (or :class:`Layer` views of
     the model's stacked cache) whose slot ``s`` holds position ``s`` (visible to a query iff
     ``s <= q_pos``). With ``row_tile``, row-count invariant: the reference runs each sequence's
-    queries in padded tiles of ``row_tile``."""
+    queries in padded tiles of ``row_tile``. ``defer`` (its consumer is an INT4 linear layer): on the
+    kernel path, where the heads allow, a :class:`PendingAttention` for that layer to merge the
+    cache splits in its activation prologue."""
     (ks, layer), (vs, _) = _split_layer(k), _split_layer(v)
     if _on_kernels(kernels, row_tile) and gpu_attention.supported(q.shape[-1], ks.shape[-3]):
         if ks.dtype != q.dtype or vs.dtype != q.dtype:  # casting would copy the cache every call
             raise ValueError(f"the KV cache ({ks.dtype}, {vs.dtype}) must have the compute dtype {q.dtype} "
                              "on the kernel path")
-        return gpu_attention.decode_attention(q, ks, vs, q_pos, layer=layer, interpret=kernels == "interpret")
+        kv_heads = ks.shape[-2]
+        partials = gpu_attention.attention_partials(q, ks, vs, q_pos, layer=layer, interpret=kernels == "interpret")
+        if defer and gpu_activations.attention_merge_supported(kv_heads, q.shape[2] // kv_heads, q.shape[-1]):
+            return PendingAttention(partials, kernels)
+        return gpu_attention.merge(partials)
     k, v = unstack(k).astype(q.dtype), unstack(v).astype(q.dtype)
     b = q.shape[0]
     k_pos = jnp.broadcast_to(jnp.arange(k.shape[1]), (b, k.shape[1]))
@@ -191,6 +263,16 @@ def attention(q: jax.Array, k: jax.Array | Layer, v: jax.Array | Layer, q_pos: j
 
     out = jax.lax.map(one, jnp.arange(b * n))
     return out.reshape(b, t + pad, *q.shape[2:])[:, :t]
+
+
+def swiglu(gate_up: jax.Array, row_tile: int | None = None, kernels: str = "reference",
+           defer: bool = False) -> jax.Array | PendingSwiGLU:
+    """The MLP's ``silu(gate) * up`` of ``gate_up = [gate | up]`` (:func:`pallas_kernels.reference.swiglu`,
+    elementwise: row-count invariant as it is). ``defer`` (its consumer is an INT4 linear layer): on the
+    kernel path a :class:`PendingSwiGLU`, for that layer to fuse with its activation prologue."""
+    if defer and _on_kernels(kernels, row_tile) and gate_up.shape[-1] % (2 * gpu_activations.PACK_BLOCK) == 0:
+        return PendingSwiGLU(gate_up, kernels)
+    return reference.swiglu(*jnp.split(gate_up, 2, axis=-1))
 
 
 def rms_norm(x: jax.Array, scale: jax.Array | Layer, eps: float, row_tile: int | None = None,

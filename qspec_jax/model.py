@@ -27,7 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from qspec_jax.config import LlamaConfig
-from qspec_jax.kernels import Layer, PendingNorm, attention, check_mode, linear, resolve_kernels, rms_norm, unstack
+from qspec_jax.kernels import (Layer, PendingNorm, attention, check_mode, linear, resolve_kernels, rms_norm, swiglu,
+                               unstack)
 from pallas_kernels import reference
 from pallas_kernels.layout import QuantizedWeight
 from pallas_kernels.rows import map_row_tiles
@@ -142,9 +143,11 @@ class Attention(_Block):
             rows = jnp.arange(b)[:, None]
             cache = tuple(Layer(kv.stacked.at[kv.index, rows, positions].set(new.astype(kv.stacked.dtype), mode="drop"),
                                 kv.index) for kv, new in zip(cache, (k, v)))
+        fuse = self.mode != "w16a16" and self.online_rotation_seed is None  # o's prologue merges the splits
         out = (reference.attention(q, k, v, positions, positions) if cache is None else
-               attention(q, *cache, positions, self.row_tile, self.kernels))
-        out = out.reshape(b, t, hq * d)
+               attention(q, *cache, positions, self.row_tile, self.kernels, defer=fuse))
+        if isinstance(out, jax.Array):
+            out = out.reshape(b, t, hq * d)
         if self.online_rotation_seed is not None:  # per head: [.., hq*d] -> [.., hq, d] rows
             per_head = lambda r: apply_transform(r.reshape(r.shape[0], hq, d), self.online_rotation_seed)  # noqa: E731
             out = map_row_tiles(lambda r: per_head(r).reshape(r.shape), out, self.row_tile)
@@ -153,13 +156,15 @@ class Attention(_Block):
 
 
 class MLP(_Block):
-    """SwiGLU: fused gate/up projection, ``silu(gate) * up``, then down."""
+    """SwiGLU: fused gate/up projection, ``silu(gate) * up``, then down (on the kernel path the
+    SwiGLU runs in down's activation prologue, unless a rotation comes between)."""
 
     @nn.compact
     def __call__(self, x):
         f = self.config.intermediate_size
-        gate, up = jnp.split(Linear(2 * f, self.mode, row_tile=self.row_tile, kernels=self.kernels, name="gate_up")(x), 2, axis=-1)
-        h = nn.silu(gate) * up
+        gate_up = Linear(2 * f, self.mode, row_tile=self.row_tile, kernels=self.kernels, name="gate_up")(x)
+        fuse = self.mode != "w16a16" and self.online_rotation_seed is None
+        h = swiglu(gate_up, self.row_tile, self.kernels, defer=fuse)
         if self.online_rotation_seed is not None:
             h = map_row_tiles(lambda r: apply_transform(r, self.online_rotation_seed), h, self.row_tile)
         return Linear(self.config.hidden_size, self.mode, row_tile=self.row_tile, kernels=self.kernels,

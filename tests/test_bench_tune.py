@@ -57,7 +57,7 @@ def test_prologue_tile_widths_keep_bits(rng, kind):
     configs = tune.prologue_variants(k)
     assert configs == [{}, {"max_blocks": 16}]  # 64 blocks: 64-block tiles are the whole row
     assert tune.prologue_variants(14336) == [{}, {"max_blocks": 16}, {"max_blocks": 32}]  # 224 = 7 * 32
-    x = random_x(rng, 5, k).astype(jnp.bfloat16)
+    x = random_x(rng, 5, tune.PROLOGUE_PARTS.get(kind, 1) * k).astype(jnp.bfloat16)
     scale = jnp.asarray(rng.random(k) + 0.5, jnp.bfloat16)
     base = jax.tree.leaves(tune.PROLOGUES[kind](x, scale, {"interpret": True}))
     for kw in configs[1:]:

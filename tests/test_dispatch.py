@@ -15,13 +15,15 @@ from convert.pipeline import convert_model
 from convert.quantize import QuantScheme
 from qspec_jax.api import generate
 from qspec_jax.decode import ROW_TILE
-from qspec_jax.kernels import Layer, PendingNorm, linear, resolve_kernels
+from qspec_jax.kernels import (Layer, PendingAttention, PendingNorm, PendingSwiGLU, attention, linear,
+                               resolve_kernels, swiglu)
 from qspec_jax.model import forward, init_cache
 from pallas_kernels import gpu_attention, gpu_matmul
 from tests.conftest import TINY, memory_model, random_source
 
 # kernel-friendly: head_dim a power of two, K a multiple of 64, N a multiple of 16
 KCFG = dataclasses.replace(TINY, vocab_size=112, hidden_size=64, intermediate_size=128, head_dim=16)
+KCFG64 = dataclasses.replace(KCFG, head_dim=64)  # heads whose attention output o's prologue merges
 
 
 def _model(rng, cfg=KCFG, group=32):
@@ -56,8 +58,9 @@ def _check_kernel_path(params, cfg, toks, pos, cache, mode):
 
 
 @pytest.mark.parametrize("mode", ["w4a16", "w4a8", "w4a4", "w16a16"])
-def test_kernel_path_matches_reference_and_is_row_count_invariant(rng, mode):
-    params, cfg = _model(rng)
+@pytest.mark.parametrize("cfg", [KCFG, KCFG64], ids=["head16", "head64"])
+def test_kernel_path_matches_reference_and_is_row_count_invariant(rng, mode, cfg):
+    params, cfg = _model(rng, cfg)
     _check_kernel_path(params, cfg, *_prefilled(rng, params, cfg), mode)
 
 
@@ -99,6 +102,54 @@ def test_pending_norm_fused_equals_norm_then_linear(rng, dtype):
         plain = linear(pending.value(), w, mode, ROW_TILE, "interpret")
         assert fused.shape == (2, 3, 2 * cfg.intermediate_size)
         np.testing.assert_array_equal(np.asarray(fused), np.asarray(plain), err_msg=mode)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_pending_swiglu_fused_equals_swiglu_then_linear(rng, dtype):
+    """down handed a PendingSwiGLU (the MLP's silu(gate) * up fused with its activation prologue)
+    gives the bits of down on the SwiGLU computed first, in every INT4 mode; ``swiglu`` defers only on
+    the kernel path."""
+    params, cfg = _model(rng)
+    w = Layer(params["layers"]["mlp"]["down"]["w"], jnp.int32(1))
+    f = cfg.intermediate_size
+    gate_up = jnp.asarray(rng.standard_normal((2, 3, 2 * f)), dtype)
+    pending = swiglu(gate_up, ROW_TILE, "interpret", defer=True)
+    assert isinstance(pending, PendingSwiGLU) and pending.shape == (2, 3, f) and pending.dtype == dtype
+    plain_h = swiglu(gate_up, ROW_TILE, "reference", defer=True)
+    assert not isinstance(plain_h, PendingSwiGLU)
+    np.testing.assert_array_equal(np.asarray(pending.value()), np.asarray(plain_h))
+    for mode in ("w4a16", "w4a8", "w4a4"):
+        fused = linear(pending, w, mode, ROW_TILE, "interpret")
+        plain = linear(plain_h, w, mode, ROW_TILE, "interpret")
+        assert fused.shape == (2, 3, cfg.hidden_size)
+        np.testing.assert_array_equal(np.asarray(fused), np.asarray(plain), err_msg=mode)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_pending_attention_fused_close_to_merged_then_linear(rng, dtype):
+    """o handed a PendingAttention (the cache splits merged in its activation prologue) is close to o
+    on the merged attention output in every INT4 mode (float32 sums may contract differently: a
+    W4AX code may move by one); ``attention`` defers only on the kernel path and for heads the
+    merge kernel tiles."""
+    params, cfg = _model(rng, KCFG64)
+    w = Layer(params["layers"]["attn"]["o"]["w"], jnp.int32(1))
+    b, t, s, d = 2, 3, 32, cfg.head_dim
+    q = jnp.asarray(rng.standard_normal((b, t, cfg.num_heads, d)), dtype)
+    k, v = (jnp.asarray(rng.standard_normal((b, s, cfg.num_kv_heads, d)), dtype) for _ in range(2))
+    pos = jnp.asarray([[5, 6, 7], [20, 21, 22]], jnp.int32)
+    pending = attention(q, k, v, pos, ROW_TILE, "interpret", defer=True)
+    assert isinstance(pending, PendingAttention) and pending.shape == (b, t, cfg.num_heads * d)
+    merged = pending.value()
+    np.testing.assert_array_equal(np.asarray(merged),
+                                  np.asarray(attention(q, k, v, pos, ROW_TILE, "interpret")).reshape(merged.shape))
+    assert not isinstance(attention(q, k, v, pos, ROW_TILE, "reference", defer=True), PendingAttention)
+    assert not isinstance(attention(q[..., :16], k[..., :16], v[..., :16], pos, ROW_TILE, "interpret", defer=True),
+                          PendingAttention)  # 16-wide heads: not whole 64-blocks
+    for mode in ("w4a16", "w4a8", "w4a4"):
+        fused = np.asarray(linear(pending, w, mode, ROW_TILE, "interpret"))
+        plain = np.asarray(linear(merged, w, mode, ROW_TILE, "interpret"))
+        assert fused.shape == (b, t, cfg.hidden_size)
+        assert np.linalg.norm(fused - plain) / np.linalg.norm(plain) < 2e-2, mode
 
 
 def test_bad_kernels_value_raises(rng):

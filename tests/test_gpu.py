@@ -8,7 +8,7 @@ Run on the device: ``PYTHONPATH=. python3 -m pytest -q -s tests/test_gpu.py`` (w
   kernel, attention and RMSNorm within 1e-2 relative of float64 numpy;
 * the activation prologue kernels (quantization alone or fused with the RMSNorm, the RMSNorm in
   the W4A16 plane layout) bitwise against the reference quantization computed on the CPU and the
-  RMSNorm kernel;
+  RMSNorm kernel; the SwiGLU and attention-merge prologues against float64 and row-count invariant;
 * row-count invariance, bitwise: every row of an M-row call equals the same row computed alone, for
   M = 1..256 (matmuls, RMSNorm) and 1..8 queries per sequence (attention);
 * the whole decode-time forward: a verify pass over several tokens gives bitwise the logits and KV
@@ -22,6 +22,7 @@ Run on the device: ``PYTHONPATH=. python3 -m pytest -q -s tests/test_gpu.py`` (w
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -86,6 +87,14 @@ def test_matmul_kernels_match_references(rng, n, k, group, symmetric):
     assert err <= 1e-2
 
 
+def _compile_all(fn, arg_sets: list[tuple]) -> list:
+    """``jax.jit(fn)`` compiled for each argument set, the compiles in parallel threads (a GPU test
+    that tries many row counts spends most of its time compiling)."""
+    lowered = [jax.jit(fn).lower(*args) for args in arg_sets]
+    with ThreadPoolExecutor(8) as pool:
+        return list(pool.map(lambda low: low.compile(), lowered))
+
+
 def _rows_alone(fn, x):
     """Each row of ``x`` through ``fn`` as a 1-row call (one compiled function)."""
     one = jax.jit(fn)
@@ -106,8 +115,8 @@ def test_row_count_invariance(rng, kind, n, k, group, symmetric):
           "rmsnorm": lambda a: gpu_norm.rms_norm(a, scale, 1e-5)}[kind]
     x = _x(rng, max(INVARIANCE_MS), k, dtype)
     alone = _rows_alone(fn, x)
-    for m in INVARIANCE_MS:
-        np.testing.assert_array_equal(np.asarray(jax.jit(fn)(x[:m])), alone[:m], err_msg=f"M={m}")
+    for m, call in zip(INVARIANCE_MS, _compile_all(fn, [(x[:m],) for m in INVARIANCE_MS]), strict=True):
+        np.testing.assert_array_equal(np.asarray(call(x[:m])), alone[:m], err_msg=f"M={m}")
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -132,8 +141,10 @@ def test_attention_kernel(rng, dtype, heads, kv, d):
     err = _rel(full, want)
     print(f"attention H={heads} KV={kv} d={d} {jnp.dtype(dtype).name}: rel err {err:.2e}")
     assert err <= 1e-2
-    for t in range(1, 9):  # queries 0..t-1 in one call == the same queries of the 8-query call
-        np.testing.assert_array_equal(np.asarray(att(q[:, :t], k, v, pos[:, :t])), full[:, :t], err_msg=f"T={t}")
+    sets = [(q[:, :t], k, v, pos[:, :t]) for t in range(1, 9)]
+    for t, call in enumerate(_compile_all(gpu_attention.decode_attention, sets), start=1):
+        # queries 0..t-1 in one call == the same queries of the 8-query call
+        np.testing.assert_array_equal(np.asarray(call(*sets[t - 1])), full[:, :t], err_msg=f"T={t}")
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -164,6 +175,74 @@ def test_activation_prologue_kernels(rng, dtype, h):
         bf = gpu_activations.rms_norm_planes(x, scales, 1e-5, layer=jnp.int32(1))
         want = gpu_matmul.activation_planes(normed.astype(jnp.bfloat16), 4)
         np.testing.assert_array_equal(np.asarray(bf, np.float32), np.asarray(want, np.float32), err_msg=f"planes M={m}")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_attention_merge_prologue(rng, dtype):
+    """On the GPU, Llama-3-8B heads with the cache split (the default splits at batch 4, 2048 slots):
+    attention_planes against float64 attention; attention_quantize's codes within 1 of the reference
+    quantization of the XLA merge of the same partials; each query's row bitwise the same in calls of
+    1..4 queries (row-count invariance)."""
+    from pallas_kernels import gpu_activations
+
+    b, s, t = 4, 2048, 4
+    k, v = (jnp.asarray(rng.standard_normal((b, s, 8, 128)), dtype) for _ in range(2))
+    q = jnp.asarray(rng.standard_normal((b, t, 32, 128)), dtype)
+    pos = jnp.asarray(rng.integers(0, s - t, b)[:, None] + np.arange(t)[None], jnp.int32)
+    parts = jax.jit(gpu_attention.attention_partials)
+    assert parts(q, k, v, pos).acc.shape[2] > 1  # the cache is split
+    planes = np.asarray(jax.jit(lambda *a: gpu_activations.attention_planes(parts(*a)))(q, k, v, pos), np.float32)
+    got = planes.reshape(2, 2, b * t, 64, 16).transpose(2, 3, 1, 4, 0).reshape(b * t, 4096)
+    q64, k64, v64 = (np.asarray(a.astype(jnp.float32), np.float64) for a in (q, k, v))
+    sc = np.einsum("bthd,bshd->bhts", q64, np.repeat(k64, 4, axis=2)) / np.sqrt(128)
+    sc = np.where(np.arange(s)[None, None, None] <= np.asarray(pos)[:, None, :, None], sc, -np.inf)
+    p = np.exp(sc - sc.max(-1, keepdims=True))
+    want = np.einsum("bhts,bshd->bthd", p / p.sum(-1, keepdims=True), np.repeat(v64, 4, axis=2)).reshape(b * t, 4096)
+    assert _rel(got, want) <= 1e-2
+    merged = jax.jit(lambda *a: gpu_attention.merge(parts(*a)))(q, k, v, pos).reshape(b * t, 4096)
+    quant = jax.jit(lambda *a, bits: gpu_activations.attention_quantize(parts(*a), bits), static_argnames="bits")
+    for bits in (8, 4):
+        codes, sa = quant(q, k, v, pos, bits=bits)
+        q_ref, s_ref = reference.quantize_activations(merged, bits)
+        assert np.abs(np.asarray(codes, np.int32) - np.asarray(gpu_matmul.activation_planes(q_ref, 2), np.int32)).max() <= 1
+        np.testing.assert_allclose(np.asarray(sa), np.asarray(s_ref), rtol=1e-6 if dtype == jnp.float32 else 8e-3)
+        for n in range(1, t):
+            c, s_n = quant(q[:, :n], k, v, pos[:, :n], bits=bits)
+            rows = (np.arange(b)[:, None] * t + np.arange(n)[None]).reshape(-1)
+            np.testing.assert_array_equal(np.asarray(c), np.asarray(codes)[:, rows], err_msg=f"T={n} bits={bits}")
+            np.testing.assert_array_equal(np.asarray(s_n), np.asarray(sa)[rows], err_msg=f"T={n} bits={bits}")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("f", [1536, 14336])
+def test_swiglu_prologue_kernels(rng, dtype, f):
+    """On the GPU: swiglu_planes within one bf16 rounding of the float64 SwiGLU; swiglu_quantize ==
+    the reference quantization of the kernel's own SwiGLU values (read back through the float32
+    planes), bitwise; every row of a 40-row call bitwise equal to that row alone (row-count
+    invariance)."""
+    from pallas_kernels import gpu_activations
+
+    gu = _x(rng, 40, 2 * f, dtype)
+    g64, u64 = (np.asarray(a.astype(jnp.float32), np.float64) for a in (gu[:, :f], gu[:, f:]))
+    want = g64 / (1 + np.exp(-g64)) * u64
+    planes = gpu_activations.swiglu_planes(gu)
+    got = np.asarray(planes, np.float32).reshape(2, 2, 40, f // 64, 16).transpose(2, 3, 1, 4, 0).reshape(40, f)
+    np.testing.assert_allclose(got, want, rtol=8e-3, atol=1e-30)
+    if dtype == jnp.float32:  # the float32 values themselves: W4AX codes of the float32 SwiGLU
+        for bits in (8, 4):
+            q, s = gpu_activations.swiglu_quantize(gu, bits)
+            qr, sr = reference.quantize_activations(jnp.asarray(want, jnp.float32), bits)
+            assert np.abs(np.asarray(q, np.int32) - np.asarray(gpu_matmul.activation_planes(qr, 2), np.int32)).max() <= 1
+            np.testing.assert_allclose(np.asarray(s), np.asarray(sr), rtol=1e-6)
+    for bits in (8, 4, None):
+        call = (lambda a: gpu_activations.swiglu_planes(a)) if bits is None else (
+            lambda a, b=bits: gpu_activations.swiglu_quantize(a, b))
+        full = jax.tree.map(np.asarray, call(gu))
+        for m in (1, 7):
+            alone = jax.tree.map(np.asarray, call(gu[m:m + 1]))
+            for a, b in zip(jax.tree.leaves(alone), jax.tree.leaves(full), strict=True):
+                row = b[:, m:m + 1] if b.ndim == 3 else b[m:m + 1]
+                np.testing.assert_array_equal(a.astype(np.float32), row.astype(np.float32), err_msg=f"bits={bits} row {m}")
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

@@ -156,10 +156,26 @@ def test_split_k(rng, symmetric, k, splits):
         y16 = np.asarray(gm.w4a16_matmul(x, w, block_n=BN, block_k=128, split_k=split, interpret=True))
         w16 = np.asarray(ref.quantized_matmul(x, w, "w4a16"))
         assert np.linalg.norm(y16 - w16) / np.linalg.norm(w16) < 1e-5
+        # tokens on the MMA's M side (a tuning variant): the same products and K order
+        y16t = gm.w4a16_matmul(x, w, block_n=BN, block_k=128, split_k=split, rows_first=True, interpret=True)
+        np.testing.assert_array_equal(np.asarray(y16t), y16)
         for f in (lambda a: gm.w4ax_matmul(a, w, 4, block_n=BN, split_k=split, interpret=True),
                   lambda a: gm.w4a16_matmul(a, w, block_n=BN, block_k=128, split_k=split, interpret=True)):
             alone = np.asarray(f(x[4:5]))[0]
             np.testing.assert_array_equal(np.asarray(f(x))[4], alone)
+
+
+def test_default_w4a16_splits_keep_two_chunks():
+    """Every default W4A16 K split but the last holds at least 2 K chunks (where the shape has 2),
+    the split still a function of the shape alone; W4AX keeps splitting down to one chunk."""
+    for n, k, g in [(6144, 4096, 128), (4096, 4096, 128), (4096, 14336, 128), (5120, 5120, 128),
+                    (960, 576, 32), (576, 1536, 32), (4096, 1024, 128)]:
+        bn, bk, split = gm.default_config(n, k, g, "w4a16")
+        units = k // max(g, bk)
+        assert -(-units // split) >= min(2, units), (n, k, g, split)
+        assert split == 1 or n // bn * split // 2 < gm.MIN_PROGRAMS  # a split only while programs are few
+    assert gm.default_config(4096, 4096, 128, "w4a16")[2] == 4  # Llama o: was 8 (one chunk each)
+    assert gm.default_config(4096, 4096, 128, "w4ax")[2] == 8
 
 
 def test_unsupported_shapes_raise(rng):
@@ -218,6 +234,42 @@ def test_decode_attention(rng, heads, kv, splits):
         gpu_attention.decode_attention(q[..., :12], k[..., :12], v[..., :12], pos, interpret=True)
     with pytest.raises(ValueError, match="q_pos"):
         gpu_attention.decode_attention(q, k, v, pos[:, :2], interpret=True)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_attention_merge_prologue(rng, dtype, splits):
+    """attention_quantize / attention_planes merge the attention kernel's cache splits themselves,
+    as rows [B*T, H*d]: the bf16 planes against float64 attention; the W4AX codes within 1 of the
+    reference quantization of the XLA merge of the same partials (checked against float64 by
+    test_decode_attention; float32 sums may contract differently) and the scales within its
+    rounding; the queries of a shorter call give the same rows, bitwise; heads the kernel cannot
+    tile raise."""
+    b, s, kv, h, d, t = 2, 128, 2, 8, 128, 3
+    k, v = (jnp.asarray(rng.standard_normal((b, s, kv, d)), dtype) for _ in range(2))
+    q = jnp.asarray(rng.standard_normal((b, t, h, d)), dtype)
+    pos = jnp.asarray(np.array([50, 100])[:, None] + np.arange(t)[None], jnp.int32)
+    parts = gpu_attention.attention_partials(q, k, v, pos, block_s=16, splits=splits, interpret=True)
+    want = _attention64(q, k, v, pos).reshape(b * t, h * d)
+    planes = np.asarray(gq.attention_planes(parts, interpret=True), np.float32)
+    got = planes.reshape(2, 2, b * t, h * d // 64, 16).transpose(2, 3, 1, 4, 0).reshape(b * t, h * d)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < (4e-3 if dtype == jnp.float32 else 1e-2)
+    merged = gpu_attention.merge(parts).reshape(b * t, h * d)
+    tol = 1e-6 if dtype == jnp.float32 else 8e-3  # a float32 ulp, or one bf16 rounding
+    for bits in (8, 4):
+        codes, sa = gq.attention_quantize(parts, bits, interpret=True)
+        q_ref, s_ref = ref.quantize_activations(merged, bits)
+        diff = np.abs(np.asarray(codes, np.int32) - np.asarray(gm.activation_planes(q_ref, 2), np.int32))
+        assert diff.max() <= 1 and diff.mean() < 0.01, (bits, diff.max(), diff.mean())
+        np.testing.assert_allclose(np.asarray(sa), np.asarray(s_ref), rtol=tol)
+        short = gpu_attention.attention_partials(q[:, :1], k, v, pos[:, :1], block_s=16, splits=splits, interpret=True)
+        c1, s1 = gq.attention_quantize(short, bits, interpret=True)
+        rows = np.arange(b) * t  # query 0 of each sequence
+        np.testing.assert_array_equal(np.asarray(c1), np.asarray(codes)[:, rows])
+        np.testing.assert_array_equal(np.asarray(s1), np.asarray(sa)[rows])
+    odd = gpu_attention.attention_partials(q[:, :, :6], k, v, pos, block_s=16, interpret=True)  # groups of 3
+    with pytest.raises(ValueError, match="power-of-two"):
+        gq.attention_quantize(odd, 8, interpret=True)
 
 
 def test_rms_norm_kernel(rng):
@@ -281,6 +333,33 @@ def test_activation_prologue_kernels(rng, dtype, bits):
         narrow = fn(x, bits=bits, max_blocks=4, interpret=True)
         for a, b in zip(narrow, out, strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{name} max_blocks=4")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_swiglu_prologue_kernels(rng, dtype):
+    """swiglu_quantize / swiglu_planes of rows ``[gate | up]`` == the reference SwiGLU (checked
+    against float64) then the reference quantization / the W4A16 plane layout, bitwise, in whole-row
+    tiles and in tiles of 4 blocks; bad widths and bits raise."""
+    m, f = 4, 576  # 9 64-blocks per half
+    gu = jnp.asarray(rng.standard_normal((m, 2 * f)) * 3, dtype)
+    h = ref.swiglu(gu[:, :f], gu[:, f:])
+    g64, u64 = (np.asarray(a, np.float64) for a in (gu[:, :f].astype(jnp.float32), gu[:, f:].astype(jnp.float32)))
+    want = g64 / (1 + np.exp(-g64)) * u64
+    tol = 2e-6 if dtype == jnp.float32 else 8e-3  # a few float32 ulps, or one bf16 rounding
+    np.testing.assert_allclose(np.asarray(h, np.float64), want, rtol=tol, atol=1e-30)
+    for max_blocks in (None, 4):
+        for bits in (8, 4):
+            q, s = gq.swiglu_quantize(gu, bits, max_blocks=max_blocks, interpret=True)
+            q_ref, s_ref = ref.quantize_activations(h, bits)
+            np.testing.assert_array_equal(np.asarray(q), np.asarray(gm.activation_planes(q_ref, 2)))
+            np.testing.assert_array_equal(np.asarray(s), np.asarray(s_ref))
+        planes = gq.swiglu_planes(gu, max_blocks=max_blocks, interpret=True)
+        np.testing.assert_array_equal(np.asarray(planes, np.float32),
+                                      np.asarray(gm.activation_planes(h.astype(jnp.bfloat16), 4), np.float32))
+    with pytest.raises(ValueError, match="2 x K"):
+        gq.swiglu_quantize(gu[:, :f], 8, interpret=True)  # 576 = 2 x 288: not whole 64-blocks per half
+    with pytest.raises(ValueError, match="bits"):
+        gq.swiglu_quantize(gu, 3, interpret=True)
 
 
 def test_stacked_inputs_read_the_indexed_layer(rng):
@@ -370,6 +449,7 @@ def test_lowers_for_gpu_without_deprecation_warning():
                 x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
                 for f in (gm.w4a16_matmul, lambda x, w: gm.w4ax_matmul(x, w, 4),
                           lambda x, w: gm.w4a16_matmul(x, w, split_k=2, block_k=128),
+                          lambda x, w: gm.w4a16_matmul(x, w, rows_first=True, block_m=64),
                           lambda x, w: gm.w4ax_matmul(x, w, 8, split_k=2)):
                     lower(f, x, w)
         bf = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
@@ -379,8 +459,16 @@ def test_lowers_for_gpu_without_deprecation_warning():
         lower(lambda x: gpu_activations.quantize_rows(x, 4, max_blocks=16), bf(3, 14336))
         lower(lambda x, s: gpu_activations.rms_norm_quantize(x, s, 1e-5, 8, layer=jnp.int32(1)), bf(3, 576), bf(4, 576))
         lower(lambda x, s: gpu_activations.rms_norm_planes(x, s, 1e-5, layer=jnp.int32(1)), bf(3, 576), bf(4, 576))
+        lower(lambda x: gpu_activations.swiglu_quantize(x, 4), bf(3, 2 * 14336))
+        lower(lambda x: gpu_activations.swiglu_planes(x), bf(3, 2 * 14336))
+        lower(lambda x: gpu_activations.swiglu_quantize(x, 8, max_blocks=64), jax.ShapeDtypeStruct((3, 2 * 1536), jnp.float32))
         lower(gpu_attention.decode_attention, bf(2, 4, 32, 128), bf(2, 256, 8, 128), bf(2, 256, 8, 128),
               jax.ShapeDtypeStruct((2, 4), jnp.int32))
+        parts = lambda q, k, v, p: gpu_attention.attention_partials(q, k, v, p)  # Llama-3-8B heads
+        lower(lambda *a: gpu_activations.attention_quantize(parts(*a), 8), bf(2, 4, 32, 128), bf(2, 256, 8, 128),
+              bf(2, 256, 8, 128), jax.ShapeDtypeStruct((2, 4), jnp.int32))
+        lower(lambda *a: gpu_activations.attention_planes(parts(*a)), bf(2, 4, 32, 128), bf(2, 256, 8, 128),
+              bf(2, 256, 8, 128), jax.ShapeDtypeStruct((2, 4), jnp.int32))
         print("lowered")
     """)
     proc = subprocess.run([sys.executable, "-W", "error:The Pallas Triton backend:DeprecationWarning",

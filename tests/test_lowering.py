@@ -25,9 +25,10 @@ from tests.test_kernels import random_weight
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 # Per forward: qkv, o, gate/up, down, attention and two RMSNorms in the layer scan's body (once),
-# the final RMSNorm and the lm_head; W4A8 / W4A4 quantize the inputs of o and down in a kernel of
-# their own (the RMSNorms quantize those of qkv and gate/up).
-KERNELS_PER_FORWARD = {"w16a16": 9, "w4a16": 9, "w4a8": 11, "w4a4": 11}
+# the final RMSNorm and the lm_head; in the INT4 modes two prologue kernels prepare the inputs of o
+# (merging the attention's cache splits) and down (the SwiGLU of gate/up's output), as bf16 planes
+# for W4A16 or quantized for W4A8 / W4A4 (the RMSNorm kernels prepare those of qkv and gate/up).
+KERNELS_PER_FORWARD = {"w16a16": 9, "w4a16": 11, "w4a8": 11, "w4a4": 11}
 
 
 @pytest.fixture
