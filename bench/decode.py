@@ -29,8 +29,8 @@ same run. Phase floors: a draft step or verify pass cannot beat the larger of th
 its matmul FLOPs (2 x the matmul weights per token, attention left out) over the dense matmul rate
 measured in the same run (XLA's bf16 dot for the W4A16 verify, its int8 dot for a W4A8 / W4A4
 draft); each phase is reported as a multiple of its floor. Memory per method (paper Table 5): the
-device memory its compiled decode loop needs, from XLA's buffer assignment (weights, decode state,
-outputs and temporaries; a donated state counted once).
+buffers its compiled decode loop needs, from XLA's buffer assignment (weights, decode state,
+outputs and temporaries; a donated state counted once; constants inside the executable left out).
 
 Writes ``decode.json`` / ``decode.md`` under ``--out`` (default ``$OUT``, else bench/results), after
 every configuration. ``--resume OLD.json`` continues an earlier run: its configurations are kept and

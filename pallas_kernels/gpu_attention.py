@@ -102,8 +102,9 @@ def _attention_kernel(layer_ref, q_ref, pos_ref, k_ref, v_ref, acc_ref, m_ref, l
 def _merge(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
     """Combine split partials ``[..., P, R(, d)]`` left to right with elementwise ops only, the sum
     times the correctly rounded reciprocal of the weights' sum (XLA rewrites a division by a
-    broadcast into that product on some backends and not others; spelled out, every backend and
-    the merge kernel of :mod:`pallas_kernels.gpu_activations` agree)."""
+    broadcast into that product on some backends and not others: spelled out, they all compute
+    the same; the merge kernel of :mod:`pallas_kernels.gpu_activations` too, up to how the compiler
+    contracts the weighted sums into fused multiply-adds)."""
     top = m[:, :, 0]
     for p in range(1, m.shape[2]):
         top = jnp.maximum(top, m[:, :, p])

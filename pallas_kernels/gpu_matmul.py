@@ -377,8 +377,9 @@ def w4a16_matmul(x: jax.Array, w: QuantizedWeight, *, layer: jax.Array | None = 
     place. Tiles left as None come from :func:`default_config` (a function of N, K and the group size);
     ``block_m`` (rows per tile), ``num_warps`` and ``num_stages`` change only timing (for tuning);
     ``rows_first`` (tokens on the MMA's M side, see :func:`_w4a16_kernel`) is a tuning variant for
-    large M (the CPU tests find the default's bits in interpret mode; ``bench/tune.py`` compares
-    them on the GPU)."""
+    large M. The GPU may run it on another MMA instruction: it can become a default for some M only
+    if it gives the default's bits (``bench/tune.py`` compares its plain variants with the default on
+    the GPU; interpret mode cannot tell), or for every M at once."""
     if x.ndim == 3 and (x.shape[0] != 4 or x.dtype != jnp.bfloat16):
         raise ValueError(f"activation planes must be bfloat16 [4, M, K/4], got {x.dtype}{x.shape}")
     xp = x if x.ndim == 3 else None

@@ -41,8 +41,9 @@ def quantize_activations(x: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]
 
 def swiglu(gate: jax.Array, up: jax.Array, reciprocal=lambda v: np.float32(1) / v) -> jax.Array:
     """The MLP's ``silu(gate) * up``: ``gate * (1 / (1 + exp(-gate))) * up`` in float32, rounded once
-    to ``gate``'s dtype. ``reciprocal``: the GPU prologue kernel passes PTX ``rcp.rn`` (the same
-    correctly rounded value), where Triton's division would be approximate."""
+    to ``gate``'s dtype. ``reciprocal``: the GPU prologue kernel passes PTX ``rcp.rn`` (correctly
+    rounded, as ``1 / v`` is), where Triton's division would be approximate; ``exp`` is each
+    backend's own (within its ulps), so the GPU kernel and XLA may differ in the last bit."""
     g = gate.astype(jnp.float32)
     return (g * reciprocal(1 + jnp.exp(-g)) * up.astype(jnp.float32)).astype(gate.dtype)
 

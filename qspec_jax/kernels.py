@@ -44,10 +44,26 @@ class Layer:
 
 
 class Pending:
-    """A step not yet computed on ``x`` whose consumer is an INT4 linear layer: on the kernel path
-    the layer runs it fused with its activation prologue (:mod:`pallas_kernels.gpu_activations`:
-    the W4AX quantization, or the W4A16 bf16 planes); otherwise it computes it first
-    (:meth:`value`). Quacks like the array it stands for (``shape``, ``dtype``)."""
+    """A step not yet computed whose consumer is an INT4 linear layer: on the kernel path the layer
+    runs it fused with its activation prologue (:mod:`pallas_kernels.gpu_activations`: the W4AX
+    quantization, :meth:`quantized`, or the W4A16 bf16 planes, :meth:`planes`); otherwise it computes
+    it first (:meth:`value`). Quacks like the array it stands for (``shape``, ``dtype``)."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+
+    def value(self) -> jax.Array:
+        raise NotImplementedError
+
+    def planes(self) -> jax.Array:
+        raise NotImplementedError
+
+    def quantized(self, bits: int) -> tuple[jax.Array, jax.Array]:
+        raise NotImplementedError
+
+
+class _OnRows(Pending):
+    """A :class:`Pending` step of an array ``x`` (its rows, ``x[..., K]`` as ``[M, K]``)."""
 
     x: jax.Array
 
@@ -61,7 +77,7 @@ class Pending:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class PendingNorm(Pending):
+class PendingNorm(_OnRows):
     """The RMSNorm of ``x``."""
 
     x: jax.Array
@@ -90,7 +106,7 @@ class PendingNorm(Pending):
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class PendingSwiGLU(Pending):
+class PendingSwiGLU(_OnRows):
     """The MLP's ``silu(gate) * up`` (:func:`pallas_kernels.reference.swiglu`) of ``x = [gate | up]``."""
 
     x: jax.Array

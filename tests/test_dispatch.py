@@ -20,6 +20,7 @@ from qspec_jax.kernels import (Layer, PendingAttention, PendingNorm, PendingSwiG
 from qspec_jax.model import forward, init_cache
 from pallas_kernels import gpu_attention, gpu_matmul
 from tests.conftest import TINY, memory_model, random_source
+from tests.test_kernels import _attention64
 
 # kernel-friendly: head_dim a power of two, K a multiple of 64, N a multiple of 16
 KCFG = dataclasses.replace(TINY, vocab_size=112, hidden_size=64, intermediate_size=128, head_dim=16)
@@ -60,8 +61,8 @@ def _check_kernel_path(params, cfg, toks, pos, cache, mode):
 @pytest.mark.parametrize("mode", ["w4a16", "w4a8", "w4a4", "w16a16"])
 @pytest.mark.parametrize("cfg", [KCFG, KCFG64], ids=["head16", "head64"])
 def test_kernel_path_matches_reference_and_is_row_count_invariant(rng, mode, cfg):
-    params, cfg = _model(rng, cfg)
-    _check_kernel_path(params, cfg, *_prefilled(rng, params, cfg), mode)
+    params, cfg = _model(rng, cfg)  # head64: o's prologue merges the cache's splits (128 slots: several)
+    _check_kernel_path(params, cfg, *_prefilled(rng, params, cfg, slots=128 if cfg.head_dim == 64 else 32), mode)
 
 
 def test_greedy_qspec_equals_w4a16_on_kernel_path(rng):
@@ -117,7 +118,9 @@ def test_pending_swiglu_fused_equals_swiglu_then_linear(rng, dtype):
     assert isinstance(pending, PendingSwiGLU) and pending.shape == (2, 3, f) and pending.dtype == dtype
     plain_h = swiglu(gate_up, ROW_TILE, "reference", defer=True)
     assert not isinstance(plain_h, PendingSwiGLU)
-    np.testing.assert_array_equal(np.asarray(pending.value()), np.asarray(plain_h))
+    g64, u64 = (np.asarray(a.astype(jnp.float32), np.float64) for a in jnp.split(gate_up, 2, axis=-1))
+    np.testing.assert_allclose(np.asarray(pending.value(), np.float64), g64 / (1 + np.exp(-g64)) * u64,
+                               rtol=1e-6 if dtype == jnp.float32 else 8e-3, atol=1e-30)
     for mode in ("w4a16", "w4a8", "w4a4"):
         fused = linear(pending, w, mode, ROW_TILE, "interpret")
         plain = linear(plain_h, w, mode, ROW_TILE, "interpret")
@@ -133,15 +136,16 @@ def test_pending_attention_fused_close_to_merged_then_linear(rng, dtype):
     merge kernel tiles."""
     params, cfg = _model(rng, KCFG64)
     w = Layer(params["layers"]["attn"]["o"]["w"], jnp.int32(1))
-    b, t, s, d = 2, 3, 32, cfg.head_dim
+    b, t, s, d = 2, 3, 256, cfg.head_dim  # a cache of several splits
     q = jnp.asarray(rng.standard_normal((b, t, cfg.num_heads, d)), dtype)
     k, v = (jnp.asarray(rng.standard_normal((b, s, cfg.num_kv_heads, d)), dtype) for _ in range(2))
     pos = jnp.asarray([[5, 6, 7], [20, 21, 22]], jnp.int32)
     pending = attention(q, k, v, pos, ROW_TILE, "interpret", defer=True)
     assert isinstance(pending, PendingAttention) and pending.shape == (b, t, cfg.num_heads * d)
     merged = pending.value()
-    np.testing.assert_array_equal(np.asarray(merged),
-                                  np.asarray(attention(q, k, v, pos, ROW_TILE, "interpret")).reshape(merged.shape))
+    want = _attention64(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), pos)
+    assert np.linalg.norm(np.asarray(merged, np.float64) - want.reshape(merged.shape)) / np.linalg.norm(want) < (
+        1e-5 if dtype == jnp.float32 else 1e-2)
     assert not isinstance(attention(q, k, v, pos, ROW_TILE, "reference", defer=True), PendingAttention)
     assert not isinstance(attention(q[..., :16], k[..., :16], v[..., :16], pos, ROW_TILE, "interpret", defer=True),
                           PendingAttention)  # 16-wide heads: not whole 64-blocks
@@ -149,7 +153,8 @@ def test_pending_attention_fused_close_to_merged_then_linear(rng, dtype):
         fused = np.asarray(linear(pending, w, mode, ROW_TILE, "interpret"))
         plain = np.asarray(linear(merged, w, mode, ROW_TILE, "interpret"))
         assert fused.shape == (b, t, cfg.hidden_size)
-        assert np.linalg.norm(fused - plain) / np.linalg.norm(plain) < 2e-2, mode
+        tol = 2e-2 if mode != "w4a16" or dtype == jnp.bfloat16 else 1e-5  # a W4AX code or a bf16 rounding may move
+        assert np.linalg.norm(fused - plain) / np.linalg.norm(plain) < tol, mode
 
 
 def test_bad_kernels_value_raises(rng):
