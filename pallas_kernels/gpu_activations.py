@@ -302,6 +302,9 @@ def _merge_kernel(acc_ref, m_ref, l_ref, *outs, splits: int, dtype, bits: int | 
         v = num * inv[:, :, None, None]
         return v.reshape(blocks, v.shape[-1]).astype(dtype)
 
+    if bits is not None:  # the absmax and the codes passes read the same two halves: merge them once
+        halves = [values(0, half) for half in (0, 1)]
+        values = lambda i, half, byte=None: halves[half]  # noqa: E731
     _emit(values, outs, blocks, blocks, bits, interpret)
 
 
