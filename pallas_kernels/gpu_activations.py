@@ -259,10 +259,11 @@ def swiglu_planes(gate_up: jax.Array, *, max_blocks: int | None = None, interpre
 
 
 def attention_merge_supported(kv_heads: int, group: int, head_dim: int) -> bool:
-    """Whether :func:`attention_quantize` / :func:`attention_planes` can tile a row of these heads
-    (Triton tiles: powers of two; whole 64-blocks per head)."""
-    return all(v > 0 and v & (v - 1) == 0 for v in (kv_heads, group)) and head_dim % PACK_BLOCK == 0 and (
-        head_dim // PACK_BLOCK) & (head_dim // PACK_BLOCK - 1) == 0
+    """Whether :func:`attention_quantize` / :func:`attention_planes` can tile a row of these heads:
+    Triton tiles are powers of two, so the group and the 64-blocks per head must be (KV heads past
+    a power of two are masked)."""
+    return kv_heads > 0 and all(v > 0 and v & (v - 1) == 0 for v in (group, head_dim // PACK_BLOCK)) and (
+        head_dim % PACK_BLOCK == 0)
 
 
 def _merge_kernel(acc_ref, m_ref, l_ref, *outs, splits: int, dtype, bits: int | None, interpret: bool):
@@ -273,26 +274,36 @@ def _merge_kernel(acc_ref, m_ref, l_ref, *outs, splits: int, dtype, bits: int | 
     cast to ``dtype``, then written by :func:`_emit` (the whole row is one tile)."""
     kvh, _, g, nb, _ = acc_ref.shape
     blocks = kvh * g * nb
+    span = _span(kvh, interpret)  # KV heads past kvh (Triton's power-of-two tiles) read as m 0, l 1, acc 0
+
+    def load(ref, idx: tuple, other: float):
+        """``ref[:span, *idx]``, heads past kvh read as ``other``."""
+        view = ref.at[(pl.ds(0, span), *idx)]
+        if span == kvh:
+            return pl_triton.load(view)
+        shape = view.shape
+        return pl_triton.load(view, mask=jax.lax.broadcasted_iota(jnp.int32, shape, 0) < kvh, other=other)
+
     if interpret:  # the interpreter takes no integer index beside slices: whole arrays, indexed after
-        acc_ref, m_ref, l_ref = acc_ref[...], m_ref[...], l_ref[...]
-    ms = [m_ref[:, p, :] for p in range(splits)]
+        acc_all, m_all, l_all = acc_ref[...], m_ref[...], l_ref[...]
+    ms = [m_all[:, p, :] if interpret else load(m_ref, (p, slice(None)), 0.0) for p in range(splits)]
     top = ms[0]
     for p in range(1, splits):
         top = jnp.maximum(top, ms[p])
     ws = [jnp.exp(mp - top) for mp in ms]  # 0 for a split with nothing visible (m = -inf)
     den = None
     for p in range(splits):
-        d = ws[p] * l_ref[:, p, :]
+        d = ws[p] * (l_all[:, p, :] if interpret else load(l_ref, (p, slice(None)), 1.0))
         den = d if den is None else den + d
     inv = _reciprocal(den, interpret)
 
     def split_cols(p, half, byte):
         """Split ``p``'s accumulator ``[KV, G, nb, width]`` at plane ``(half, byte)``."""
         if interpret:
-            a = acc_ref[:, p, :, :, half * HALF:(half + 1) * HALF]
+            a = acc_all[:, p, :, :, half * HALF:(half + 1) * HALF]
             return a if byte is None else a[..., byte::2]
         cols = pl.ds(half * HALF, HALF) if byte is None else pl.ds(half * HALF + byte, HALF // 2, stride=2)
-        return acc_ref[:, p, :, :, cols]
+        return load(acc_ref, (p, slice(None), slice(None), cols), 0.0)
 
     def values(i, half, byte=None):
         num = None
@@ -300,7 +311,7 @@ def _merge_kernel(acc_ref, m_ref, l_ref, *outs, splits: int, dtype, bits: int | 
             t = ws[p][:, :, None, None] * split_cols(p, half, byte)
             num = t if num is None else num + t
         v = num * inv[:, :, None, None]
-        return v.reshape(blocks, v.shape[-1]).astype(dtype)
+        return v.reshape(span * g * nb, v.shape[-1]).astype(dtype)
 
     if bits is not None:  # the absmax and the codes passes read the same two halves: merge them once
         halves = [values(0, half) for half in (0, 1)]
@@ -316,8 +327,8 @@ def _merge_call(partials, bits: int | None, interpret: bool):
     kvh, splits, r = acc.shape[1], acc.shape[2], acc.shape[3]
     g, nb = h // kvh, d // PACK_BLOCK
     if not attention_merge_supported(kvh, g, d):
-        raise ValueError(f"the merge kernel needs power-of-two KV heads ({kvh}) and group ({g}) and a "
-                         f"power-of-two number of 64-blocks per head (head_dim {d})")
+        raise ValueError(f"the merge kernel needs a power-of-two group ({g}) and a power-of-two number "
+                         f"of 64-blocks per head (head_dim {d})")
     blocks = h * nb
     kernel = functools.partial(_merge_kernel, splits=splits, dtype=partials.dtype, bits=bits, interpret=interpret)
     in_specs = [pl.BlockSpec((None, kvh, splits, g, nb, PACK_BLOCK), lambda i, j: (i, 0, 0, j, 0, 0)),

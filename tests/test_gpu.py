@@ -178,28 +178,31 @@ def test_activation_prologue_kernels(rng, dtype, h):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_attention_merge_prologue(rng, dtype):
-    """On the GPU, Llama-3-8B heads with the cache split (the default splits at batch 4, 2048 slots):
+@pytest.mark.parametrize("heads,kv", [(32, 8), (40, 40)])
+def test_attention_merge_prologue(rng, dtype, heads, kv):
+    """On the GPU, Llama-3-8B and Llama-2-13B heads (40 KV heads: the kernel masks 24 more) with the
+    cache split (the default splits at batch 4, 2048 slots):
     attention_planes against float64 attention; attention_quantize's codes within 1 of the reference
     quantization of the XLA merge of the same partials; each query's row bitwise the same in calls of
     1..4 queries (row-count invariance)."""
     from pallas_kernels import gpu_activations
 
-    b, s, t = 4, 2048, 4
-    k, v = (jnp.asarray(rng.standard_normal((b, s, 8, 128)), dtype) for _ in range(2))
-    q = jnp.asarray(rng.standard_normal((b, t, 32, 128)), dtype)
+    b, s, t, g = 4, 2048, 4, heads // kv
+    width = heads * 128
+    k, v = (jnp.asarray(rng.standard_normal((b, s, kv, 128)), dtype) for _ in range(2))
+    q = jnp.asarray(rng.standard_normal((b, t, heads, 128)), dtype)
     pos = jnp.asarray(rng.integers(0, s - t, b)[:, None] + np.arange(t)[None], jnp.int32)
     parts = jax.jit(gpu_attention.attention_partials)
     assert parts(q, k, v, pos).acc.shape[2] > 1  # the cache is split
     planes = np.asarray(jax.jit(lambda *a: gpu_activations.attention_planes(parts(*a)))(q, k, v, pos), np.float32)
-    got = planes.reshape(2, 2, b * t, 64, 16).transpose(2, 3, 1, 4, 0).reshape(b * t, 4096)
+    got = planes.reshape(2, 2, b * t, width // 64, 16).transpose(2, 3, 1, 4, 0).reshape(b * t, width)
     q64, k64, v64 = (np.asarray(a.astype(jnp.float32), np.float64) for a in (q, k, v))
-    sc = np.einsum("bthd,bshd->bhts", q64, np.repeat(k64, 4, axis=2)) / np.sqrt(128)
+    sc = np.einsum("bthd,bshd->bhts", q64, np.repeat(k64, g, axis=2)) / np.sqrt(128)
     sc = np.where(np.arange(s)[None, None, None] <= np.asarray(pos)[:, None, :, None], sc, -np.inf)
     p = np.exp(sc - sc.max(-1, keepdims=True))
-    want = np.einsum("bhts,bshd->bthd", p / p.sum(-1, keepdims=True), np.repeat(v64, 4, axis=2)).reshape(b * t, 4096)
+    want = np.einsum("bhts,bshd->bthd", p / p.sum(-1, keepdims=True), np.repeat(v64, g, axis=2)).reshape(b * t, width)
     assert _rel(got, want) <= 1e-2
-    merged = jax.jit(lambda *a: gpu_attention.merge(parts(*a)))(q, k, v, pos).reshape(b * t, 4096)
+    merged = jax.jit(lambda *a: gpu_attention.merge(parts(*a)))(q, k, v, pos).reshape(b * t, width)
     quant = jax.jit(lambda *a, bits: gpu_activations.attention_quantize(parts(*a), bits), static_argnames="bits")
     for bits in (8, 4):
         codes, sa = quant(q, k, v, pos, bits=bits)

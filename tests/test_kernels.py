@@ -237,15 +237,16 @@ def test_decode_attention(rng, heads, kv, splits):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("splits", [1, 4])
-def test_attention_merge_prologue(rng, dtype, splits):
+@pytest.mark.parametrize("splits,kv", [(1, 2), (4, 2), (4, 3)])
+def test_attention_merge_prologue(rng, dtype, splits, kv):
     """attention_quantize / attention_planes merge the attention kernel's cache splits themselves,
     as rows [B*T, H*d]: the bf16 planes against float64 attention; the W4AX codes within 1 of the
     reference quantization of the XLA merge of the same partials (checked against float64 by
     test_decode_attention; float32 sums may contract differently) and the scales within its
     rounding; the queries of a shorter call give the same rows, bitwise; heads the kernel cannot
     tile raise."""
-    b, s, kv, h, d, t = 2, 128, 2, 8, 128, 3
+    b, s, d, t = 2, 128, 128, 3
+    h = 4 * kv  # 3 KV heads: on the GPU the kernel masks a fourth
     k, v = (jnp.asarray(rng.standard_normal((b, s, kv, d)), dtype) for _ in range(2))
     q = jnp.asarray(rng.standard_normal((b, t, h, d)), dtype)
     pos = jnp.asarray(np.array([50, 100])[:, None] + np.arange(t)[None], jnp.int32)
@@ -267,7 +268,7 @@ def test_attention_merge_prologue(rng, dtype, splits):
         rows = np.arange(b) * t  # query 0 of each sequence
         np.testing.assert_array_equal(np.asarray(c1), np.asarray(codes)[:, rows])
         np.testing.assert_array_equal(np.asarray(s1), np.asarray(sa)[rows])
-    odd = gpu_attention.attention_partials(q[:, :, :6], k, v, pos, block_s=16, interpret=True)  # groups of 3
+    odd = gpu_attention.attention_partials(q[:, :, :3 * kv], k, v, pos, block_s=16, interpret=True)  # groups of 3
     with pytest.raises(ValueError, match="power-of-two"):
         gq.attention_quantize(odd, 8, interpret=True)
 
