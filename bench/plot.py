@@ -54,24 +54,33 @@ def hf_series(rows: list[dict], context: int) -> dict[str, dict[str, list[tuple[
     return out
 
 
+def _linestyle(label: str) -> str:
+    return "--" if label.startswith("qspec") else ":" if label == HF_LABEL else "-"
+
+
 def plot(data: dict, context: int, out: Path) -> None:
-    """One panel per model; log-2 batch axis."""
+    """One panel per model; log-2 batch axis; one colour per method across panels, one legend."""
     models = sorted(data)
     if not models:
         raise SystemExit(f"no results at context {context}")
-    fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4.2), squeeze=False)
+    labels = sorted({label for lines in data.values() for label in lines})
+    colours = {label: plt.get_cmap("tab10")(i % 10) for i, label in enumerate(labels)}
+    fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4.8), squeeze=False)
     for ax, model in zip(axes[0], models):
         for label, pts in sorted(data[model].items()):
             pts = sorted(pts)
-            ax.plot([b for b, _ in pts], [t for _, t in pts], marker="o", label=label,
-                    linestyle="--" if label.startswith("qspec") else ":" if label == HF_LABEL else "-")
+            ax.plot([b for b, _ in pts], [t for _, t in pts], marker="o", label=label, color=colours[label],
+                    linestyle=_linestyle(label))
         ax.set_xscale("log", base=2)
         ax.set_title(f"{model}, context {context}")
         ax.set_xlabel("batch size")
         ax.set_ylabel("generated tokens/s (whole batch)")
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
+    handles = [plt.Line2D([], [], color=colours[label], marker="o", label=label,
+                          linestyle=_linestyle(label))
+               for label in labels]
+    fig.legend(handles=handles, loc="lower center", ncol=min(4, len(labels)), fontsize=8)
+    fig.tight_layout(rect=(0, 0.06 * ((len(labels) + 3) // 4), 1, 1))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out)
 
