@@ -231,10 +231,12 @@ def forward_loop(rt: Runtime, mode: str, reps: int):
     return jax.jit(many, donate_argnums=1)
 
 
-def forward_carry(state: DecodeState, tokens: int) -> tuple:
-    """``(tokens, positions, cache)`` for :func:`forward_loop`: ``tokens`` new tokens per sequence
-    after the state's committed ones."""
-    return state.tokens[:, :tokens], state.lengths[:, None] + jnp.arange(tokens)[None], state.cache
+def forward_carry(state: DecodeState, tokens: int, ahead: int = 0) -> tuple:
+    """``(tokens, positions, cache)`` for :func:`forward_loop`: ``tokens`` new tokens per sequence,
+    ``ahead`` positions after the state's committed ones (the phases are timed at the decode loops'
+    mean context, prompt + new / 2, where the floors are counted)."""
+    positions = state.lengths[:, None] + ahead + jnp.arange(tokens)[None]
+    return state.tokens[:, :tokens], positions, state.cache
 
 
 def time_forward(compiled, params, carry, reps: int) -> float:
@@ -303,10 +305,11 @@ def bench_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None
         res["prompt_tokens"] = float(np.mean([len(p) for p in prompts]))
         make = real_state_maker(model, rt, prompts, args.new, gmax)
     state = jax.eval_shape(make)  # abstract: for lowering
-    carry = lambda t: jax.eval_shape(lambda: forward_carry(make(), t))  # noqa: E731
+    carry = lambda t: jax.eval_shape(lambda: forward_carry(make(), t, args.new // 2))  # noqa: E731
     prompt = res.get("prompt_tokens", context)  # the real prompts fill the context only up to a shot
     floor_ms = 1e3 * (weight_bytes(params) + kv_bytes(cfg, batch, round(prompt) + args.new // 2)) / bw
     res["floor_ms_per_step"] = floor_ms
+    res["phase_context"] = round(prompt) + args.new // 2  # where forward_ms times the phases
     res["copy_bw"] = bw
     flops = matmul_flops_per_token(cfg)
 
@@ -337,7 +340,8 @@ def bench_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None
     log(f"  compiled {len(compiled)} programs in {time.perf_counter() - t0:.0f} s")
 
     def forward_ms(mode: str, tokens: int) -> float:
-        return time_forward(compiled["fwd", mode, tokens], params, forward_carry(make(), tokens), FORWARD_REPS)
+        return time_forward(compiled["fwd", mode, tokens], params, forward_carry(make(), tokens, args.new // 2),
+                            FORWARD_REPS)
 
     for method in ar:
         secs, _ = time_loop(compiled["ar", method], fparams if method == "w16a16" else params, make, args.new,
@@ -429,7 +433,8 @@ def markdown(run: dict) -> str:
         lines += [f"## {r['model']}, batch {r['batch']}, context {r['context']} + {r['new']}", "",
                   f"W4A16 step floor {r['floor_ms_per_step']:.2f} ms; KV cache {r['cache_bytes'] / 1e9:.1f} GB"
                   + (f"; the process's peak GPU memory so far {r['peak_bytes'] / 1e9:.1f} GB" if r.get("peak_bytes") else "")
-                  + prompt, "",
+                  + prompt + "; QSPEC phases timed at context "
+                  + (f"{r['phase_context']} (the loops' mean)" if "phase_context" in r else "= the prompt's end"), "",
                   "| method | tok/s | ms/step or round | tokens/round | draft / verify / overhead ms | "
                   "draft / verify x floor | vs W4A16 | model | memory GB |",
                   "|---|---|---|---|---|---|---|---|---|"]

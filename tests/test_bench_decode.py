@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import jax
+import numpy as np
 import pytest
 
 from bench import decode, hf_baseline, plot
@@ -43,6 +44,17 @@ def test_decode_bench_smoke(tmp_path):
         weights = nbytes(decode.float_params(params) if m == "w16a16" else params)
         assert e["memory_bytes"] >= weights + res["cache_bytes"], m
     assert "replayed" in (out / "decode.md").read_text()
+    assert res["phase_context"] == 64 + 16 // 2  # the phases are timed where the floors are counted
+
+
+def test_forward_carry_positions():
+    """The timed forwards sit ``ahead`` positions past each sequence's committed tokens."""
+    cfg = decode.MODELS["smoke"]
+    state = decode.fresh_state(cfg, 3, 20, 8, 2, 0)
+    toks, pos, cache = decode.forward_carry(state, 4, 5)
+    lengths = jax.device_get(state.lengths)
+    assert toks.shape == (3, 4) and cache is state.cache
+    assert (jax.device_get(pos) == lengths[:, None] + 5 + np.arange(4)[None]).all()
 
 
 def test_plot_series_and_file(tmp_path):
