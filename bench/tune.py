@@ -13,7 +13,7 @@ summation order; rows per tile, warps and stages must not change a bit). Writes 
 under ``--out`` (default ``$OUT``, else bench/results) after every shape. ``--attn`` also sweeps
 the decode attention kernel's KV block and cache splits (``--shapes ''`` for attention alone);
 ``--prologue`` the activation-prologue kernels' tile width (:mod:`pallas_kernels.gpu_activations`)
-at the Llama-3-8B hidden and intermediate widths.
+at the hidden and intermediate widths of all three model shapes.
 """
 
 from __future__ import annotations
@@ -44,9 +44,10 @@ PROLOGUES = {  # the activation-prologue kernels, on x [M, K] (SwiGLU: [M, 2K]) 
     "norm_quantize": lambda x, s, kw: gpu_activations.rms_norm_quantize(x, s, 1e-5, 8, **kw),
     "norm_planes": lambda x, s, kw: gpu_activations.rms_norm_planes(x, s, 1e-5, **kw),
     "swiglu_quantize": lambda x, s, kw: gpu_activations.swiglu_quantize(x, 8, **kw),
+    "swiglu_quantize_one": lambda x, s, kw: gpu_activations.swiglu_quantize(x, 8, spread=False, **kw),
     "swiglu_planes": lambda x, s, kw: gpu_activations.swiglu_planes(x, **kw),
 }
-PROLOGUE_PARTS = {"swiglu_quantize": 2, "swiglu_planes": 2}  # input row widths in units of K (else 1)
+PROLOGUE_PARTS = {"swiglu_quantize": 2, "swiglu_quantize_one": 2, "swiglu_planes": 2}  # input row widths in units of K (else 1)
 ORDER_KEYS = ("block_k", "split_k", "block_n")  # change the summation order (the default split follows block_n)
 
 
@@ -125,25 +126,35 @@ def sweep_shape(shape: str, kinds: list[str], ms: list[int], tmp: Path, threads:
     return rows
 
 
+PROLOGUE_TILES = (32, 64, 128)  # max_blocks tried against the default
+
+
 def prologue_variants(k: int) -> list[dict]:
-    """Tile widths tried for a row of ``k``; the first, ``{}``, is the default (the whole row). Each
-    ``max_blocks`` is the tile the kernel will use (a power of two dividing the row's block count)."""
+    """Tile widths tried for a row of ``k``; the first, ``{}``, is the default. Each ``max_blocks`` is
+    the tile the kernel will use (the largest divisor of the row's block count up to it)."""
     blocks = k // gpu_activations.PACK_BLOCK
-    tiles = sorted({gpu_activations.tile_blocks(blocks, b) for b in (16, 64)} - {blocks})
+    default = gpu_activations.tile_blocks(blocks, gpu_activations.MAX_BLOCKS)
+    tiles = sorted({gpu_activations.tile_blocks(blocks, b) for b in PROLOGUE_TILES} - {default})
     return [{}] + [{"max_blocks": t} for t in tiles]
 
 
+def prologue_widths() -> list[int]:
+    """The hidden and intermediate widths of every shape in :data:`bench.kernels.MODELS`."""
+    return sorted({w for shapes in MODELS.values() for w in (shapes["o"][1], shapes["down"][1])})
+
+
 def sweep_prologue(ms: list[int], tmp: Path, threads: int) -> list[dict]:
-    """The activation-prologue kernels at the hidden and intermediate widths: the default tile (the
-    whole row) against narrower ones, which must give the same bits."""
+    """The activation-prologue kernels at every model's hidden and intermediate widths: the default
+    tile against narrower ones, which must give the same bits."""
     rows = []
-    for k in sorted({MODELS["llama3-8b"]["o"][1], MODELS["llama3-8b"]["down"][1]}):
+    for k in prologue_widths():
         scale = jax.random.uniform(jax.random.key(7), (k,), jnp.bfloat16, 0.5, 1.5)
         jobs, meta = [], []
         for m in ms:
+            inputs = {parts: [jax.random.normal(jax.random.key(2000 + i), (m, parts * k), jnp.bfloat16)
+                              for i in range(CALLS)] for parts in (1, 2)}
             for kind, fn in PROLOGUES.items():
-                width = PROLOGUE_PARTS.get(kind, 1) * k
-                xs = [jax.random.normal(jax.random.key(2000 + i), (m, width), jnp.bfloat16) for i in range(CALLS)]
+                xs = inputs[PROLOGUE_PARTS.get(kind, 1)]
                 for kw in prologue_variants(k):
                     jobs.append(Job(lambda x, s, fn=fn, kw=kw: fn(x, s, kw), [(x, scale) for x in xs], pallas=True))
                     meta.append((kind, m, kw))
@@ -245,9 +256,15 @@ def main(argv: list[str] | None = None) -> None:
                 log(f"time budget: {shape} not run")
                 continue
             run["rows"] += sweep_shape(shape, kinds, ms, Path(tmp), args.threads)
-            (args.out / "tune.json").write_text(json.dumps(run, indent=1))
-            (args.out / "tune.md").write_text(markdown(run))
+            write(run, args.out)
+    write(run, args.out)
     print(markdown(run))
+
+
+def write(run: dict, out: Path) -> None:
+    """``tune.json`` and ``tune.md`` under ``out``."""
+    (out / "tune.json").write_text(json.dumps(run, indent=1))
+    (out / "tune.md").write_text(markdown(run))
 
 
 if __name__ == "__main__":

@@ -42,19 +42,17 @@ from pallas_kernels.layout import PACK_BLOCK
 
 HALF = PACK_BLOCK // 2  # a 64-block's elements in each W4AX plane (and each half of a block)
 MAX_BLOCKS = 256  # 64-blocks per tile at most (16384 elements)
+SPREAD_ROWS = 64  # swiglu_quantize spreads a row over programs up to this many rows
+SPREAD_BLOCKS = 16  # 64-blocks per program when spread
 _RCP_ASM = "rcp.rn.f32 $0, $1;"  # 1 / x, correctly rounded
 _ROUND_ASM = "cvt.rni.s32.f32 $0, $1;"  # to the nearest integer, ties to even
 
 
 def tile_blocks(blocks: int, max_blocks: int) -> int:
-    """The whole row's 64-block count if at most ``max_blocks``, else the largest power of two <=
-    ``max_blocks`` dividing it."""
-    if blocks <= max_blocks:
-        return blocks
-    b = max_blocks
-    while blocks % b:
-        b //= 2
-    return b
+    """The largest divisor of the row's 64-block count that is at most ``max_blocks`` (the whole row
+    if it fits): tiles never straddle the row's end, and on the GPU a tile's rows past a power of two
+    are masked."""
+    return max(d for d in range(1, min(blocks, max_blocks) + 1) if blocks % d == 0)
 
 
 def _asm(code: str, v: jax.Array, dtype) -> jax.Array:
@@ -126,12 +124,39 @@ def _prologue_kernel(l_ref, x_ref, x2_ref, *rest, h: int, eps: float | None, swi
         v = _load_cols(x2_ref, None, i * tb, tb, half, byte, interpret)
         if norm:
             v = normalized(v, r, _load_cols(s_ref, layer, i * tb, tb, half, byte, interpret), interpret)
-        if swiglu:  # the up half sits `blocks` 64-blocks after the gate half
-            up = _load_cols(x2_ref, None, blocks + i * tb, tb, half, byte, interpret)
-            v = reference.swiglu(v, up, lambda d: _reciprocal(d, interpret))
+        if swiglu:
+            v = _swiglu(v, x2_ref, blocks, i * tb, tb, half, byte, interpret)
         return v
 
     _emit(values, outs, blocks, tb, bits, interpret)
+
+
+def _swiglu(gate, x2_ref, blocks: int, first, tb: int, half: int, byte: int | None, interpret: bool):
+    """``reference.swiglu`` of the gate tile ``gate`` (blocks ``[first, first + tb)`` of a row
+    ``[gate | up]``, plane ``(half, byte)``) and its up tile, ``blocks`` 64-blocks further on."""
+    up = _load_cols(x2_ref, None, blocks + first, tb, half, byte, interpret)
+    return reference.swiglu(gate, up, lambda d: _reciprocal(d, interpret))
+
+
+def _tile_absmax(values, i, m: jax.Array) -> jax.Array:
+    """``max(m, |tile i|)`` over both W4AX planes of tile ``i``."""
+    for half in (0, 1):
+        m = jnp.maximum(m, jnp.max(jnp.abs(values(i, half).astype(jnp.float32))))
+    return m
+
+
+def _scale(amax: jax.Array, bits: int, interpret: bool) -> tuple[jax.Array, jax.Array]:
+    """The row's scale ``absmax * f32(1 / qmax)`` (1 for an all-zero row) and its reciprocal ``[1]``."""
+    scale = jnp.where(amax > 0, amax * np.float32(1 / (2 ** (bits - 1) - 1)), np.float32(1))
+    return scale, _reciprocal(jnp.full((1,), scale, jnp.float32), interpret)
+
+
+def _tile_codes(values, i, q_ref, tb: int, inv: jax.Array, bits: int, interpret: bool) -> None:
+    """Tile ``i``'s codes ``round_half_even(v * inv)`` clamped to ``bits``, into both planes of ``q_ref``."""
+    qmax = 2 ** (bits - 1) - 1
+    for half in (0, 1):
+        q = _round(values(i, half).astype(jnp.float32) * inv[:, None], interpret)
+        _store_rows(q_ref, half, i * tb, tb, jnp.clip(q, -qmax - 1, qmax).astype(jnp.int8))
 
 
 def _emit(values, outs, blocks: int, tb: int, bits: int | None, interpret: bool) -> None:
@@ -151,25 +176,68 @@ def _emit(values, outs, blocks: int, tb: int, bits: int | None, interpret: bool)
         return
 
     q_ref, sa_ref = outs
-    qmax = 2 ** (bits - 1) - 1
-
-    def absmax(i, m):
-        for half in (0, 1):
-            m = jnp.maximum(m, jnp.max(jnp.abs(values(i, half).astype(jnp.float32))))
-        return m
-
-    amax = jax.lax.fori_loop(0, blocks // tb, absmax, jnp.float32(0))
-    scale = jnp.where(amax > 0, amax * np.float32(1 / qmax), np.float32(1))
-    inv = _reciprocal(jnp.full((1,), scale, jnp.float32), interpret)
+    amax = jax.lax.fori_loop(0, blocks // tb, lambda i, m: _tile_absmax(values, i, m), jnp.float32(0))
+    scale, inv = _scale(amax, bits, interpret)
 
     def codes(i, carry):
-        for half in (0, 1):
-            q = _round(values(i, half).astype(jnp.float32) * inv[:, None], interpret)
-            _store_rows(q_ref, half, i * tb, tb, jnp.clip(q, -qmax - 1, qmax).astype(jnp.int8))
+        _tile_codes(values, i, q_ref, tb, inv, bits, interpret)
         return carry
 
     jax.lax.fori_loop(0, blocks // tb, codes, 0)
     sa_ref[...] = jnp.full((1,), scale, jnp.float32)
+
+
+def _swiglu_absmax_kernel(x2_ref, amax_ref, *, blocks: int, tb: int, interpret: bool):
+    """Phase 1 of :func:`_swiglu_quantize_spread`: ``amax_ref[1]`` = the absmax of tile
+    ``program_id(1)`` of the row's SwiGLU."""
+    values = lambda i, half: _swiglu(_load_cols(x2_ref, None, i * tb, tb, half, None, interpret),  # noqa: E731
+                                     x2_ref, blocks, i * tb, tb, half, None, interpret)
+    amax_ref[...] = jnp.full((1,), _tile_absmax(values, pl.program_id(1), jnp.float32(0)), jnp.float32)
+
+
+def _swiglu_codes_kernel(x2_ref, amax_ref, q_ref, sa_ref, *, blocks: int, tb: int, bits: int, interpret: bool):
+    """Phase 2: the row's scale from all its tiles' absmax (``amax_ref[T']``, the first ``blocks /
+    tb`` written), then tile ``program_id(1)``'s codes; tile 0 writes the scale."""
+    tiles = blocks // tb
+    span = amax_ref.shape[0]
+    if span == tiles:
+        amax = jnp.max(amax_ref[...])
+    else:
+        amax = jnp.max(pl_triton.load(amax_ref, mask=jax.lax.broadcasted_iota(jnp.int32, (span,), 0) < tiles,
+                                      other=0.0))
+    scale, inv = _scale(amax, bits, interpret)
+    values = lambda i, half: _swiglu(_load_cols(x2_ref, None, i * tb, tb, half, None, interpret),  # noqa: E731
+                                     x2_ref, blocks, i * tb, tb, half, None, interpret)
+    t = pl.program_id(1)
+    _tile_codes(values, t, q_ref, tb, inv, bits, interpret)
+
+    @pl.when(t == 0)
+    def _():
+        sa_ref[...] = jnp.full((1,), scale, jnp.float32)
+
+
+def _swiglu_quantize_spread(gate_up: jax.Array, bits: int, max_blocks: int, interpret: bool):
+    """:func:`swiglu_quantize` for few rows: a row's tiles spread over programs, in two kernels (the
+    tiles' absmax, then the codes; each reads its tile of ``[gate | up]``, from L2 the second time):
+    one program per row leaves all but M SMs idle and took 2-3x as long at M = 1 (bench/results/
+    kernels_history.md). Same bits: the absmax is exact in any order, the codes elementwise."""
+    m, h = gate_up.shape[0], gate_up.shape[1] // 2
+    blocks = h // PACK_BLOCK
+    tb = tile_blocks(blocks, max_blocks)
+    tiles = blocks // tb
+    span = _span(tiles, interpret)
+    x2 = gate_up.reshape(m, 2 * blocks, PACK_BLOCK)
+    row = pl.BlockSpec((None, 2 * blocks, PACK_BLOCK), lambda i, t: (i, 0, 0))
+    amax = call_kernel(functools.partial(_swiglu_absmax_kernel, blocks=blocks, tb=tb, interpret=interpret),
+                       jax.ShapeDtypeStruct((m, span), jnp.float32), (m, tiles), [row],
+                       pl.BlockSpec((None, 1), lambda i, t: (i, t)), interpret, NUM_WARPS, 1, x2)
+    out_shape = (jax.ShapeDtypeStruct((2, m, blocks, HALF), jnp.int8), jax.ShapeDtypeStruct((m, 1), jnp.float32))
+    out_specs = (pl.BlockSpec((2, None, blocks, HALF), lambda i, t: (0, i, 0, 0)),
+                 pl.BlockSpec((None, 1), lambda i, t: (i, 0)))
+    kernel = functools.partial(_swiglu_codes_kernel, blocks=blocks, tb=tb, bits=bits, interpret=interpret)
+    planes, sa = call_kernel(kernel, out_shape, (m, tiles), [row, pl.BlockSpec((None, span), lambda i, t: (i, 0))],
+                             out_specs, interpret, NUM_WARPS, 1, x2, amax)
+    return planes.reshape(2, m, h // 2), sa
 
 
 def _check_bits(bits) -> int:
@@ -184,17 +252,26 @@ def _check_eps(eps) -> float:
     return eps
 
 
+def _max_blocks(max_blocks: int | None, default: int) -> int:
+    max_blocks = default if max_blocks is None else max_blocks
+    if max_blocks < 1:
+        raise ValueError(f"max_blocks must be a positive number of 64-blocks, got {max_blocks}")
+    return max_blocks
+
+
+def _call_shape(x: jax.Array, parts: int) -> None:
+    if x.ndim != 2 or x.shape[1] % (parts * PACK_BLOCK):
+        raise ValueError(f"x must be [M, {'2 x ' if parts == 2 else ''}K] with K a multiple of {PACK_BLOCK}, "
+                         f"got shape {x.shape}")
+
+
 def _call(x: jax.Array, bits: int | None, scale: jax.Array | None, eps: float | None, layer,
           max_blocks: int | None, interpret: bool, swiglu: bool = False):
     """``bits`` None: W4A16 planes; ``eps`` None: no RMSNorm (the public functions check both);
     ``swiglu``: the rows are ``[gate | up]``, the values their SwiGLU."""
-    max_blocks = MAX_BLOCKS if max_blocks is None else max_blocks
-    if max_blocks < 1 or max_blocks & (max_blocks - 1):
-        raise ValueError(f"max_blocks must be a power of two, got {max_blocks}")
+    max_blocks = _max_blocks(max_blocks, MAX_BLOCKS)
     parts = 2 if swiglu else 1
-    if x.ndim != 2 or x.shape[1] % (parts * PACK_BLOCK):
-        raise ValueError(f"x must be [M, {'2 x ' if swiglu else ''}K] with K a multiple of {PACK_BLOCK}, "
-                         f"got shape {x.shape}")
+    _call_shape(x, parts)
     m, h = x.shape[0], x.shape[1] // parts
     blocks = h // PACK_BLOCK
     kernel = functools.partial(_prologue_kernel, h=h, eps=eps, swiglu=swiglu, bits=bits, max_blocks=max_blocks,
@@ -245,11 +322,19 @@ def rms_norm_planes(x: jax.Array, scale: jax.Array, eps: float, *, layer: jax.Ar
     return _call(x, None, scale, _check_eps(eps), layer, max_blocks, interpret)
 
 
-def swiglu_quantize(gate_up: jax.Array, bits: int, *, max_blocks: int | None = None,
+def swiglu_quantize(gate_up: jax.Array, bits: int, *, max_blocks: int | None = None, spread: bool | None = None,
                     interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """:func:`quantize_rows` of ``reference.swiglu(gate, up)`` for rows ``gate_up[M, 2K] = [gate | up]``,
-    in one kernel (the MLP's hidden rows are never written out)."""
-    return _call(gate_up, _check_bits(bits), None, None, None, max_blocks, interpret, swiglu=True)
+    """:func:`quantize_rows` of ``reference.swiglu(gate, up)`` for rows ``gate_up[M, 2K] = [gate | up]``
+    (the MLP's hidden rows are never written out): one kernel, or with ``spread`` (default: up to
+    :data:`SPREAD_ROWS` rows) two that spread each row over programs of ``max_blocks`` 64-blocks
+    (default :data:`SPREAD_BLOCKS`); the same bits either way."""
+    bits = _check_bits(bits)
+    if spread is None:
+        spread = gate_up.ndim == 2 and gate_up.shape[0] <= SPREAD_ROWS
+    if not spread:
+        return _call(gate_up, bits, None, None, None, max_blocks, interpret, swiglu=True)
+    _call_shape(gate_up, 2)
+    return _swiglu_quantize_spread(gate_up, bits, _max_blocks(max_blocks, SPREAD_BLOCKS), interpret)
 
 
 def swiglu_planes(gate_up: jax.Array, *, max_blocks: int | None = None, interpret: bool = False) -> jax.Array:

@@ -52,7 +52,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_kernels.layout import PACK_BLOCK, SYMMETRIC_OFFSET, QuantizedWeight
-from pallas_kernels.launch import LAYER_SPEC, at_layer, call_kernel, pl_triton, stacked_input, stacked_spec
+from pallas_kernels.launch import (LAYER_SPEC, at_layer, call_kernel, int32_offsets_wrap, pl_triton, stacked_input,
+                                   stacked_spec)
 from pallas_kernels.gpu_activations import quantize_rows
 
 # (rows per row tile, pipeline stages), smallest first, by activation operand; a call takes the first
@@ -206,6 +207,16 @@ def _plane_rows(ref, plane: int, r: int, cols, mask, interpret: bool):
     """Row tile ``r`` of ``ref[plane, :, cols]`` (rows beyond M as zeros)."""
     bm = mask.shape[0]
     return _load_rows(at_layer(ref, plane, (pl.ds(r * bm, bm), cols), interpret), mask)
+
+
+def _plane_cols(ref, plane: int, r: int, byte0, nbytes: int, parity: int | None, mask, interpret: bool):
+    """Row tile ``r`` of plane ``plane``'s columns ``[byte0, +nbytes)``, or with ``parity`` (0 / 1) of
+    its even / odd columns among them (rows beyond M as zeros)."""
+    if parity is None:
+        return _plane_rows(ref, plane, r, pl.ds(byte0, nbytes), mask, interpret)
+    if interpret:  # the interpreter takes no strided slice: every other column after
+        return _plane_rows(ref, plane, r, pl.ds(byte0, nbytes), mask, interpret)[:, parity::2]
+    return _plane_rows(ref, plane, r, pl.ds(byte0 + parity, nbytes // 2, stride=2), mask, interpret)
 
 
 def _load_layer(ref, layer, cols, interpret: bool, **kw):
@@ -421,6 +432,7 @@ _CODE_ASM = {
     (False, True): "{\n.reg .b32 t;\nshl.b32 t, $1, 4;\nlop3.b32 $0, t, 0xF0F0F0F0, 0x80808080, 0x6A;\n}",
     (True, True): "lop3.b32 $0, $1, 0xF0F0F0F0, 0x80808080, 0x6A;",
 }
+WORDS_MIN_K = 128  # w4ax_quantized's words: 64 bytes per group or chunk, 32 per MMA
 SIGNED_SCALE = 16  # symmetric codes enter the MMA as 16 * (u - 8): acc = 16 * sum((u - 8) * x), exactly
 # (|16 (u - 8) x| <= 16256: int32 holds a group of up to 132k elements)
 assert SYMMETRIC_OFFSET == 8 and SIGNED_SCALE == 16, "_CODE_ASM hard-codes both (0x80: -8 << 4)"
@@ -438,12 +450,13 @@ def _codes_int8(p: jax.Array, high: bool, symmetric: bool, interpret: bool) -> j
 
 
 def _w4ax_kernel(l_ref, qx_ref, sa_ref, p_ref, s_ref, *rest, m: int, k: int, group: int, block_k: int,
-                 split_k: int, bm: int, tiles: int, return_acc: bool, interpret: bool):
+                 split_k: int, bm: int, tiles: int, words: bool, return_acc: bool, interpret: bool):
     """Weight rows ``[bn]`` x row tiles: per weight group, int8 MMAs into int32, then the epilogue.
 
     Groups of 32 are the low and high planes of one 64-block (groups 2b and 2b + 1); a group of
     >= 64 k is the same byte range of both planes (K = g/2 each), read in chunks of ``block_k`` when
-    it is longer than that (int32 accumulation across chunks: exact)."""
+    it is longer than that (int32 accumulation across chunks: exact). ``words``: the packed bytes
+    are read as uint16 words (``p_ref[L, N, K/4]``), see :func:`w4ax_quantized`."""
     symmetric = len(rest) == 1
     m_ref, o_ref = (None, rest[0]) if symmetric else rest
     layer = l_ref[0]
@@ -453,19 +466,30 @@ def _w4ax_kernel(l_ref, qx_ref, sa_ref, p_ref, s_ref, *rest, m: int, k: int, gro
     zeros = tuple((jnp.zeros((bn, bm), jnp.int32), None if symmetric else jnp.zeros((1, bm), jnp.int32))
                   for _ in range(tiles))
 
+    def weight_bytes(byte0, nbytes):
+        """``[(uint8 weight tile, its activation columns)]`` for bytes [byte0, +nbytes): one tile, or
+        with ``words`` the even and the odd bytes of the uint16 words (each ``nbytes / 2`` wide)."""
+        if not words:
+            return [(_load_weight(p_ref, layer, pl.ds(byte0, nbytes), interpret), (byte0, nbytes, None))]
+        p16 = _load_weight(p_ref, layer, pl.ds(byte0 // 2, nbytes // 2), interpret)  # uint16 [bn, nbytes / 2]
+        return [((p16 & np.uint16(0xFF)).astype(jnp.uint8), (byte0, nbytes, 0)),
+                ((p16 >> np.uint16(8)).astype(jnp.uint8), (byte0, nbytes, 1))]
+
     def planes(byte0, nbytes):
         """``[plane][tile] -> (int32 acc [bn, bm], int32 sum(x) [1, bm] or None)`` of bytes
-        [byte0, +nbytes): acc(u) and the activation sums (asymmetric), or 16 * acc(u - 8) (symmetric)."""
-        cols = pl.ds(byte0, nbytes)
-        p = _load_weight(p_ref, layer, cols, interpret)  # uint8 [bn, nbytes]
+        [byte0, +nbytes): acc(u) and the activation sums (asymmetric), or 16 * acc(u - 8) (symmetric);
+        with ``words`` the sums of the even and the odd bytes' MMAs (int32: exact, the same values)."""
+        parts = weight_bytes(byte0, nbytes)
         out = []
         for h in (0, 1):
-            wq = _codes_int8(p, h == 1, symmetric, interpret)
-            res = []
-            for r in range(tiles):
-                xq = _plane_rows(qx_ref, h, r, cols, masks[r], interpret)  # int8 [bm, nbytes]
-                res.append((jax.lax.dot_general(wq, xq, dims, preferred_element_type=jnp.int32),
-                            None if symmetric else jnp.sum(xq.astype(jnp.int32), axis=1)[None, :]))
+            res = [None] * tiles
+            for p, cols in parts:
+                wq = _codes_int8(p, h == 1, symmetric, interpret)
+                for r in range(tiles):
+                    xq = _plane_cols(qx_ref, h, r, *cols, masks[r], interpret)  # int8 [bm, K of wq]
+                    acc = jax.lax.dot_general(wq, xq, dims, preferred_element_type=jnp.int32)
+                    xs = None if symmetric else jnp.sum(xq.astype(jnp.int32), axis=1)[None, :]
+                    res[r] = (acc, xs) if res[r] is None else (res[r][0] + acc, None if xs is None else res[r][1] + xs)
             out.append(res)
         return out
 
@@ -533,7 +557,7 @@ def _w4ax_kernel(l_ref, qx_ref, sa_ref, p_ref, s_ref, *rest, m: int, k: int, gro
 def w4ax_quantized(qx: jax.Array, sa: jax.Array, w: QuantizedWeight, *, layer: jax.Array | None = None,
                    block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
                    block_m: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                   interpret: bool = False, return_acc: bool = False) -> jax.Array:
+                   words: bool | None = None, interpret: bool = False, return_acc: bool = False) -> jax.Array:
     """The W4AX kernel on pre-quantized rows (``qx`` int8[M, K], ``sa`` f32[M, 1], as
     :func:`pallas_kernels.reference.quantize_activations` returns them, or ``qx`` already in the
     kernel's plane layout ``[2, M, K/2]`` as :mod:`pallas_kernels.gpu_activations` writes it) ->
@@ -543,9 +567,14 @@ def w4ax_quantized(qx: jax.Array, sa: jax.Array, w: QuantizedWeight, *, layer: j
     ``split_k`` > 1: each of that many programs per output tile sums its own groups in order; the
     partial sums are added left to right after the kernel, then scaled by ``sa`` (so the group sum
     is no longer one left-to-right chain as in the reference: ~1e-7 relative, not bitwise). ``layer``,
-    ``block_m``, ``num_warps``, ``num_stages``: as in :func:`w4a16_matmul`."""
-    (packed, scales, mins), lidx = _stacked_arrays(w, w.packed, layer)
-    nl = packed.shape[0]
+    ``block_m``, ``num_warps``, ``num_stages``: as in :func:`w4a16_matmul`.
+
+    ``words`` (default: where needed): read the packed bytes as uint16 words, the even and the odd
+    bytes of each weight tile then two MMAs of half the K against every other activation column
+    (the same int32 sums). A uint8 stack of 2-4 GiB (Llama-2-13B's gate/up, 2.8 GB) would otherwise
+    be indexed with wrapping int32 offsets and has to be sliced, a copy of the layer's weight per
+    call; words keep the offsets in range. Needs groups and K chunks of at least
+    :data:`WORDS_MIN_K` (MMAs of >= 32 k: Triton's int8 dot is exact from there)."""
     block_n, block_k, split_k = default_config(*w.shape, w.group_size, "w4ax", block_n, block_k, split_k)
     planes = qx if qx.ndim == 3 else activation_planes(qx, 2)
     if planes.shape[0] != 2 or qx.dtype != jnp.int8:
@@ -554,15 +583,24 @@ def w4ax_quantized(qx: jax.Array, sa: jax.Array, w: QuantizedWeight, *, layer: j
     n, k, g = _check(jax.ShapeDtypeStruct((m, 2 * planes.shape[2]), jnp.int8), w, block_n, block_k, split_k)
     if sa.shape != (m, 1):
         raise ValueError(f"sa must be float32[M, 1] for M={m} rows, got {sa.shape}")
+    if words is None:  # a stack of uint8 the lowering would index with wrapping int32 offsets
+        words = layer is not None and int32_offsets_wrap(w.packed) and min(g, block_k) >= WORDS_MIN_K
+    elif words and min(g, block_k) < WORDS_MIN_K:
+        raise ValueError(f"words needs weight groups and K chunks of at least {WORDS_MIN_K}, got group {g}, "
+                         f"block_k {block_k}")
+    packed = jax.lax.bitcast_convert_type(w.packed.reshape(*w.packed.shape[:-1], k // 4, 2),
+                                          jnp.uint16) if words else w.packed
+    (packed, scales, mins), lidx = _stacked_arrays(w, packed, layer)
+    nl = packed.shape[0]
     bm, tiles, stages = _tiles(m, "int8", block_m, lambda rows: (rows + block_n // 2) * block_k)
     rows = tiles * bm
     gcount = k // g
     kernel = functools.partial(_w4ax_kernel, m=m, k=k, group=g, block_k=block_k, split_k=split_k,
-                               bm=bm, tiles=tiles, return_acc=return_acc, interpret=interpret)
+                               bm=bm, tiles=tiles, words=words, return_acc=return_acc, interpret=interpret)
     sspec = stacked_spec(nl, (block_n, gcount), lambda i, j, s: (j, 0))
     in_specs = [LAYER_SPEC, pl.BlockSpec((2, rows, k // 2), lambda i, j, s: (0, i, 0)),
                 pl.BlockSpec((rows, 1), lambda i, j, s: (i, 0)),
-                stacked_spec(nl, (block_n, k // 2), lambda i, j, s: (j, 0)), sspec]
+                stacked_spec(nl, (block_n, packed.shape[-1]), lambda i, j, s: (j, 0)), sspec]
     args = [lidx, planes, sa.astype(jnp.float32), packed, scales]
     if not w.symmetric:
         in_specs.append(sspec)

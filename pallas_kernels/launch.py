@@ -31,7 +31,7 @@ def call_kernel(kernel, out_shape, grid, in_specs, out_specs, interpret: bool, n
                               out_specs=out_specs, compiler_params=params, interpret=interpret)(*args)
 
 
-def _int32_offsets_wrap(a) -> bool:
+def int32_offsets_wrap(a) -> bool:
     """Whether the Triton lowering would index ``a`` with int32 element offsets that pass 2**31: it
     takes 32-bit offsets for arrays of at most 2**32 bytes, so 1-byte arrays of 2-4 GiB (a whole
     Llama-2-13B gate/up stack as uint8) would read the wrong memory."""
@@ -46,12 +46,12 @@ def stacked_input(a, layer) -> tuple:
     of the KV cache per decode step). An unstacked input (``layer`` None) becomes a stack of one;
     ``a`` may be a pytree of arrays (a :class:`~pallas_kernels.layout.QuantizedWeight`). A concrete
     index is range-checked; a traced one (the model's layer scan) is the caller's to keep in range.
-    A stack the lowering could not index correctly (:func:`_int32_offsets_wrap`) is sliced after all."""
+    A stack the lowering could not index correctly (:func:`int32_offsets_wrap`) is sliced after all."""
     if layer is not None:
         layers = jax.tree.leaves(a)[0].shape[0]
         if not isinstance(layer, jax.core.Tracer) and not 0 <= int(layer) < layers:
             raise ValueError(f"layer {int(layer)} out of range for a stack of {layers}")
-        if not any(_int32_offsets_wrap(v) for v in jax.tree.leaves(a)):
+        if not any(int32_offsets_wrap(v) for v in jax.tree.leaves(a)):
             return a, jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
         a = jax.tree.map(lambda v: jax.lax.dynamic_index_in_dim(v, layer, keepdims=False), a)
     return jax.tree.map(lambda v: v[None], a), jnp.zeros((1,), jnp.int32)

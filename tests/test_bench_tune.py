@@ -51,12 +51,15 @@ def test_attention_variants_agree(rng):
 
 @pytest.mark.parametrize("kind", sorted(tune.PROLOGUES))
 def test_prologue_tile_widths_keep_bits(rng, kind):
-    """The tile widths the prologue sweep tries (4 tiles of 16 blocks per 4096-wide row, or the whole
+    """The tile widths the prologue sweep tries (e.g. 2 tiles of 32 blocks per 4096-wide row, or the whole
     row) give the default's bits: the row's absmax and statistics do not depend on the tiling."""
     k = 4096
     configs = tune.prologue_variants(k)
-    assert configs == [{}, {"max_blocks": 16}]  # 64 blocks: 64-block tiles are the whole row
-    assert tune.prologue_variants(14336) == [{}, {"max_blocks": 16}, {"max_blocks": 32}]  # 224 = 7 * 32
+    assert configs == [{}, {"max_blocks": 32}]  # 64 blocks: 64- and 128-block tiles are the whole row
+    # the largest divisors of 224 = 2^5 * 7, 172 = 4 * 43, 216 = 2^3 * 3^3 up to 32, 64, 128
+    assert tune.prologue_variants(14336) == [{}, {"max_blocks": 32}, {"max_blocks": 56}, {"max_blocks": 112}]
+    assert tune.prologue_variants(11008) == [{}, {"max_blocks": 4}, {"max_blocks": 43}, {"max_blocks": 86}]
+    assert tune.prologue_variants(13824) == [{}, {"max_blocks": 27}, {"max_blocks": 54}, {"max_blocks": 108}]
     x = random_x(rng, 5, tune.PROLOGUE_PARTS.get(kind, 1) * k).astype(jnp.bfloat16)
     scale = jnp.asarray(rng.random(k) + 0.5, jnp.bfloat16)
     base = jax.tree.leaves(tune.PROLOGUES[kind](x, scale, {"interpret": True}))

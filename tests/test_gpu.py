@@ -87,6 +87,25 @@ def test_matmul_kernels_match_references(rng, n, k, group, symmetric):
     assert err <= 1e-2
 
 
+@pytest.mark.parametrize("n,k,symmetric", [(4096, 4096, True), (1024, 1536, False)])
+def test_w4ax_words_match_bytes(rng, n, k, symmetric):
+    """On the GPU: the W4AX kernel reading a stack's packed bytes as uint16 words (how it reads
+    Llama-2-13B's gate/up) gives the reference's int32 group accumulations and the byte path's
+    outputs, bitwise, at 1 and 13 rows (row-count invariance)."""
+    layers = [_weight(rng, n, k, 128, symmetric) for _ in range(2)]
+    stack = QuantizedWeight(*(None if a[0] is None else jnp.stack(a) for a in
+                              zip(*((w.packed, w.scales, w.mins) for w in layers))), 128)
+    qx, sa = reference.quantize_activations(_x(rng, 13, k), 8)
+    call = lambda q, s, words, acc=False: gpu_matmul.w4ax_quantized(  # noqa: E731
+        q, s, stack, layer=jnp.int32(1), words=words, return_acc=acc)
+    acc = jax.jit(lambda q, s: call(q, s, True, True))(qx, sa)
+    want = reference.group_accumulate(qx, reference.signed_codes(layers[1]), 128).transpose(1, 0, 2)
+    np.testing.assert_array_equal(np.asarray(acc), np.asarray(want))
+    words, bytes_ = (jax.jit(lambda q, s, wd=wd: call(q, s, wd)) for wd in (True, False))
+    np.testing.assert_array_equal(np.asarray(words(qx, sa)), np.asarray(bytes_(qx, sa)))
+    np.testing.assert_array_equal(np.asarray(words(qx[4:5], sa[4:5])), np.asarray(words(qx, sa))[4:5])
+
+
 def _compile_all(fn, arg_sets: list[tuple]) -> list:
     """``jax.jit(fn)`` compiled for each argument set, the compiles in parallel threads (a GPU test
     that tries many row counts spends most of its time compiling)."""
@@ -217,11 +236,11 @@ def test_attention_merge_prologue(rng, dtype, heads, kv):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("f", [1536, 14336])
+@pytest.mark.parametrize("f", [1536, 13824, 14336])
 def test_swiglu_prologue_kernels(rng, dtype, f):
     """On the GPU: swiglu_planes within one bf16 rounding of the float64 SwiGLU; swiglu_quantize's
     codes within 1 of the reference quantization of the float64 SwiGLU rounded to the input dtype,
-    its scales within that rounding; every row of a 40-row call bitwise equal to that row alone
+    its scales within that rounding, spread over programs or not, bitwise the same; every row of a 40-row call bitwise equal to that row alone
     (row-count invariance)."""
     from pallas_kernels import gpu_activations
 
@@ -232,10 +251,13 @@ def test_swiglu_prologue_kernels(rng, dtype, f):
     got = np.asarray(planes, np.float32).reshape(2, 2, 40, f // 64, 16).transpose(2, 3, 1, 4, 0).reshape(40, f)
     np.testing.assert_allclose(got, want, rtol=8e-3, atol=1e-30)
     for bits in (8, 4):
-        q, s = gpu_activations.swiglu_quantize(gu, bits)
+        q, s = gpu_activations.swiglu_quantize(gu, bits)  # 40 rows: spread over programs
         qr, sr = reference.quantize_activations(jnp.asarray(want, jnp.float32).astype(dtype), bits)
         assert np.abs(np.asarray(q, np.int32) - np.asarray(gpu_matmul.activation_planes(qr, 2), np.int32)).max() <= 1
         np.testing.assert_allclose(np.asarray(s), np.asarray(sr), rtol=1e-6 if dtype == jnp.float32 else 8e-3)
+        q1, s1 = gpu_activations.swiglu_quantize(gu, bits, spread=False)  # one program per row: same bits
+        np.testing.assert_array_equal(np.asarray(q1), np.asarray(q))
+        np.testing.assert_array_equal(np.asarray(s1), np.asarray(s))
     for bits in (8, 4, None):
         call = (lambda a: gpu_activations.swiglu_planes(a)) if bits is None else (
             lambda a, b=bits: gpu_activations.swiglu_quantize(a, b))

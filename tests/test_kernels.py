@@ -78,6 +78,26 @@ def test_w4ax_bitwise_and_group_accumulations(rng, n, k, group, symmetric, block
     np.testing.assert_array_equal(np.asarray(acc), np.asarray(want_acc))
 
 
+@pytest.mark.parametrize("group,symmetric,block_k", [(128, True, 256), (128, False, 128), (256, True, 128)])
+def test_w4ax_words_bitwise(rng, group, symmetric, block_k):
+    """The uint16-word path (the packed stack read as words: even / odd bytes in two MMAs) on layer 1
+    of a stack of 3: the int32 group accumulations and the outputs == the reference's, bitwise."""
+    n, k = 32, 512
+    layers = [random_weight(rng, n, k, group, symmetric) for _ in range(3)]
+    stack = QuantizedWeight(*(None if a[0] is None else jnp.stack(a) for a in
+                              zip(*((w.packed, w.scales, w.mins) for w in layers))), group)
+    x = random_x(rng, 5, k)
+    qx, sa = ref.quantize_activations(x, 8)
+    kw = dict(layer=jnp.int32(1), block_n=BN, block_k=block_k, split_k=1, interpret=True)
+    acc = gm.w4ax_quantized(qx, sa, stack, words=True, return_acc=True, **kw)
+    want_acc = ref.group_accumulate(qx, ref.signed_codes(layers[1]), group).transpose(1, 0, 2)
+    np.testing.assert_array_equal(np.asarray(acc), np.asarray(want_acc))
+    got = gm.w4ax_quantized(qx, sa, stack, words=True, **kw)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref.quantized_matmul(x, layers[1], "w4a8")))
+    with pytest.raises(ValueError, match="words needs"):
+        gm.w4ax_quantized(qx, sa, stack, words=True, **{**kw, "block_k": 64})
+
+
 @pytest.mark.parametrize("n,k,group,symmetric,block_k", CASES)
 def test_w4a16_against_float64(rng, n, k, group, symmetric, block_k):
     w = random_weight(rng, n, k, group, symmetric)
@@ -200,8 +220,8 @@ def test_unsupported_shapes_raise(rng):
     assert not gm.supported("w4a16", 32, 96, 32) and gm.supported("w4ax", 32, 576, 32)
     with pytest.raises(ValueError, match="multiples of 16"):
         gm.dense_matmul(random_x(rng, 2, 40), jnp.zeros((32, 40)), interpret=True)
-    with pytest.raises(ValueError, match="power of two"):
-        gq.quantize_rows(random_x(rng, 2, 256), 8, max_blocks=3, interpret=True)
+    with pytest.raises(ValueError, match="positive"):
+        gq.quantize_rows(random_x(rng, 2, 256), 8, max_blocks=-1, interpret=True)
     with pytest.raises(ValueError, match="bits must be 4 or 8"):
         gq.quantize_rows(random_x(rng, 2, 256), 6, interpret=True)
 
@@ -325,9 +345,10 @@ def test_activation_prologue_kernels(rng, dtype, bits):
         gq.quantize_rows(x, None, interpret=True)
     with pytest.raises(ValueError, match="eps"):
         gq.rms_norm_planes(x, scales[0], None, interpret=True)
-    with pytest.raises(ValueError, match="power of two"):
+    with pytest.raises(ValueError, match="positive"):
         gq.quantize_rows(x, bits, max_blocks=0, interpret=True)
-    # tiles of one block (9 of them, the row's block count being odd) give the same bits
+    # tiles of 3 blocks (the largest divisor of the row's 9 up to 4; 2 rows past it masked on the GPU)
+    assert gq.tile_blocks(9, 4) == 3 and gq.tile_blocks(9, 9) == 9 and gq.tile_blocks(7, 4) == 1
     for name, (out, _) in cases.items():
         fn = gq.quantize_rows if name == "quantize_rows" else functools.partial(
             gq.rms_norm_quantize, scale=scales, eps=1e-5, layer=jnp.int32(2))
@@ -340,7 +361,8 @@ def test_activation_prologue_kernels(rng, dtype, bits):
 def test_swiglu_prologue_kernels(rng, dtype):
     """swiglu_quantize / swiglu_planes of rows ``[gate | up]`` == the reference SwiGLU (checked
     against float64) then the reference quantization / the W4A16 plane layout, bitwise, in whole-row
-    tiles and in tiles of 4 blocks; bad widths and bits raise."""
+    tiles and in tiles of 3 blocks, quantized in one kernel or spread over programs in two; bad widths
+    and bits raise."""
     m, f = 4, 576  # 9 64-blocks per half
     gu = jnp.asarray(rng.standard_normal((m, 2 * f)) * 3, dtype)
     h = ref.swiglu(gu[:, :f], gu[:, f:])
@@ -350,10 +372,11 @@ def test_swiglu_prologue_kernels(rng, dtype):
     np.testing.assert_allclose(np.asarray(h, np.float64), want, rtol=tol, atol=1e-30)
     for max_blocks in (None, 4):
         for bits in (8, 4):
-            q, s = gq.swiglu_quantize(gu, bits, max_blocks=max_blocks, interpret=True)
             q_ref, s_ref = ref.quantize_activations(h, bits)
-            np.testing.assert_array_equal(np.asarray(q), np.asarray(gm.activation_planes(q_ref, 2)))
-            np.testing.assert_array_equal(np.asarray(s), np.asarray(s_ref))
+            for spread in (False, True):  # one program per row, or each row over 3 (tiles of 3 blocks)
+                q, s = gq.swiglu_quantize(gu, bits, max_blocks=max_blocks, spread=spread, interpret=True)
+                np.testing.assert_array_equal(np.asarray(q), np.asarray(gm.activation_planes(q_ref, 2)))
+                np.testing.assert_array_equal(np.asarray(s), np.asarray(s_ref))
         planes = gq.swiglu_planes(gu, max_blocks=max_blocks, interpret=True)
         np.testing.assert_array_equal(np.asarray(planes, np.float32),
                                       np.asarray(gm.activation_planes(h.astype(jnp.bfloat16), 4), np.float32))
@@ -409,7 +432,8 @@ def test_stacked_inputs_read_the_indexed_layer(rng):
 
 def test_stacks_the_lowering_would_misindex_are_sliced():
     """The Triton lowering indexes arrays of <= 2**32 bytes with int32 element offsets: a 1-byte stack
-    of 2-4 GiB is read from a slice instead of in place; 2-byte and small stacks stay stacked."""
+    of 2-4 GiB is read from a slice instead of in place; 2-byte and small stacks stay stacked (and the
+    W4AX kernel reads a 1-byte one as 2-byte words)."""
     import jax
 
     from pallas_kernels.launch import stacked_input
@@ -421,6 +445,16 @@ def test_stacks_the_lowering_would_misindex_are_sliced():
     assert shape_after(big, jnp.uint8) == (1, 2**30 + 64)
     assert shape_after(big, jnp.uint16) == big  # > 2**32 bytes: 64-bit offsets
     assert shape_after((2, 2**29), jnp.uint8) == (2, 2**29)
+
+    # the W4AX kernel reads such a stack (Llama-2-13B's gate/up) as uint16 words instead, in place
+    # where its groups allow (>= 128), else from the slice
+    def jaxpr(group):
+        sd = jax.ShapeDtypeStruct
+        w = QuantizedWeight(sd((40, 27648, 2560), jnp.uint8), sd((40, 27648, 5120 // group), jnp.float16), None, group)
+        fn = lambda q, s, w: gm.w4ax_quantized(q, s, w, layer=jnp.int32(3))  # noqa: E731
+        return str(jax.make_jaxpr(fn)(sd((2, 5120), jnp.int8), sd((2, 1), jnp.float32), w))
+
+    assert "dynamic_slice" not in jaxpr(128) and "dynamic_slice" in jaxpr(64)
 
 
 def test_dense_kernel_against_float64(rng):
@@ -463,6 +497,12 @@ def test_lowers_for_gpu_without_deprecation_warning():
         lower(lambda x: gpu_activations.swiglu_quantize(x, 4), bf(3, 2 * 14336))
         lower(lambda x: gpu_activations.swiglu_planes(x), bf(3, 2 * 14336))
         lower(lambda x: gpu_activations.swiglu_quantize(x, 8, max_blocks=64), jax.ShapeDtypeStruct((3, 2 * 1536), jnp.float32))
+        lower(lambda x: gpu_activations.swiglu_quantize(x, 8, max_blocks=128, spread=False), bf(3, 2 * 13824))
+        lower(lambda x: gpu_activations.swiglu_quantize(x, 8), bf(3, 2 * 13824))  # 18 tiles of 12 blocks
+        lower(lambda q, s, p, sc: gm.w4ax_quantized(q, s, QuantizedWeight(p, sc, None, 128), layer=jnp.int32(1),
+                                                    words=True),
+              jax.ShapeDtypeStruct((3, 5120), jnp.int8), jax.ShapeDtypeStruct((3, 1), jnp.float32),
+              jax.ShapeDtypeStruct((2, 27648, 2560), jnp.uint8), jax.ShapeDtypeStruct((2, 27648, 40), jnp.float16))
         lower(gpu_attention.decode_attention, bf(2, 4, 32, 128), bf(2, 256, 8, 128), bf(2, 256, 8, 128),
               jax.ShapeDtypeStruct((2, 4), jnp.int32))
         parts = lambda q, k, v, p: gpu_attention.attention_partials(q, k, v, p)  # Llama-3-8B heads
