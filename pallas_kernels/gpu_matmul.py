@@ -209,16 +209,6 @@ def _plane_rows(ref, plane: int, r: int, cols, mask, interpret: bool):
     return _load_rows(at_layer(ref, plane, (pl.ds(r * bm, bm), cols), interpret), mask)
 
 
-def _plane_cols(ref, plane: int, r: int, byte0, nbytes: int, parity: int | None, mask, interpret: bool):
-    """Row tile ``r`` of plane ``plane``'s columns ``[byte0, +nbytes)``, or with ``parity`` (0 / 1) of
-    its even / odd columns among them (rows beyond M as zeros)."""
-    if parity is None:
-        return _plane_rows(ref, plane, r, pl.ds(byte0, nbytes), mask, interpret)
-    if interpret:  # the interpreter takes no strided slice: every other column after
-        return _plane_rows(ref, plane, r, pl.ds(byte0, nbytes), mask, interpret)[:, parity::2]
-    return _plane_rows(ref, plane, r, pl.ds(byte0 + parity, nbytes // 2, stride=2), mask, interpret)
-
-
 def _load_layer(ref, layer, cols, interpret: bool, **kw):
     """Columns ``cols`` of ``ref[layer]`` (``ref`` itself if ``layer`` is None): scales, minimums."""
     return pl_triton.load(at_layer(ref, layer, (slice(None), cols), interpret), **kw)
@@ -432,7 +422,6 @@ _CODE_ASM = {
     (False, True): "{\n.reg .b32 t;\nshl.b32 t, $1, 4;\nlop3.b32 $0, t, 0xF0F0F0F0, 0x80808080, 0x6A;\n}",
     (True, True): "lop3.b32 $0, $1, 0xF0F0F0F0, 0x80808080, 0x6A;",
 }
-WORDS_MIN_K = 128  # w4ax_quantized's words: 64 bytes per group or chunk, 32 per MMA
 SIGNED_SCALE = 16  # symmetric codes enter the MMA as 16 * (u - 8): acc = 16 * sum((u - 8) * x), exactly
 # (|16 (u - 8) x| <= 16256: int32 holds a group of up to 132k elements)
 assert SYMMETRIC_OFFSET == 8 and SIGNED_SCALE == 16, "_CODE_ASM hard-codes both (0x80: -8 << 4)"
@@ -447,6 +436,18 @@ def _codes_int8(p: jax.Array, high: bool, symmetric: bool, interpret: bool) -> j
     return pl_triton.elementwise_inline_asm(
         _CODE_ASM[high, symmetric], args=[p], constraints="=r,r", pack=4,
         result_shape_dtypes=[jax.ShapeDtypeStruct(p.shape, jnp.int8)])[0]
+
+
+def _word_codes_int8(p16: jax.Array, byte: int, high: bool, symmetric: bool, interpret: bool) -> jax.Array:
+    """:func:`_codes_int8` of byte ``byte`` (0: low, 1: high) of each element of a uint16 tile: on the
+    GPU one ``prmt`` gathers that byte of 4 words into a register, then the same transform."""
+    if interpret:
+        return _codes_int8(((p16 >> np.uint16(8 * byte)) & np.uint16(0xFF)).astype(jnp.uint8), high, symmetric,
+                           interpret)
+    gather = f"prmt.b32 w, $1, $2, {0x7531 if byte else 0x6420:#06x};"  # bytes `byte`, 2 + byte of each register
+    return pl_triton.elementwise_inline_asm(
+        "{\n.reg .b32 w;\n" + gather + "\n" + _CODE_ASM[high, symmetric].replace("$1", "w") + "\n}",
+        args=[p16], constraints="=r,r,r", pack=4, result_shape_dtypes=[jax.ShapeDtypeStruct(p16.shape, jnp.int8)])[0]
 
 
 def _w4ax_kernel(l_ref, qx_ref, sa_ref, p_ref, s_ref, *rest, m: int, k: int, group: int, block_k: int,
@@ -466,30 +467,29 @@ def _w4ax_kernel(l_ref, qx_ref, sa_ref, p_ref, s_ref, *rest, m: int, k: int, gro
     zeros = tuple((jnp.zeros((bn, bm), jnp.int32), None if symmetric else jnp.zeros((1, bm), jnp.int32))
                   for _ in range(tiles))
 
-    def weight_bytes(byte0, nbytes):
-        """``[(uint8 weight tile, its activation columns)]`` for bytes [byte0, +nbytes): one tile, or
-        with ``words`` the even and the odd bytes of the uint16 words (each ``nbytes / 2`` wide)."""
+    def weight_codes(byte0, nbytes):
+        """``codes(high)``: the int8 weight tile ``[bn, nbytes]`` of bytes [byte0, +nbytes), plane
+        ``high``; with ``words`` the even and the odd bytes of the uint16 words, interleaved back."""
         if not words:
-            return [(_load_weight(p_ref, layer, pl.ds(byte0, nbytes), interpret), (byte0, nbytes, None))]
+            p = _load_weight(p_ref, layer, pl.ds(byte0, nbytes), interpret)  # uint8 [bn, nbytes]
+            return lambda high: _codes_int8(p, high, symmetric, interpret)
         p16 = _load_weight(p_ref, layer, pl.ds(byte0 // 2, nbytes // 2), interpret)  # uint16 [bn, nbytes / 2]
-        return [((p16 & np.uint16(0xFF)).astype(jnp.uint8), (byte0, nbytes, 0)),
-                ((p16 >> np.uint16(8)).astype(jnp.uint8), (byte0, nbytes, 1))]
+        return lambda high: jnp.stack([_word_codes_int8(p16, b, high, symmetric, interpret) for b in (0, 1)],
+                                      axis=-1).reshape(bn, nbytes)
 
     def planes(byte0, nbytes):
         """``[plane][tile] -> (int32 acc [bn, bm], int32 sum(x) [1, bm] or None)`` of bytes
-        [byte0, +nbytes): acc(u) and the activation sums (asymmetric), or 16 * acc(u - 8) (symmetric);
-        with ``words`` the sums of the even and the odd bytes' MMAs (int32: exact, the same values)."""
-        parts = weight_bytes(byte0, nbytes)
+        [byte0, +nbytes): acc(u) and the activation sums (asymmetric), or 16 * acc(u - 8) (symmetric)."""
+        cols = pl.ds(byte0, nbytes)
+        codes = weight_codes(byte0, nbytes)
         out = []
         for h in (0, 1):
-            res = [None] * tiles
-            for p, cols in parts:
-                wq = _codes_int8(p, h == 1, symmetric, interpret)
-                for r in range(tiles):
-                    xq = _plane_cols(qx_ref, h, r, *cols, masks[r], interpret)  # int8 [bm, K of wq]
-                    acc = jax.lax.dot_general(wq, xq, dims, preferred_element_type=jnp.int32)
-                    xs = None if symmetric else jnp.sum(xq.astype(jnp.int32), axis=1)[None, :]
-                    res[r] = (acc, xs) if res[r] is None else (res[r][0] + acc, None if xs is None else res[r][1] + xs)
+            wq = codes(h == 1)
+            res = []
+            for r in range(tiles):
+                xq = _plane_rows(qx_ref, h, r, cols, masks[r], interpret)  # int8 [bm, nbytes]
+                res.append((jax.lax.dot_general(wq, xq, dims, preferred_element_type=jnp.int32),
+                            None if symmetric else jnp.sum(xq.astype(jnp.int32), axis=1)[None, :]))
             out.append(res)
         return out
 
@@ -569,12 +569,11 @@ def w4ax_quantized(qx: jax.Array, sa: jax.Array, w: QuantizedWeight, *, layer: j
     is no longer one left-to-right chain as in the reference: ~1e-7 relative, not bitwise). ``layer``,
     ``block_m``, ``num_warps``, ``num_stages``: as in :func:`w4a16_matmul`.
 
-    ``words`` (default: where needed): read the packed bytes as uint16 words, the even and the odd
-    bytes of each weight tile then two MMAs of half the K against every other activation column
-    (the same int32 sums). A uint8 stack of 2-4 GiB (Llama-2-13B's gate/up, 2.8 GB) would otherwise
-    be indexed with wrapping int32 offsets and has to be sliced, a copy of the layer's weight per
-    call; words keep the offsets in range. Needs groups and K chunks of at least
-    :data:`WORDS_MIN_K` (MMAs of >= 32 k: Triton's int8 dot is exact from there)."""
+    ``words`` (default: where needed): read the packed bytes as uint16 words, their even and odd
+    bytes' codes interleaved back into the tile the byte path reads (the same MMAs, the same bits).
+    A uint8 stack of 2-4 GiB (Llama-2-13B's gate/up, 2.8 GB) would otherwise be indexed with
+    wrapping int32 offsets and has to be sliced, a copy of the layer's weight per call; words keep
+    the offsets in range."""
     block_n, block_k, split_k = default_config(*w.shape, w.group_size, "w4ax", block_n, block_k, split_k)
     planes = qx if qx.ndim == 3 else activation_planes(qx, 2)
     if planes.shape[0] != 2 or qx.dtype != jnp.int8:
@@ -584,12 +583,10 @@ def w4ax_quantized(qx: jax.Array, sa: jax.Array, w: QuantizedWeight, *, layer: j
     if sa.shape != (m, 1):
         raise ValueError(f"sa must be float32[M, 1] for M={m} rows, got {sa.shape}")
     if words is None:  # a stack of uint8 the lowering would index with wrapping int32 offsets
-        words = layer is not None and int32_offsets_wrap(w.packed) and min(g, block_k) >= WORDS_MIN_K
-    elif words and min(g, block_k) < WORDS_MIN_K:
-        raise ValueError(f"words needs weight groups and K chunks of at least {WORDS_MIN_K}, got group {g}, "
-                         f"block_k {block_k}")
-    packed = jax.lax.bitcast_convert_type(w.packed.reshape(*w.packed.shape[:-1], k // 4, 2),
-                                          jnp.uint16) if words else w.packed
+        words = layer is not None and int32_offsets_wrap(w.packed)
+    packed = w.packed
+    if words:
+        packed = jax.lax.bitcast_convert_type(packed.reshape(*packed.shape[:-1], k // 4, 2), jnp.uint16)
     (packed, scales, mins), lidx = _stacked_arrays(w, packed, layer)
     nl = packed.shape[0]
     bm, tiles, stages = _tiles(m, "int8", block_m, lambda rows: (rows + block_n // 2) * block_k)

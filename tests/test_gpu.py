@@ -87,19 +87,19 @@ def test_matmul_kernels_match_references(rng, n, k, group, symmetric):
     assert err <= 1e-2
 
 
-@pytest.mark.parametrize("n,k,symmetric", [(4096, 4096, True), (1024, 1536, False)])
-def test_w4ax_words_match_bytes(rng, n, k, symmetric):
+@pytest.mark.parametrize("n,k,group,symmetric", [(4096, 4096, 128, True), (1024, 1536, 32, False)])
+def test_w4ax_words_match_bytes(rng, n, k, group, symmetric):
     """On the GPU: the W4AX kernel reading a stack's packed bytes as uint16 words (how it reads
     Llama-2-13B's gate/up) gives the reference's int32 group accumulations and the byte path's
     outputs, bitwise, at 1 and 13 rows (row-count invariance)."""
-    layers = [_weight(rng, n, k, 128, symmetric) for _ in range(2)]
+    layers = [_weight(rng, n, k, group, symmetric) for _ in range(2)]
     stack = QuantizedWeight(*(None if a[0] is None else jnp.stack(a) for a in
-                              zip(*((w.packed, w.scales, w.mins) for w in layers))), 128)
+                              zip(*((w.packed, w.scales, w.mins) for w in layers))), group)
     qx, sa = reference.quantize_activations(_x(rng, 13, k), 8)
     call = lambda q, s, words, acc=False: gpu_matmul.w4ax_quantized(  # noqa: E731
         q, s, stack, layer=jnp.int32(1), words=words, return_acc=acc)
     acc = jax.jit(lambda q, s: call(q, s, True, True))(qx, sa)
-    want = reference.group_accumulate(qx, reference.signed_codes(layers[1]), 128).transpose(1, 0, 2)
+    want = reference.group_accumulate(qx, reference.signed_codes(layers[1]), group).transpose(1, 0, 2)
     np.testing.assert_array_equal(np.asarray(acc), np.asarray(want))
     words, bytes_ = (jax.jit(lambda q, s, wd=wd: call(q, s, wd)) for wd in (True, False))
     np.testing.assert_array_equal(np.asarray(words(qx, sa)), np.asarray(bytes_(qx, sa)))
