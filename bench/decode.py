@@ -431,7 +431,7 @@ def markdown(run: dict) -> str:
         acceptance = r.get("acceptance", "replayed")
         prompt = f"; prompts of {r['prompt_tokens']:.0f} tokens on average" if "prompt_tokens" in r else ""
         lines += [f"## {r['model']}, batch {r['batch']}, context {r['context']} + {r['new']}", "",
-                  f"W4A16 step floor {r['floor_ms_per_step']:.2f} ms; KV cache {r['cache_bytes'] / 1e9:.1f} GB"
+                  (f"Measured: {r['label']}. " if r.get("label") else "") + f"W4A16 step floor {r['floor_ms_per_step']:.2f} ms; KV cache {r['cache_bytes'] / 1e9:.1f} GB"
                   + (f"; the process's peak GPU memory so far {r['peak_bytes'] / 1e9:.1f} GB" if r.get("peak_bytes") else "")
                   + prompt + "; QSPEC phases timed at context "
                   + (f"{r['phase_context']} (the loops' mean)" if "phase_context" in r else "= the prompt's end"), "",
@@ -470,6 +470,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--checkpoint", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench/results"))
     ap.add_argument("--resume", type=Path, default=None, help="an earlier decode.json: its configurations are kept")
+    ap.add_argument("--label", default="", help="a note on the code measured (e.g. a commit), kept with each new section")
     ap.add_argument("--budget-s", type=float, default=float("inf"), help="start no configuration after this")
     ap.add_argument("--threads", type=int, default=min(8, os.cpu_count() or 1), help="compiles at once")
     ap.add_argument("--reps", type=int, default=1,
@@ -531,8 +532,9 @@ def main(argv: list[str] | None = None) -> None:
                                        "skipped": f"needs ~{need / 1e9:.0f} GB"})
                 continue
             log(f"{name} B={batch} ctx={context}")
-            run["results"].append(bench_config(name, cfg, params, fparams, batch, context, args,
-                                               trace if model is None else None, bw, rates, model))
+            res = bench_config(name, cfg, params, fparams, batch, context, args, trace if model is None else None,
+                               bw, rates, model)
+            run["results"].append({**res, "label": args.label} if args.label else res)
             save(run, args.out)
         del params, fparams, model
     save(run, args.out)

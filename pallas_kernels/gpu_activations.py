@@ -1,5 +1,5 @@
-"""The INT4 matmuls' activation inputs, prepared by one Pallas GPU kernel per call (Triton
-lowering): the step before the layer (the RMSNorm before qkv and gate/up, the merge of the
+"""The INT4 matmuls' activation inputs, prepared by one Pallas GPU kernel per call (two for
+:func:`swiglu_quantize` at few rows) (Triton lowering): the step before the layer (the RMSNorm before qkv and gate/up, the merge of the
 attention's cache splits before o, the MLP's ``silu(gate) * up`` before down), the W4A8 / W4A4
 quantization, and the plane layout the matmul kernel reads
 (:func:`pallas_kernels.gpu_matmul.activation_planes`).
@@ -23,7 +23,9 @@ the absmax, the quantization and the plane transpose. One program per row: the R
 The row is read in tiles of whole 64-element blocks: ``[blocks, 32]`` per W4AX plane, ``[blocks, 16]``
 (every other element) per W4A16 plane; the whole row in one tile up to ``MAX_BLOCKS`` (rows past a
 non-power-of-two block count masked), since a loop over tiles costs each tile's load latency (a
-K = 14336 row in 1024-element tiles took 15 µs, in one tile 3.4 µs, on the H200).
+K = 14336 row in 1024-element tiles took 15 µs, in one tile 3.4 µs, on the H200). The exception:
+the SwiGLU + quantization of up to :data:`SPREAD_ROWS` rows spreads each row's tiles over programs
+(:func:`_swiglu_quantize_spread`), where one program per row took 13-15 µs (3-5 µs spread).
 """
 
 from __future__ import annotations
@@ -219,8 +221,8 @@ def _swiglu_codes_kernel(x2_ref, amax_ref, q_ref, sa_ref, *, blocks: int, tb: in
 def _swiglu_quantize_spread(gate_up: jax.Array, bits: int, max_blocks: int, interpret: bool):
     """:func:`swiglu_quantize` for few rows: a row's tiles spread over programs, in two kernels (the
     tiles' absmax, then the codes; each reads its tile of ``[gate | up]``, from L2 the second time):
-    one program per row leaves all but M SMs idle and took 2-3x as long at M = 1 (bench/results/
-    kernels_history.md). Same bits: the absmax is exact in any order, the codes elementwise."""
+    one program per row leaves all but M SMs idle and took 3-4x as long at M = 1 / 16 on the H200
+    (bench/results/kernels_history.md, session 8). Same bits: the absmax is exact in any order, the codes elementwise."""
     m, h = gate_up.shape[0], gate_up.shape[1] // 2
     blocks = h // PACK_BLOCK
     tb = tile_blocks(blocks, max_blocks)

@@ -19,9 +19,10 @@ def test_decode_bench_smoke(tmp_path):
     out = tmp_path / "out"
     decode.main(["--models", "smoke", "--batches", "2", "--contexts", "64", "--new", "16", "--gammas", "3",
                  "--drafts", "w4a8", "--ar", "w16a16,w4a16,w4a8", "--kernels", "reference", "--trace", str(trace),
-                 "--out", str(out)])
+                 "--out", str(out), "--label", "test build"])
     run = json.loads((out / "decode.json").read_text())
     (res,) = run["results"]
+    assert res["label"] == "test build" and "Measured: test build." in (out / "decode.md").read_text()
     assert set(res["methods"]) == {"w16a16", "w4a16", "w4a8", "qspec w4a8 g=3"}
     q = res["methods"]["qspec w4a8 g=3"]
     assert abs(q["tokens_per_round"] - 16 / 6) < 1e-9  # 2 accepted + 1 per round: 16 tokens in 6 rounds
