@@ -32,7 +32,8 @@ from qspec_jax.sampling import Sampling
 # (category, kernel-name prefix): Pallas kernels are named after their Python functions
 CATEGORIES = (("W4A16 matmul", "_w4a16_kernel"), ("W4A8/W4A4 matmul", "_w4ax_kernel"),
               ("lm_head (dense)", "_dense_kernel"), ("attention", "_attention_kernel"),
-              ("activation prologue", "_prologue_kernel"), ("attention merge prologue", "_merge_kernel"),
+              ("activation prologue", "_prologue_kernel"), ("activation prologue", "_swiglu_"),
+              ("attention merge prologue", "_merge_kernel"),
               ("RMSNorm", "_rms_norm_kernel"), ("copies", "memcpy"), ("copies", "Memcpy"))
 
 

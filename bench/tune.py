@@ -47,6 +47,7 @@ PROLOGUES = {  # the activation-prologue kernels, on x [M, K] (SwiGLU: [M, 2K]) 
     "swiglu_quantize_one": lambda x, s, kw: gpu_activations.swiglu_quantize(x, 8, spread=False, **kw),
     "swiglu_planes": lambda x, s, kw: gpu_activations.swiglu_planes(x, **kw),
 }
+PROLOGUE_DEFAULT_BLOCKS = {"swiglu_quantize": gpu_activations.SPREAD_BLOCKS}  # spread at the swept row counts
 PROLOGUE_PARTS = {"swiglu_quantize": 2, "swiglu_quantize_one": 2, "swiglu_planes": 2}  # input row widths in units of K (else 1)
 ORDER_KEYS = ("block_k", "split_k", "block_n")  # change the summation order (the default split follows block_n)
 
@@ -129,11 +130,12 @@ def sweep_shape(shape: str, kinds: list[str], ms: list[int], tmp: Path, threads:
 PROLOGUE_TILES = (32, 64, 128)  # max_blocks tried against the default
 
 
-def prologue_variants(k: int) -> list[dict]:
-    """Tile widths tried for a row of ``k``; the first, ``{}``, is the default. Each ``max_blocks`` is
-    the tile the kernel will use (the largest divisor of the row's block count up to it)."""
+def prologue_variants(k: int, default_blocks: int = gpu_activations.MAX_BLOCKS) -> list[dict]:
+    """Tile widths tried for a row of ``k`` by a kernel whose tiles are at most ``default_blocks`` by
+    default; the first, ``{}``, is the default. Each ``max_blocks`` is the tile the kernel will use
+    (the largest divisor of the row's block count up to it)."""
     blocks = k // gpu_activations.PACK_BLOCK
-    default = gpu_activations.tile_blocks(blocks, gpu_activations.MAX_BLOCKS)
+    default = gpu_activations.tile_blocks(blocks, default_blocks)
     tiles = sorted({gpu_activations.tile_blocks(blocks, b) for b in PROLOGUE_TILES} - {default})
     return [{}] + [{"max_blocks": t} for t in tiles]
 
@@ -155,7 +157,7 @@ def sweep_prologue(ms: list[int], tmp: Path, threads: int) -> list[dict]:
                               for i in range(CALLS)] for parts in (1, 2)}
             for kind, fn in PROLOGUES.items():
                 xs = inputs[PROLOGUE_PARTS.get(kind, 1)]
-                for kw in prologue_variants(k):
+                for kw in prologue_variants(k, PROLOGUE_DEFAULT_BLOCKS.get(kind, gpu_activations.MAX_BLOCKS)):
                     jobs.append(Job(lambda x, s, fn=fn, kw=kw: fn(x, s, kw), [(x, scale) for x in xs], pallas=True))
                     meta.append((kind, m, kw))
         measure(jobs, tmp, threads)
@@ -203,7 +205,8 @@ def sweep_attention(batches: list[int], contexts: list[int], tmp: Path, threads:
 
 def markdown(run: dict) -> str:
     lines = [f"# Matmul tile sweep ({run['device']})", "", f"`{run['command']}`", "",
-             "Llama-3-8B shapes, random symmetric g128 weights (bf16 for dense), CUPTI kernel µs per call "
+             "Matmuls: Llama-3-8B shapes, random symmetric g128 weights (bf16 for dense); prologues: every "
+             "model's hidden and intermediate widths; CUPTI kernel µs per call "
              "(weights rotated out of L2). `vs default`: the output compared with the default tiles' "
              "on the same input. Attention rows: M is the number of new queries T; floor = (K + V + q + "
              "output bytes) / the copy bandwidth measured in the same run.", "",

@@ -189,11 +189,31 @@ def _emit(values, outs, blocks: int, tb: int, bits: int | None, interpret: bool)
     sa_ref[...] = jnp.full((1,), scale, jnp.float32)
 
 
+def _swiglu_values(x2_ref, blocks: int, tb: int, interpret: bool):
+    """``values(i, half)``: the SwiGLU of tile ``i`` (``tb`` 64-blocks) of the row ``x2_ref = [gate | up]``,
+    W4AX plane ``half``."""
+    return lambda i, half: _swiglu(_load_cols(x2_ref, None, i * tb, tb, half, None, interpret),
+                                   x2_ref, blocks, i * tb, tb, half, None, interpret)
+
+
+def _codes_out(m: int, blocks: int, row) -> tuple[tuple, tuple]:
+    """Shapes and specs of the W4AX outputs, codes ``[2, M, blocks, 32]`` and scales ``[M, 1]``; a
+    program writes row ``row(*its grid indices)``."""
+    return ((jax.ShapeDtypeStruct((2, m, blocks, HALF), jnp.int8), jax.ShapeDtypeStruct((m, 1), jnp.float32)),
+            (pl.BlockSpec((2, None, blocks, HALF), lambda *g: (0, row(*g), 0, 0)),
+             pl.BlockSpec((None, 1), lambda *g: (row(*g), 0))))
+
+
+def _planes_out(m: int, blocks: int, row) -> tuple:
+    """Shape and spec of the W4A16 output planes ``[4, M, blocks, 16]``; a program writes row ``row(*g)``."""
+    return (jax.ShapeDtypeStruct((4, m, blocks, HALF // 2), jnp.bfloat16),
+            pl.BlockSpec((4, None, blocks, HALF // 2), lambda *g: (0, row(*g), 0, 0)))
+
+
 def _swiglu_absmax_kernel(x2_ref, amax_ref, *, blocks: int, tb: int, interpret: bool):
     """Phase 1 of :func:`_swiglu_quantize_spread`: ``amax_ref[1]`` = the absmax of tile
     ``program_id(1)`` of the row's SwiGLU."""
-    values = lambda i, half: _swiglu(_load_cols(x2_ref, None, i * tb, tb, half, None, interpret),  # noqa: E731
-                                     x2_ref, blocks, i * tb, tb, half, None, interpret)
+    values = _swiglu_values(x2_ref, blocks, tb, interpret)
     amax_ref[...] = jnp.full((1,), _tile_absmax(values, pl.program_id(1), jnp.float32(0)), jnp.float32)
 
 
@@ -208,8 +228,7 @@ def _swiglu_codes_kernel(x2_ref, amax_ref, q_ref, sa_ref, *, blocks: int, tb: in
         amax = jnp.max(pl_triton.load(amax_ref, mask=jax.lax.broadcasted_iota(jnp.int32, (span,), 0) < tiles,
                                       other=0.0))
     scale, inv = _scale(amax, bits, interpret)
-    values = lambda i, half: _swiglu(_load_cols(x2_ref, None, i * tb, tb, half, None, interpret),  # noqa: E731
-                                     x2_ref, blocks, i * tb, tb, half, None, interpret)
+    values = _swiglu_values(x2_ref, blocks, tb, interpret)
     t = pl.program_id(1)
     _tile_codes(values, t, q_ref, tb, inv, bits, interpret)
 
@@ -233,9 +252,7 @@ def _swiglu_quantize_spread(gate_up: jax.Array, bits: int, max_blocks: int, inte
     amax = call_kernel(functools.partial(_swiglu_absmax_kernel, blocks=blocks, tb=tb, interpret=interpret),
                        jax.ShapeDtypeStruct((m, span), jnp.float32), (m, tiles), [row],
                        pl.BlockSpec((None, 1), lambda i, t: (i, t)), interpret, NUM_WARPS, 1, x2)
-    out_shape = (jax.ShapeDtypeStruct((2, m, blocks, HALF), jnp.int8), jax.ShapeDtypeStruct((m, 1), jnp.float32))
-    out_specs = (pl.BlockSpec((2, None, blocks, HALF), lambda i, t: (0, i, 0, 0)),
-                 pl.BlockSpec((None, 1), lambda i, t: (i, 0)))
+    out_shape, out_specs = _codes_out(m, blocks, lambda i, t: i)
     kernel = functools.partial(_swiglu_codes_kernel, blocks=blocks, tb=tb, bits=bits, interpret=interpret)
     planes, sa = call_kernel(kernel, out_shape, (m, tiles), [row, pl.BlockSpec((None, span), lambda i, t: (i, 0))],
                              out_specs, interpret, NUM_WARPS, 1, x2, amax)
@@ -262,7 +279,7 @@ def _max_blocks(max_blocks: int | None, default: int) -> int:
 
 
 def _call_shape(x: jax.Array, parts: int) -> None:
-    if x.ndim != 2 or x.shape[1] % (parts * PACK_BLOCK):
+    if x.ndim != 2 or x.shape[1] == 0 or x.shape[1] % (parts * PACK_BLOCK):
         raise ValueError(f"x must be [M, {'2 x ' if parts == 2 else ''}K] with K a multiple of {PACK_BLOCK}, "
                          f"got shape {x.shape}")
 
@@ -291,12 +308,10 @@ def _call(x: jax.Array, bits: int | None, scale: jax.Array | None, eps: float | 
         in_specs.append(stacked_spec(scale.shape[0], (blocks, PACK_BLOCK), lambda i: (0, 0)))
         args.append(scale.reshape(scale.shape[0], blocks, PACK_BLOCK))
     if bits is None:
-        out_shape = jax.ShapeDtypeStruct((4, m, blocks, HALF // 2), jnp.bfloat16)
-        out_specs = pl.BlockSpec((4, None, blocks, HALF // 2), lambda i: (0, i, 0, 0))
+        out_shape, out_specs = _planes_out(m, blocks, lambda i: i)
         planes = call_kernel(kernel, out_shape, (m,), in_specs, out_specs, interpret, NUM_WARPS, 1, lidx, *args)
         return planes.reshape(4, m, h // 4)
-    out_shape = (jax.ShapeDtypeStruct((2, m, blocks, HALF), jnp.int8), jax.ShapeDtypeStruct((m, 1), jnp.float32))
-    out_specs = (pl.BlockSpec((2, None, blocks, HALF), lambda i: (0, i, 0, 0)), pl.BlockSpec((None, 1), lambda i: (i, 0)))
+    out_shape, out_specs = _codes_out(m, blocks, lambda i: i)
     planes, sa = call_kernel(kernel, out_shape, (m,), in_specs, out_specs, interpret, NUM_WARPS, 1, lidx, *args)
     return planes.reshape(2, m, h // 2), sa
 
@@ -327,15 +342,18 @@ def rms_norm_planes(x: jax.Array, scale: jax.Array, eps: float, *, layer: jax.Ar
 def swiglu_quantize(gate_up: jax.Array, bits: int, *, max_blocks: int | None = None, spread: bool | None = None,
                     interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """:func:`quantize_rows` of ``reference.swiglu(gate, up)`` for rows ``gate_up[M, 2K] = [gate | up]``
-    (the MLP's hidden rows are never written out): one kernel, or with ``spread`` (default: up to
-    :data:`SPREAD_ROWS` rows) two that spread each row over programs of ``max_blocks`` 64-blocks
-    (default :data:`SPREAD_BLOCKS`); the same bits either way."""
+    (the MLP's hidden rows are never written out): one kernel (tiles of at most ``max_blocks``
+    64-blocks, default :data:`MAX_BLOCKS`), or with ``spread`` (default: up to :data:`SPREAD_ROWS`
+    rows, where a row has more than one tile) two kernels that spread each row's tiles (at most
+    ``max_blocks``, default :data:`SPREAD_BLOCKS`; :func:`tile_blocks`) over programs; the same bits
+    either way."""
     bits = _check_bits(bits)
+    _call_shape(gate_up, 2)
+    blocks = gate_up.shape[1] // (2 * PACK_BLOCK)
     if spread is None:
-        spread = gate_up.ndim == 2 and gate_up.shape[0] <= SPREAD_ROWS
+        spread = gate_up.shape[0] <= SPREAD_ROWS and tile_blocks(blocks, _max_blocks(max_blocks, SPREAD_BLOCKS)) < blocks
     if not spread:
         return _call(gate_up, bits, None, None, None, max_blocks, interpret, swiglu=True)
-    _call_shape(gate_up, 2)
     return _swiglu_quantize_spread(gate_up, bits, _max_blocks(max_blocks, SPREAD_BLOCKS), interpret)
 
 
@@ -424,13 +442,10 @@ def _merge_call(partials, bits: int | None, interpret: bool):
     args = (acc.reshape(b, kvh, splits, r, nb, PACK_BLOCK), m, l)
     row = lambda i, j: i * t + j  # noqa: E731
     if bits is None:
-        out_shape = jax.ShapeDtypeStruct((4, b * t, blocks, HALF // 2), jnp.bfloat16)
-        out_specs = pl.BlockSpec((4, None, blocks, HALF // 2), lambda i, j: (0, row(i, j), 0, 0))
+        out_shape, out_specs = _planes_out(b * t, blocks, row)
         planes = call_kernel(kernel, out_shape, (b, t), in_specs, out_specs, interpret, NUM_WARPS, 1, *args)
         return planes.reshape(4, b * t, h * d // 4)
-    out_shape = (jax.ShapeDtypeStruct((2, b * t, blocks, HALF), jnp.int8), jax.ShapeDtypeStruct((b * t, 1), jnp.float32))
-    out_specs = (pl.BlockSpec((2, None, blocks, HALF), lambda i, j: (0, row(i, j), 0, 0)),
-                 pl.BlockSpec((None, 1), lambda i, j: (row(i, j), 0)))
+    out_shape, out_specs = _codes_out(b * t, blocks, row)
     planes, sa = call_kernel(kernel, out_shape, (b, t), in_specs, out_specs, interpret, NUM_WARPS, 1, *args)
     return planes.reshape(2, b * t, h * d // 2), sa
 

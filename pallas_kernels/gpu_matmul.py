@@ -16,7 +16,8 @@ the high nibbles k 32..63), in the modes of :mod:`pallas_kernels.reference`:
   int8 codes laid out as the weights' low/high planes ``[2, M, K/2]``, float32 row scales). In the
   kernel, 4 packed bytes become 4 int8 weight operands in one or two instructions: the codes ``u``
   (asymmetric weights), or ``16 * (u - 8)`` for symmetric ones (the nibble at the byte's top, its
-  top bit flipped), so that no offset correction and no activation sums are needed; each weight
+  top bit flipped), so that no offset correction and no activation sums are needed (a stack read as
+  uint16 words, :func:`w4ax_quantized`'s ``words``, first gathers each byte position with ``prmt``); each weight
   group is one int8 x int8 -> int32 MMA per plane over its (>= 32) consecutive k; then the float32
   epilogue in the reference's order: ``t = f32(acc_g) * s_g`` (``+ f32(sum_g(x)) * m_g`` for
   asymmetric weights; for symmetric ones ``f32(16 acc_g) * (s_g / 16)``, the same bits),
@@ -219,6 +220,12 @@ def _load_weight(ref, layer, cols, interpret: bool):
     return _load_layer(ref, layer, cols, interpret, eviction_policy="evict_first")
 
 
+def _as_words(packed: jax.Array) -> jax.Array:
+    """The packed bytes ``[..., K/2]`` as little-endian uint16 words ``[..., K/4]`` (a bitcast): word
+    ``i`` holds bytes ``2i`` (low) and ``2i + 1``."""
+    return jax.lax.bitcast_convert_type(packed.reshape(*packed.shape[:-1], packed.shape[-1] // 2, 2), jnp.uint16)
+
+
 def _stacked_arrays(w: QuantizedWeight, packed: jax.Array, layer) -> tuple[tuple, jax.Array]:
     """``((packed, scales, mins) as stacks, int32[1] layer index)``; ``packed`` is ``w.packed`` or a
     view of it."""
@@ -388,9 +395,8 @@ def w4a16_matmul(x: jax.Array, w: QuantizedWeight, *, layer: jax.Array | None = 
         x = jax.ShapeDtypeStruct((xp.shape[1], 4 * xp.shape[2]), jnp.bfloat16)
     block_n, block_k, split_k = default_config(*w.shape, w.group_size, "w4a16", block_n, block_k, split_k)
     n, k, g = _check(x, w, block_n, block_k, split_k)
-    # read as uint16 elements (a bitcast), before stacking: 2-byte elements keep int32 offsets valid
-    packed16 = jax.lax.bitcast_convert_type(w.packed.reshape(*w.packed.shape[:-1], k // 4, 2), jnp.uint16)
-    (packed, scales, mins), lidx = _stacked_arrays(w, packed16, layer)
+    # read as uint16 elements, before stacking: 2-byte elements keep int32 offsets valid
+    (packed, scales, mins), lidx = _stacked_arrays(w, _as_words(w.packed), layer)
     nl = packed.shape[0]
     m = x.shape[0]
     bm, tiles, stages = _tiles(m, "bf16", block_m, lambda rows: (rows * 2 + block_n // 2) * block_k)
@@ -582,11 +588,9 @@ def w4ax_quantized(qx: jax.Array, sa: jax.Array, w: QuantizedWeight, *, layer: j
     n, k, g = _check(jax.ShapeDtypeStruct((m, 2 * planes.shape[2]), jnp.int8), w, block_n, block_k, split_k)
     if sa.shape != (m, 1):
         raise ValueError(f"sa must be float32[M, 1] for M={m} rows, got {sa.shape}")
-    if words is None:  # a stack of uint8 the lowering would index with wrapping int32 offsets
-        words = layer is not None and int32_offsets_wrap(w.packed)
-    packed = w.packed
-    if words:
-        packed = jax.lax.bitcast_convert_type(packed.reshape(*packed.shape[:-1], k // 4, 2), jnp.uint16)
+    if words is None:  # uint8 the lowering would index with wrapping int32 offsets
+        words = int32_offsets_wrap(w.packed)
+    packed = _as_words(w.packed) if words else w.packed
     (packed, scales, mins), lidx = _stacked_arrays(w, packed, layer)
     nl = packed.shape[0]
     bm, tiles, stages = _tiles(m, "int8", block_m, lambda rows: (rows + block_n // 2) * block_k)

@@ -60,6 +60,8 @@ def test_prologue_tile_widths_keep_bits(rng, kind):
     assert tune.prologue_variants(14336) == [{}, {"max_blocks": 32}, {"max_blocks": 56}, {"max_blocks": 112}]
     assert tune.prologue_variants(11008) == [{}, {"max_blocks": 4}, {"max_blocks": 43}, {"max_blocks": 86}]
     assert tune.prologue_variants(13824) == [{}, {"max_blocks": 27}, {"max_blocks": 54}, {"max_blocks": 108}]
+    # the spread SwiGLU quantization's default tile (up to 16 blocks: 4 of 172) is not repeated as a variant
+    assert tune.prologue_variants(11008, 16) == [{}, {"max_blocks": 43}, {"max_blocks": 86}]
     x = random_x(rng, 5, tune.PROLOGUE_PARTS.get(kind, 1) * k).astype(jnp.bfloat16)
     scale = jnp.asarray(rng.random(k) + 0.5, jnp.bfloat16)
     base = jax.tree.leaves(tune.PROLOGUES[kind](x, scale, {"interpret": True}))

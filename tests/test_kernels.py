@@ -371,7 +371,7 @@ def test_swiglu_prologue_kernels(rng, dtype):
     for max_blocks in (None, 4):
         for bits in (8, 4):
             q_ref, s_ref = ref.quantize_activations(h, bits)
-            for spread in (False, True):  # one program per row, or each row over 3 (tiles of 3 blocks)
+            for spread in (False, True):  # one program per row, or each row's tiles over programs
                 q, s = gq.swiglu_quantize(gu, bits, max_blocks=max_blocks, spread=spread, interpret=True)
                 np.testing.assert_array_equal(np.asarray(q), np.asarray(gm.activation_planes(q_ref, 2)))
                 np.testing.assert_array_equal(np.asarray(s), np.asarray(s_ref))
