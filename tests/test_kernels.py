@@ -380,6 +380,9 @@ def test_swiglu_prologue_kernels(rng, dtype):
                                       np.asarray(gm.activation_planes(h.astype(jnp.bfloat16), 4), np.float32))
     with pytest.raises(ValueError, match="2 x K"):
         gq.swiglu_quantize(gu[:, :f], 8, interpret=True)  # 576 = 2 x 288: not whole 64-blocks per half
+    for spread in (None, True, False):
+        with pytest.raises(ValueError, match="2 x K"):
+            gq.swiglu_quantize(gu[:, :0], 8, spread=spread, interpret=True)  # empty rows
     with pytest.raises(ValueError, match="bits"):
         gq.swiglu_quantize(gu, 3, interpret=True)
 
