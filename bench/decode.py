@@ -34,8 +34,10 @@ outputs and temporaries; a donated state counted once; constants inside the exec
 
 Writes ``decode.json`` / ``decode.md`` under ``--out`` (default ``$OUT``, else bench/results), after
 every configuration. ``--resume OLD.json`` continues an earlier run: its configurations are kept and
-not run again (so a matrix larger than one device call is measured over several calls);
-``--budget-s``: no configuration starts after that many seconds.
+not run again (so a matrix larger than one device call is measured over several calls), except with
+``--rerun``, where the configurations this call names are measured again and replace the old ones;
+``--budget-s``: no configuration starts after that many seconds; ``--label``: a note on the code
+measured, kept with each new section.
 """
 
 from __future__ import annotations
@@ -471,6 +473,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench/results"))
     ap.add_argument("--resume", type=Path, default=None, help="an earlier decode.json: its configurations are kept")
     ap.add_argument("--label", default="", help="a note on the code measured (e.g. a commit), kept with each new section")
+    ap.add_argument("--rerun", action="store_true",
+                    help="with --resume: measure the configurations named here again, replacing the old ones")
     ap.add_argument("--budget-s", type=float, default=float("inf"), help="start no configuration after this")
     ap.add_argument("--threads", type=int, default=min(8, os.cpu_count() or 1), help="compiles at once")
     ap.add_argument("--reps", type=int, default=1,
@@ -508,11 +512,14 @@ def main(argv: list[str] | None = None) -> None:
         old = json.loads(args.resume.read_text())
         run["results"] = [r for r in old["results"] if "skipped" not in r]
         run["command"] = f"{old['command']}; then {command}"
+    contexts = [int(c) for c in args.contexts.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    if args.rerun:
+        named = {(n, c, b) for n in args.models.split(",") for c in contexts for b in batches}
+        run["results"] = [r for r in run["results"] if (r["model"], r["context"], r["batch"]) not in named]
     done = {(r["model"], r["context"], r["batch"]) for r in run["results"]}
     log(f"copy bandwidth {bw / 1e12:.2f} TB/s; dense matmul {rates['bf16'] / 1e12:.0f} TFLOP/s bf16, "
         f"{rates['int8'] / 1e12:.0f} TOP/s int8")
-    contexts = [int(c) for c in args.contexts.split(",")]
-    batches = [int(b) for b in args.batches.split(",")]
     for name in args.models.split(","):
         todo = [(c, b) for c in contexts for b in batches if (name, c, b) not in done]
         if not todo:

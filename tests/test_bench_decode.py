@@ -89,7 +89,7 @@ def test_plot_series_and_file(tmp_path):
 
 def test_decode_bench_resume_and_budget(tmp_path):
     """A second call with --resume keeps the first call's configuration and runs only the new one;
-    a spent --budget-s starts nothing."""
+    a spent --budget-s starts nothing; --rerun measures a resumed configuration again."""
     trace = tmp_path / "trace.json"
     trace.write_text(json.dumps({"source": "constant test trace", "w4a8": {"1": [[0, 1]]}}))
     common = ["--models", "smoke", "--contexts", "64", "--new", "8", "--gammas", "1", "--drafts", "w4a8",
@@ -102,6 +102,12 @@ def test_decode_bench_resume_and_budget(tmp_path):
     assert [r["batch"] for r in res] == [2, 3] and res[0] == old  # batch 2 kept as measured, not re-run
     decode.main([*common, "--batches", "4", "--budget-s", "0", "--out", str(third)])
     assert json.loads((third / "decode.json").read_text())["results"] == []
+    # --rerun: batch 2 measured again and replacing its old section; batch 3 kept
+    fourth = tmp_path / "d"
+    decode.main([*common, "--batches", "2", "--resume", str(second / "decode.json"), "--rerun", "--label", "again",
+                 "--out", str(fourth)])
+    res = json.loads((fourth / "decode.json").read_text())["results"]
+    assert [(r["batch"], r.get("label")) for r in res] == [(3, None), (2, "again")]
 
 
 def test_decode_bench_real_model(tmp_path):
