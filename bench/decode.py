@@ -307,11 +307,12 @@ def bench_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None
         res["prompt_tokens"] = float(np.mean([len(p) for p in prompts]))
         make = real_state_maker(model, rt, prompts, args.new, gmax)
     state = jax.eval_shape(make)  # abstract: for lowering
-    carry = lambda t: jax.eval_shape(lambda: forward_carry(make(), t, args.new // 2))  # noqa: E731
+    ahead = args.new // 2  # the phases are timed at the loops' mean context, where the floors are counted
+    carry = lambda t: jax.eval_shape(lambda: forward_carry(make(), t, ahead))  # noqa: E731
     prompt = res.get("prompt_tokens", context)  # the real prompts fill the context only up to a shot
-    floor_ms = 1e3 * (weight_bytes(params) + kv_bytes(cfg, batch, round(prompt) + args.new // 2)) / bw
+    floor_ms = 1e3 * (weight_bytes(params) + kv_bytes(cfg, batch, round(prompt) + ahead)) / bw
     res["floor_ms_per_step"] = floor_ms
-    res["phase_context"] = round(prompt) + args.new // 2  # where forward_ms times the phases
+    res["phase_context"] = round(prompt) + ahead  # where forward_ms times the phases
     res["copy_bw"] = bw
     flops = matmul_flops_per_token(cfg)
 
@@ -342,8 +343,7 @@ def bench_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None
     log(f"  compiled {len(compiled)} programs in {time.perf_counter() - t0:.0f} s")
 
     def forward_ms(mode: str, tokens: int) -> float:
-        return time_forward(compiled["fwd", mode, tokens], params, forward_carry(make(), tokens, args.new // 2),
-                            FORWARD_REPS)
+        return time_forward(compiled["fwd", mode, tokens], params, forward_carry(make(), tokens, ahead), FORWARD_REPS)
 
     for method in ar:
         secs, _ = time_loop(compiled["ar", method], fparams if method == "w16a16" else params, make, args.new,
@@ -433,7 +433,8 @@ def markdown(run: dict) -> str:
         acceptance = r.get("acceptance", "replayed")
         prompt = f"; prompts of {r['prompt_tokens']:.0f} tokens on average" if "prompt_tokens" in r else ""
         lines += [f"## {r['model']}, batch {r['batch']}, context {r['context']} + {r['new']}", "",
-                  (f"Measured: {r['label']}. " if r.get("label") else "") + f"W4A16 step floor {r['floor_ms_per_step']:.2f} ms; KV cache {r['cache_bytes'] / 1e9:.1f} GB"
+                  (f"Measured: {r['label']}. " if r.get("label") else "")
+                  + f"W4A16 step floor {r['floor_ms_per_step']:.2f} ms; KV cache {r['cache_bytes'] / 1e9:.1f} GB"
                   + (f"; the process's peak GPU memory so far {r['peak_bytes'] / 1e9:.1f} GB" if r.get("peak_bytes") else "")
                   + prompt + "; QSPEC phases timed at context "
                   + (f"{r['phase_context']} (the loops' mean)" if "phase_context" in r else "= the prompt's end"), "",

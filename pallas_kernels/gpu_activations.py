@@ -1,8 +1,8 @@
 """The INT4 matmuls' activation inputs, prepared by one Pallas GPU kernel per call (two for
-:func:`swiglu_quantize` at few rows) (Triton lowering): the step before the layer (the RMSNorm before qkv and gate/up, the merge of the
-attention's cache splits before o, the MLP's ``silu(gate) * up`` before down), the W4A8 / W4A4
-quantization, and the plane layout the matmul kernel reads
-(:func:`pallas_kernels.gpu_matmul.activation_planes`).
+:func:`swiglu_quantize` at few rows; Triton lowering): the step before the layer (the RMSNorm
+before qkv and gate/up, the merge of the attention's cache splits before o, the MLP's
+``silu(gate) * up`` before down), the W4A8 / W4A4 quantization, and the plane layout the matmul
+kernel reads (:func:`pallas_kernels.gpu_matmul.activation_planes`).
 
 Unfused, the same work is the norm kernel (or XLA's elementwise merge or SwiGLU), then XLA ops for
 the absmax, the quantization and the plane transpose. One program per row: the RMSNorm's statistics as
@@ -220,13 +220,7 @@ def _swiglu_absmax_kernel(x2_ref, amax_ref, *, blocks: int, tb: int, interpret: 
 def _swiglu_codes_kernel(x2_ref, amax_ref, q_ref, sa_ref, *, blocks: int, tb: int, bits: int, interpret: bool):
     """Phase 2: the row's scale from all its tiles' absmax (``amax_ref[T']``, the first ``blocks /
     tb`` written), then tile ``program_id(1)``'s codes; tile 0 writes the scale."""
-    tiles = blocks // tb
-    span = amax_ref.shape[0]
-    if span == tiles:
-        amax = jnp.max(amax_ref[...])
-    else:
-        amax = jnp.max(pl_triton.load(amax_ref, mask=jax.lax.broadcasted_iota(jnp.int32, (span,), 0) < tiles,
-                                      other=0.0))
+    amax = jnp.max(pl_triton.load(amax_ref, **_mask(blocks // tb, amax_ref.shape, 0)))  # unwritten: 0
     scale, inv = _scale(amax, bits, interpret)
     values = _swiglu_values(x2_ref, blocks, tb, interpret)
     t = pl.program_id(1)
@@ -349,12 +343,13 @@ def swiglu_quantize(gate_up: jax.Array, bits: int, *, max_blocks: int | None = N
     either way."""
     bits = _check_bits(bits)
     _call_shape(gate_up, 2)
-    blocks = gate_up.shape[1] // (2 * PACK_BLOCK)
+    spread_blocks = _max_blocks(max_blocks, SPREAD_BLOCKS)
     if spread is None:
-        spread = gate_up.shape[0] <= SPREAD_ROWS and tile_blocks(blocks, _max_blocks(max_blocks, SPREAD_BLOCKS)) < blocks
+        blocks = gate_up.shape[1] // (2 * PACK_BLOCK)
+        spread = gate_up.shape[0] <= SPREAD_ROWS and tile_blocks(blocks, spread_blocks) < blocks
     if not spread:
         return _call(gate_up, bits, None, None, None, max_blocks, interpret, swiglu=True)
-    return _swiglu_quantize_spread(gate_up, bits, _max_blocks(max_blocks, SPREAD_BLOCKS), interpret)
+    return _swiglu_quantize_spread(gate_up, bits, spread_blocks, interpret)
 
 
 def swiglu_planes(gate_up: jax.Array, *, max_blocks: int | None = None, interpret: bool = False) -> jax.Array:
