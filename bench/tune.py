@@ -66,6 +66,9 @@ def variants(kind: str, m: int, n: int, k: int) -> list[dict]:
             out += [{"split_k": split // 2}, {"block_n": bn // 2, "split_k": split // 2}]
         return out
     out = [{}, {"num_warps": 8}]
+    if kind != "dense":  # a taller weight tile at the default K split: x re-read by half the programs, same order
+        bn, _, split = gm.default_config(n, k, GROUP, "w4a16" if kind == "w4a16" else "w4ax")
+        out += [{"block_n": 2 * bn, "split_k": split}, {"block_n": 2 * bn, "split_k": split, "num_warps": 8}]
     if m > 32:
         out += [{"block_m": 64, "num_warps": w, "num_stages": s} for w in (4, 8) for s in (2, 3)]
     if m > 64:

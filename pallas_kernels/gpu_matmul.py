@@ -25,7 +25,8 @@ the high nibbles k 32..63), in the modes of :mod:`pallas_kernels.reference`:
 * :func:`dense_matmul`: float weights (the lm_head on the decode path).
 
 The weight tile is the MMA's M side (``block_n`` rows), a row tile of ``bm`` tokens its N side
-(16 to 128 rows, following M: :data:`TILE_HEIGHTS`). A program holds up to :data:`ROW_TILES`
+(16 to 128 rows, following M: :data:`TILE_HEIGHTS`); W4A16 row tiles of at most
+:data:`ROWS_FIRST_MAX` rows swap the two sides. A program holds up to :data:`ROW_TILES`
 row tiles and applies each weight tile, once loaded and unpacked, to all of them. Grid:
 ``(ceil(M / (bm * tiles)), N / block_n, split_k)``; each program loops over its K range in chunks
 of ``block_k``; with ``split_k`` > 1 (K cut into that many ranges of whole chunks or groups,
@@ -36,8 +37,8 @@ Row-count invariance: a row's products and their K order are the same whatever M
 program, tile slot or tile width holds it (rows beyond M are masked: never read, fed to the MMA as
 zeros, never written; no pad or slice outside the kernel); each output element is reduced over K
 in one fixed order; K tiles, splits and warps are chosen from ``(N, K, group)`` only. That the MMA
-gives an element the same bits in a 16- and a 32-column tile is checked on the GPU, bitwise
-(tests/test_gpu.py). The W4AX integer accumulation is exact anyway, and its epilogue is
+gives an element the same bits in a 16- and a 32-column tile, and with the sides swapped, is
+checked on the GPU, bitwise (tests/test_gpu.py). The W4AX integer accumulation is exact anyway, and its epilogue is
 elementwise per row.
 
 In interpret mode (CPU tests) the PTX steps are replaced by the same operations in jnp.
@@ -70,6 +71,11 @@ TILE_HEIGHTS = {"bf16": ((16, 3), (32, 3), (64, 3)), "int8": ((16, 3), (32, 3), 
 # H200 has 227 KiB per block; the rest is left to layout conversions). Fewer stages where they would
 # not fit (float32 dense tiles).
 PIPELINE_SMEM = 160 * 1024
+# W4A16 row tiles up to this height put the tokens on the MMA's M side (``rows_first``): the same bits
+# as the weights-first kernel (checked on the GPU for Llama-2-7B's four shapes at M = 16 / 32), 1.01-1.17x
+# faster at M = 16 and 1.24-1.55x at M = 32 on qkv, o and down (gate/up: 1.07x / 0.91x); at 64-row tiles
+# it runs out of shared memory with 3 stages (bench/results/kernels_history.md, session 9).
+ROWS_FIRST_MAX = 32
 PLANE_ELEMS = 16  # uint16 elements of a 64-block, each holding 4 nibbles (W4A16)
 ROW_TILES = 1  # row tiles per program at most (>1: a weight tile unpacked once for more rows)
 MIN_PROGRAMS = 264  # split K until N / block_n * split_k reaches this (2 programs per H200 SM)
@@ -376,7 +382,7 @@ def activation_planes(x: jax.Array, planes: int) -> jax.Array:
 def w4a16_matmul(x: jax.Array, w: QuantizedWeight, *, layer: jax.Array | None = None,
                  block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
                  block_m: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                 rows_first: bool = False, interpret: bool = False) -> jax.Array:
+                 rows_first: bool | None = None, interpret: bool = False) -> jax.Array:
     """``x[M, K] @ w4a16_weights(w).T`` with bf16 activations and float32 accumulation -> ``f32[M, N]``;
     ``x`` may already be bf16 planes ``[4, M, K/4]`` (:func:`activation_planes`, as
     :func:`pallas_kernels.gpu_activations.rms_norm_planes` writes them).
@@ -384,10 +390,10 @@ def w4a16_matmul(x: jax.Array, w: QuantizedWeight, *, layer: jax.Array | None = 
     With ``layer`` (an int32 scalar), ``w`` is a stack ``[L, N, ...]`` and layer ``layer`` is read in
     place. Tiles left as None come from :func:`default_config` (a function of N, K and the group size);
     ``block_m`` (rows per tile), ``num_warps`` and ``num_stages`` change only timing (for tuning);
-    ``rows_first`` (tokens on the MMA's M side, see :func:`_w4a16_kernel`) is a tuning variant for
-    large M. The GPU may run it on another MMA instruction: it can become a default for some M only
-    if it gives the default's bits (``bench/tune.py`` compares its plain variants with the default on
-    the GPU; interpret mode cannot tell), or for every M at once."""
+    ``rows_first`` (tokens on the MMA's M side, see :func:`_w4a16_kernel`; default: for row tiles of at
+    most :data:`ROWS_FIRST_MAX` rows) gives the same bits as the weights-first kernel on the GPU, which
+    row-count invariance needs since it follows M (tests/test_gpu.py checks M = 1..256 bitwise;
+    interpret mode cannot tell)."""
     if x.ndim == 3 and (x.shape[0] != 4 or x.dtype != jnp.bfloat16):
         raise ValueError(f"activation planes must be bfloat16 [4, M, K/4], got {x.dtype}{x.shape}")
     xp = x if x.ndim == 3 else None
@@ -401,6 +407,8 @@ def w4a16_matmul(x: jax.Array, w: QuantizedWeight, *, layer: jax.Array | None = 
     m = x.shape[0]
     bm, tiles, stages = _tiles(m, "bf16", block_m, lambda rows: (rows * 2 + block_n // 2) * block_k)
     rows = tiles * bm
+    if rows_first is None:
+        rows_first = bm <= ROWS_FIRST_MAX
     if xp is None:
         xp = activation_planes(x.astype(jnp.bfloat16), 4)
     kernel = functools.partial(_w4a16_kernel, m=m, k=k, group=g, block_k=block_k, split_k=split_k,

@@ -75,7 +75,10 @@ def test_matmul_kernels_match_references(rng, n, k, group, symmetric):
         want = reference.group_accumulate(qx, reference.signed_codes(w), group).transpose(1, 0, 2)
         np.testing.assert_array_equal(np.asarray(acc), np.asarray(want))
         got = jax.jit(lambda a: gpu_matmul.w4ax_matmul(a, w, bits))(x)
-        exp = jax.jit(lambda a: reference.quantized_matmul(a, w, mode))(x)
+        # the reference on the CPU: XLA's float32 division on the GPU is not correctly rounded (13.7%
+        # of 4M reciprocals differed from numpy's in session 9), so its activation codes may differ
+        with jax.default_device(cpu := jax.devices("cpu")[0]):
+            exp = jax.jit(lambda a: reference.quantized_matmul(a, jax.device_put(w, cpu), mode))(jax.device_put(x, cpu))
         split = gpu_matmul.default_config(n, k, group, "w4ax")[2]
         if symmetric and split == 1:
             np.testing.assert_array_equal(np.asarray(got), np.asarray(exp))
