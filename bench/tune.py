@@ -1,11 +1,13 @@
 """Tile and launch sweep of the Pallas matmuls on the GPU: which tiles the defaults should be.
 
     PYTHONPATH=. python3 -m bench.tune [--shapes qkv,o,gate_up,down,lm_head] [--kinds w4a16,w4a8,dense]
-        [--ms 16,32,64,128,256] [--attn 8,16:1024,2048] [--prologue 1,16,64] [--out DIR] [--budget-s 400]
+        [--models llama3-8b,llama2-7b,llama2-13b] [--ms 16,32,64,128,256] [--attn 8,16:1024,2048]
+        [--prologue 1,16,64] [--out DIR] [--budget-s 400]
 
-Llama-3-8B layer shapes (:data:`bench.kernels.MODELS`). For each (shape, kind, M) the kernel with its
-default tiles and a set of variants (:func:`variants`: warps, pipeline stages, weight tile, K chunk,
-K split at small M; rows per tile 64 / 128 x warps x stages at larger M) are timed the way
+Layer shapes of ``--models`` (default Llama-3-8B; :data:`bench.kernels.MODELS`). For each (shape, kind,
+M) the kernel with its default tiles and a set of variants (:func:`variants`: warps, pipeline stages,
+weight tile, K chunk, K split at small M; rows per tile 64 / 128 x warps x stages at larger M; the
+tokens and weights on the other MMA sides) are timed the way
 :mod:`bench.kernels` times them (CUPTI kernel time per call, weights rotated out of L2). Each
 variant's output on the first input is compared with the default's: ``same bits`` when identical,
 else the max relative difference (a K chunk, split or weight tile other than the default changes the
@@ -49,7 +51,18 @@ PROLOGUES = {  # the activation-prologue kernels, on x [M, K] (SwiGLU: [M, 2K]) 
 }
 PROLOGUE_DEFAULT_BLOCKS = {"swiglu_quantize": gpu_activations.SPREAD_BLOCKS}  # spread at the swept row counts
 PROLOGUE_PARTS = {"swiglu_quantize": 2, "swiglu_quantize_one": 2, "swiglu_planes": 2}  # input row widths in units of K (else 1)
+DEFAULT_MODEL = "llama3-8b"  # the shapes swept unless --models names others
 ORDER_KEYS = ("block_k", "split_k", "block_n")  # change the summation order (the default split follows block_n)
+
+
+def _flip_sides(kind: str, m: int) -> list[dict]:
+    """The matmul with the tokens and the weights on the other MMA sides than its default at M rows
+    (the W4A16 default follows the row tile, :data:`gm.ROWS_FIRST_MAX`; W4AX's is weights first)."""
+    if kind == "w4a8":
+        return [{"rows_first": True}, {"rows_first": True, "num_warps": 8}]
+    if kind == "w4a16" and m <= gm.ROWS_FIRST_MAX:
+        return [{"rows_first": False}]
+    return []
 
 
 def variants(kind: str, m: int, n: int, k: int) -> list[dict]:
@@ -62,9 +75,9 @@ def variants(kind: str, m: int, n: int, k: int) -> list[dict]:
             out += [{"block_n": 2 * bn}, {"block_n": 2 * bn, "num_warps": 8}, {"block_n": bn // 2},
                     {"block_k": 2 * bk}, {"block_k": bk // 2}, {"split_k": 2 * split},
                     {"block_n": 2 * bn, "split_k": 2 * split}]
-        if split > 1:  # fewer programs, each with more K chunks to pipeline (qkv / o: one chunk each by default)
-            out += [{"split_k": split // 2}, {"block_n": bn // 2, "split_k": split // 2}]
-        return out
+            if split > 1:  # fewer programs, each with more K chunks to pipeline (qkv / o: one chunk each by default)
+                out += [{"split_k": split // 2}, {"block_n": bn // 2, "split_k": split // 2}]
+        return out + _flip_sides(kind, m)
     out = [{}, {"num_warps": 8}]
     if kind != "dense":  # a taller weight tile at the default K split: x re-read by half the programs, same order
         bn, _, split = gm.default_config(n, k, GROUP, "w4a16" if kind == "w4a16" else "w4ax")
@@ -74,12 +87,12 @@ def variants(kind: str, m: int, n: int, k: int) -> list[dict]:
     if m > 64:
         out += [{"block_m": 128, "num_warps": w, "num_stages": 2} for w in (4, 8)] + [
             {"block_m": 128, "num_warps": 8, "num_stages": 1}]
-    if kind == "w4a16":  # tokens on the MMA's M side: the dequantized weights become the shared-memory operand
-        out += [{"rows_first": True}, {"rows_first": True, "num_warps": 8}]
-        if m > 32:
-            out += [{"rows_first": True, "block_n": 128, "num_warps": 8},
-                    {"rows_first": True, "block_m": 128, "num_warps": 8, "num_stages": 2},
-                    {"rows_first": True, "block_m": 128, "block_k": 256, "num_warps": 8, "num_stages": 2}]
+    out += _flip_sides(kind, m)
+    if kind == "w4a16" and m > gm.ROWS_FIRST_MAX:  # tokens on the MMA's M side: the dequantized weights
+        out += [{"rows_first": True}, {"rows_first": True, "num_stages": 2},  # the shared-memory operand
+                {"rows_first": True, "num_warps": 8}, {"rows_first": True, "block_n": 128, "num_warps": 8},
+                {"rows_first": True, "block_m": 128, "num_warps": 8, "num_stages": 2},
+                {"rows_first": True, "block_m": 128, "block_k": 256, "num_warps": 8, "num_stages": 2}]
     return out
 
 
@@ -100,8 +113,8 @@ def _compare(job: Job, base: Job, kw: dict) -> str:
     return f"rel {rel:.1e}{flag}"
 
 
-def sweep_shape(shape: str, kinds: list[str], ms: list[int], tmp: Path, threads: int) -> list[dict]:
-    n, k = MODELS["llama3-8b"][shape]
+def sweep_shape(model: str, shape: str, kinds: list[str], ms: list[int], tmp: Path, threads: int) -> list[dict]:
+    n, k = MODELS[model][shape]
     rows = []
     for kind in kinds:
         if kind == "dense" and shape != "lm_head":
@@ -121,10 +134,11 @@ def sweep_shape(shape: str, kinds: list[str], ms: list[int], tmp: Path, threads:
             if not kw:
                 base[m] = job
         for job, (m, kw) in zip(jobs, meta):
-            row = {"shape": shape, "N": n, "K": k, "kind": kind, "M": m, "config": kw,
+            row = {"shape": shape if model == DEFAULT_MODEL else f"{model} {shape}", "N": n, "K": k, "kind": kind,
+                   "M": m, "config": kw,
                    "us": job.us, "error": job.error, "vs_default": _compare(job, base[m], kw) if kw else ""}
             rows.append(row)
-            log(f"{shape} {kind} M={m} {kw or 'default'}: "
+            log(f"{row['shape']} {kind} M={m} {kw or 'default'}: "
                 + (f"{job.us:.1f} us {row['vs_default']}" if job.us else f"error {job.error}"))
         del jobs, ws
     return rows
@@ -208,7 +222,7 @@ def sweep_attention(batches: list[int], contexts: list[int], tmp: Path, threads:
 
 def markdown(run: dict) -> str:
     lines = [f"# Matmul tile sweep ({run['device']})", "", f"`{run['command']}`", "",
-             "Matmuls: Llama-3-8B shapes, random symmetric g128 weights (bf16 for dense); prologues: every "
+             "Matmuls: Llama-3-8B shapes (others named), random symmetric g128 weights (bf16 for dense); prologues: every "
              "model's hidden and intermediate widths; CUPTI kernel µs per call "
              "(weights rotated out of L2). `vs default`: the output compared with the default tiles' "
              "on the same input. Attention rows: M is the number of new queries T; floor = (K + V + q + "
@@ -229,6 +243,7 @@ def markdown(run: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="qkv,o,gate_up,down,lm_head")
+    ap.add_argument("--models", default=DEFAULT_MODEL, help=f"whose layer shapes, of {', '.join(MODELS)}")
     ap.add_argument("--kinds", default="w4a16,w4a8,dense")
     ap.add_argument("--ms", default="16,32,64,128,256")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench/results"))
@@ -242,9 +257,11 @@ def main(argv: list[str] | None = None) -> None:
     if jax.default_backend() != "gpu":
         raise SystemExit("bench.tune times GPU kernels: run it on the GPU machine")
     kinds = args.kinds.split(",")
-    unknown = [x for x in kinds if x not in KINDS] + [s for s in args.shapes.split(",") if s and s not in MODELS["llama3-8b"]]
+    models = args.models.split(",")
+    unknown = ([x for x in kinds if x not in KINDS] + [m for m in models if m not in MODELS]
+               + [s for s in args.shapes.split(",") if s and s not in MODELS[DEFAULT_MODEL]])
     if unknown:
-        raise SystemExit(f"unknown kinds/shapes: {unknown}")
+        raise SystemExit(f"unknown kinds/models/shapes: {unknown}")
     ms = [int(m) for m in args.ms.split(",")]
     deadline = time.time() + args.budget_s
     run = {"command": " ".join(["python3 -m bench.tune", *(argv if argv is not None else sys.argv[1:])]),
@@ -257,12 +274,13 @@ def main(argv: list[str] | None = None) -> None:
             run["rows"] += sweep_attention(batches, contexts, Path(tmp), args.threads, run["copy_bw"])
         if args.prologue:
             run["rows"] += sweep_prologue([int(m) for m in args.prologue.split(",")], Path(tmp), args.threads)
-        for shape in [s for s in args.shapes.split(",") if s]:
-            if time.time() > deadline:
-                log(f"time budget: {shape} not run")
-                continue
-            run["rows"] += sweep_shape(shape, kinds, ms, Path(tmp), args.threads)
-            write(run, args.out)
+        for model in models:
+            for shape in [s for s in args.shapes.split(",") if s]:
+                if time.time() > deadline:
+                    log(f"time budget: {model} {shape} not run")
+                    continue
+                run["rows"] += sweep_shape(model, shape, kinds, ms, Path(tmp), args.threads)
+                write(run, args.out)
     write(run, args.out)
     print(markdown(run))
 

@@ -465,8 +465,10 @@ def _word_codes_int8(p16: jax.Array, byte: int, high: bool, symmetric: bool, int
 
 
 def _w4ax_kernel(l_ref, qx_ref, sa_ref, p_ref, s_ref, *rest, m: int, k: int, group: int, block_k: int,
-                 split_k: int, bm: int, tiles: int, words: bool, return_acc: bool, interpret: bool):
+                 split_k: int, bm: int, tiles: int, words: bool, rows_first: bool, return_acc: bool,
+                 interpret: bool):
     """Weight rows ``[bn]`` x row tiles: per weight group, int8 MMAs into int32, then the epilogue.
+    Tiles are ``[bn, bm]`` (weights on the MMA's M side), or ``[bm, bn]`` with ``rows_first``.
 
     Groups of 32 are the low and high planes of one 64-block (groups 2b and 2b + 1); a group of
     >= 64 k is the same byte range of both planes (K = g/2 each), read in chunks of ``block_k`` when
@@ -478,7 +480,9 @@ def _w4ax_kernel(l_ref, qx_ref, sa_ref, p_ref, s_ref, *rest, m: int, k: int, gro
     bn = p_ref.shape[1]
     masks = _row_masks(m, bm, tiles)
     dims = (((1,), (1,)), ((), ()))
-    zeros = tuple((jnp.zeros((bn, bm), jnp.int32), None if symmetric else jnp.zeros((1, bm), jnp.int32))
+    tile = (bm, bn) if rows_first else (bn, bm)
+    zeros = tuple((jnp.zeros(tile, jnp.int32), None if symmetric else jnp.zeros((bm, 1) if rows_first else (1, bm),
+                                                                                 jnp.int32))
                   for _ in range(tiles))
 
     def weight_codes(byte0, nbytes):
@@ -492,8 +496,9 @@ def _w4ax_kernel(l_ref, qx_ref, sa_ref, p_ref, s_ref, *rest, m: int, k: int, gro
                                       axis=-1).reshape(bn, nbytes)
 
     def planes(byte0, nbytes):
-        """``[plane][tile] -> (int32 acc [bn, bm], int32 sum(x) [1, bm] or None)`` of bytes
-        [byte0, +nbytes): acc(u) and the activation sums (asymmetric), or 16 * acc(u - 8) (symmetric)."""
+        """``[plane][tile] -> (int32 acc, int32 sum(x) or None)`` of bytes [byte0, +nbytes): acc(u) and
+        the activation sums (asymmetric), or 16 * acc(u - 8) (symmetric); ``[bn, bm]`` and ``[1, bm]``,
+        or ``[bm, bn]`` and ``[bm, 1]`` with ``rows_first``."""
         cols = pl.ds(byte0, nbytes)
         codes = weight_codes(byte0, nbytes)
         out = []
@@ -502,8 +507,10 @@ def _w4ax_kernel(l_ref, qx_ref, sa_ref, p_ref, s_ref, *rest, m: int, k: int, gro
             res = []
             for r in range(tiles):
                 xq = _plane_rows(qx_ref, h, r, cols, masks[r], interpret)  # int8 [bm, nbytes]
-                res.append((jax.lax.dot_general(wq, xq, dims, preferred_element_type=jnp.int32),
-                            None if symmetric else jnp.sum(xq.astype(jnp.int32), axis=1)[None, :]))
+                a, b = (xq, wq) if rows_first else (wq, xq)
+                xs = None if symmetric else jnp.sum(xq.astype(jnp.int32), axis=1)
+                res.append((jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.int32),
+                            None if symmetric else (xs[:, None] if rows_first else xs[None, :])))
             out.append(res)
         return out
 
@@ -517,12 +524,15 @@ def _w4ax_kernel(l_ref, qx_ref, sa_ref, p_ref, s_ref, *rest, m: int, k: int, gro
         if symmetric:
             s = s * np.float32(1 / SIGNED_SCALE)
         mn = None if symmetric else _load_layer(m_ref, layer, pl.ds(gi, 1), interpret).astype(jnp.float32)
+        if rows_first:  # per output column: [1, bn]
+            s, mn = s.reshape(1, bn), None if mn is None else mn.reshape(1, bn)
         out = []
         for r, (acc, xs) in enumerate(res):
             if return_acc:
                 view = o_ref.at[pl.ds(gi, 1), pl.ds(r * bm, bm), :]
                 exact = jax.lax.shift_right_arithmetic(acc, np.int32(4)) if symmetric else acc  # acc_g
-                pl_triton.store(view, exact.T[None], mask=jnp.broadcast_to(masks[r][None], view.shape))
+                pl_triton.store(view, (exact if rows_first else exact.T)[None],
+                                mask=jnp.broadcast_to(masks[r][None], view.shape))
                 out.append(tots[r])
                 continue
             t = acc.astype(jnp.float32) * s
@@ -557,21 +567,22 @@ def _w4ax_kernel(l_ref, qx_ref, sa_ref, p_ref, s_ref, *rest, m: int, k: int, gro
 
             return epilogue(tots, jax.lax.fori_loop(0, group // block_k, chunk, zeros), gi)
 
-    tots = jax.lax.fori_loop(0, steps, body, tuple(jnp.zeros((bn, bm), jnp.float32) for _ in range(tiles)))
+    tots = jax.lax.fori_loop(0, steps, body, tuple(jnp.zeros(tile, jnp.float32) for _ in range(tiles)))
     if return_acc:
         return
     if split_k > 1:  # partial sums; the wrapper adds them and applies the row scales
-        _store_tiles(o_ref, masks, tots)
+        _store_tiles(o_ref, masks, tots, rows_first)
     else:
         sas = [pl_triton.load(sa_ref.at[pl.ds(r * bm, bm), :], mask=masks[r], other=1.0)
                for r in range(tiles)]  # [bm, 1]
-        _store_tiles(o_ref, masks, [t * sa.T for t, sa in zip(tots, sas)])
+        _store_tiles(o_ref, masks, [t * (sa if rows_first else sa.T) for t, sa in zip(tots, sas)], rows_first)
 
 
 def w4ax_quantized(qx: jax.Array, sa: jax.Array, w: QuantizedWeight, *, layer: jax.Array | None = None,
                    block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
                    block_m: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                   words: bool | None = None, interpret: bool = False, return_acc: bool = False) -> jax.Array:
+                   words: bool | None = None, rows_first: bool = False, interpret: bool = False,
+                   return_acc: bool = False) -> jax.Array:
     """The W4AX kernel on pre-quantized rows (``qx`` int8[M, K], ``sa`` f32[M, 1], as
     :func:`pallas_kernels.reference.quantize_activations` returns them, or ``qx`` already in the
     kernel's plane layout ``[2, M, K/2]`` as :mod:`pallas_kernels.gpu_activations` writes it) ->
@@ -581,7 +592,9 @@ def w4ax_quantized(qx: jax.Array, sa: jax.Array, w: QuantizedWeight, *, layer: j
     ``split_k`` > 1: each of that many programs per output tile sums its own groups in order; the
     partial sums are added left to right after the kernel, then scaled by ``sa`` (so the group sum
     is no longer one left-to-right chain as in the reference: ~1e-7 relative, not bitwise). ``layer``,
-    ``block_m``, ``num_warps``, ``num_stages``: as in :func:`w4a16_matmul`.
+    ``block_m``, ``num_warps``, ``num_stages``: as in :func:`w4a16_matmul`. ``rows_first``: the tokens
+    on the MMA's M side (a tuning variant; the int32 accumulation is exact and the epilogue
+    elementwise, so it gives the same bits).
 
     ``words`` (default: where needed): read the packed bytes as uint16 words, their even and odd
     bytes' codes interleaved back into the tile the byte path reads (the same MMAs, the same bits).
@@ -605,7 +618,8 @@ def w4ax_quantized(qx: jax.Array, sa: jax.Array, w: QuantizedWeight, *, layer: j
     rows = tiles * bm
     gcount = k // g
     kernel = functools.partial(_w4ax_kernel, m=m, k=k, group=g, block_k=block_k, split_k=split_k,
-                               bm=bm, tiles=tiles, words=words, return_acc=return_acc, interpret=interpret)
+                               bm=bm, tiles=tiles, words=words, rows_first=rows_first, return_acc=return_acc,
+                               interpret=interpret)
     sspec = stacked_spec(nl, (block_n, gcount), lambda i, j, s: (j, 0))
     in_specs = [LAYER_SPEC, pl.BlockSpec((2, rows, k // 2), lambda i, j, s: (0, i, 0)),
                 pl.BlockSpec((rows, 1), lambda i, j, s: (i, 0)),
@@ -629,16 +643,17 @@ def w4ax_quantized(qx: jax.Array, sa: jax.Array, w: QuantizedWeight, *, layer: j
 def w4ax_matmul(x: jax.Array, w: QuantizedWeight, bits: int, *, layer: jax.Array | None = None,
                 block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
                 block_m: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                interpret: bool = False) -> jax.Array:
+                rows_first: bool = False, interpret: bool = False) -> jax.Array:
     """W4A8 (``bits=8``) / W4A4 (``bits=4``): per-row activation quantization
     (:func:`pallas_kernels.gpu_activations.quantize_rows`: ``reference.quantize_activations`` in one
     kernel that writes the plane layout), then the int8 kernel with int32 group accumulation and the
-    float32 epilogue -> ``f32[M, N]``."""
+    float32 epilogue -> ``f32[M, N]`` (tiling arguments: :func:`w4ax_quantized`)."""
     if x.ndim != 2:
         raise ValueError(f"x must be [M, K], got shape {x.shape}")
     qx, sa = quantize_rows(x, bits, interpret=interpret)
     return w4ax_quantized(qx, sa, w, layer=layer, block_n=block_n, block_k=block_k, split_k=split_k,
-                          block_m=block_m, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+                          block_m=block_m, num_warps=num_warps, num_stages=num_stages, rows_first=rows_first,
+                          interpret=interpret)
 
 
 # ----------------------------------------------------------------------------------------- dense

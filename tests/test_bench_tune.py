@@ -32,6 +32,14 @@ def test_variants_keep_bits_unless_they_reorder(rng, kind):
         assert timing_only >= 1
 
 
+def test_dense_variants_are_launch_settings_only():
+    """The dense lm_head kernel has no INT4 tiles to vary: warps and stages at small M, rows per tile above."""
+    for m in (1, 16, 100):
+        configs = tune.variants("dense", m, 256, 512)
+        assert configs[0] == {} and len(configs) > 1
+        assert all(set(kw) <= {"num_warps", "num_stages", "block_m"} for kw in configs), configs
+
+
 def test_attention_variants_agree(rng):
     """Every KV block / split configuration the sweep tries runs and matches the default to float
     tolerance (only the grouping of the partial-softmax merge differs)."""

@@ -67,15 +67,17 @@ def test_w4ax_bitwise_and_group_accumulations(rng, n, k, group, symmetric, block
     w = random_weight(rng, n, k, group, symmetric)
     x = random_x(rng, 5, k)
     x = x.at[2].set(0.0)  # an all-zero row (scale 1, codes 0)
-    for bits, mode in ((4, "w4a4"), (8, "w4a8")):
-        got = np.asarray(gm.w4ax_matmul(x, w, bits, block_n=BN, block_k=block_k, split_k=1, interpret=True))
-        want = np.asarray(ref.quantized_matmul(x, w, mode))
-        np.testing.assert_array_equal(got, want, err_msg=mode)
-    qx, sa = ref.quantize_activations(x, 4)
-    acc = gm.w4ax_quantized(qx, sa, w, block_n=BN, block_k=block_k, split_k=1, interpret=True, return_acc=True)
-    want_acc = ref.group_accumulate(qx, ref.signed_codes(w), group).transpose(1, 0, 2)  # [G, M, N]
-    assert acc.dtype == jnp.int32
-    np.testing.assert_array_equal(np.asarray(acc), np.asarray(want_acc))
+    for rows_first in (False, True):  # tokens on the MMA's M side or the weights
+        kw = dict(block_n=BN, block_k=block_k, split_k=1, rows_first=rows_first, interpret=True)
+        for bits, mode in ((4, "w4a4"), (8, "w4a8")):
+            got = np.asarray(gm.w4ax_matmul(x, w, bits, **kw))
+            want = np.asarray(ref.quantized_matmul(x, w, mode))
+            np.testing.assert_array_equal(got, want, err_msg=f"{mode} rows_first={rows_first}")
+        qx, sa = ref.quantize_activations(x, 4)
+        acc = gm.w4ax_quantized(qx, sa, w, return_acc=True, **kw)
+        want_acc = ref.group_accumulate(qx, ref.signed_codes(w), group).transpose(1, 0, 2)  # [G, M, N]
+        assert acc.dtype == jnp.int32
+        np.testing.assert_array_equal(np.asarray(acc), np.asarray(want_acc), err_msg=f"rows_first={rows_first}")
 
 
 @pytest.mark.parametrize("group,symmetric,block_k", [(32, False, 128), (128, True, 256), (256, True, 128)])
@@ -177,6 +179,12 @@ def test_split_k(rng, symmetric, k, splits):
         # tokens on the MMA's M side (a tuning variant): the same products and K order
         y16t = gm.w4a16_matmul(x, w, block_n=BN, block_k=128, split_k=split, rows_first=True, interpret=True)
         np.testing.assert_array_equal(np.asarray(y16t), y16)
+        # W4AX with the tokens on the MMA's M side: exact int32 sums, an elementwise epilogue, the same bits
+        gott = gm.w4ax_matmul(x, w, 4, block_n=BN, split_k=split, rows_first=True, interpret=True)
+        np.testing.assert_array_equal(np.asarray(gott), got)
+        acct = gm.w4ax_quantized(qx, sa, w, block_n=BN, split_k=split, rows_first=True, interpret=True,
+                                 return_acc=True)
+        np.testing.assert_array_equal(np.asarray(acct), np.asarray(want_acc))
         for f in (lambda a: gm.w4ax_matmul(a, w, 4, block_n=BN, split_k=split, interpret=True),
                   lambda a: gm.w4a16_matmul(a, w, block_n=BN, block_k=128, split_k=split, interpret=True)):
             alone = np.asarray(f(x[4:5]))[0]
@@ -485,6 +493,8 @@ def test_lowers_for_gpu_without_deprecation_warning():
                 for f in (gm.w4a16_matmul, lambda x, w: gm.w4ax_matmul(x, w, 4),
                           lambda x, w: gm.w4a16_matmul(x, w, split_k=2, block_k=128),
                           lambda x, w: gm.w4a16_matmul(x, w, rows_first=True, block_m=64),
+                          lambda x, w: gm.w4a16_matmul(x, w, rows_first=False),
+                          lambda x, w: gm.w4ax_matmul(x, w, 8, rows_first=True),
                           lambda x, w: gm.w4ax_matmul(x, w, 8, split_k=2)):
                     lower(f, x, w)
         bf = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
