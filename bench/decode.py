@@ -15,9 +15,9 @@ in the context, chat template, prefilled), QSPEC with its own accept decisions.
 Per (model, context P, batch B): a decode state holding P committed tokens per sequence is made
 directly (random tokens, a zeroed KV cache: decode time does not depend on the values), then each
 method generates ``--new`` tokens in its jitted ``while_loop`` (a configuration's loops are all
-compiled ahead, ``--threads`` at once; each is timed on a fresh state after a warm-up run of a few
-tokens): tokens/s, ms per step (AR)
-or per round (QSPEC), and the ratio to W4A16 AR measured in the same run. QSPEC's accept decisions are **replayed** from a per-round accepted-draft trace recorded
+compiled ahead, ``--threads`` at once, the Pallas ones while the previous configuration is timed;
+each is timed on a fresh state after a warm-up run of a few tokens): tokens/s, ms per step (AR) or
+per round (QSPEC), and the ratio to W4A16 AR measured in the same run. QSPEC's accept decisions are **replayed** from a per-round accepted-draft trace recorded
 on SmolLM2's real weights (``--record-trace``; every draft step and verify pass still runs, only
 the accept decision is replayed): random weights would accept nothing. Phases: one draft step
 (1 token per sequence, draft mode) and one verify pass (gamma + 1 tokens, W4A16) timed alone, the
@@ -290,11 +290,26 @@ def loop_memory_bytes(compiled) -> int:
 
 # ------------------------------------------------------------------------------ one configuration
 
-def bench_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None, batch: int, context: int,
-                 args, trace: dict | None, bw: float, rates: dict[str, float], model=None) -> dict:
-    """Every method at one (model, context, batch): all loops compiled at once, then timed one by one.
-    ``model`` (real weights): states prefilled from real prompts and QSPEC's own accept decisions
-    (``trace`` None); otherwise random states and the trace's accept decisions replayed."""
+XLA_JOB = ("ar", "w16a16")  # plain XLA: its dots autotune on the GPU while it compiles
+
+
+@dataclasses.dataclass
+class Config:
+    """One (model, context, batch): its decode loops and phase forwards as ``{key: (jitted fn, abstract
+    args)}`` (:func:`plan_config`), to compile (:func:`compile_config`) and then time (:func:`run_config`)."""
+
+    res: dict  # the result, filled in by run_config
+    rt: Runtime
+    make: Any  # () -> a fresh DecodeState
+    jobs: dict
+    ahead: int  # phase forwards start this many positions after the prompt
+
+
+def plan_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None, batch: int, context: int,
+                args, trace: dict | None, bw: float, model=None) -> Config:
+    """Every method's program at one (model, context, batch), not yet compiled. ``model`` (real
+    weights): states prefilled from real prompts and QSPEC's own accept decisions (``trace`` None);
+    otherwise random states and the trace's accept decisions replayed."""
     res: dict = {"model": name, "batch": batch, "context": context, "new": args.new, "methods": {},
                  "acceptance": "replayed" if model is None else "measured"}
     gmax = max(args.gammas)
@@ -310,25 +325,18 @@ def bench_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None
     ahead = args.new // 2  # the phases are timed at the loops' mean context, where the floors are counted
     carry = lambda t: jax.eval_shape(lambda: forward_carry(make(), t, ahead))  # noqa: E731
     prompt = res.get("prompt_tokens", context)  # the real prompts fill the context only up to a shot
-    floor_ms = 1e3 * (weight_bytes(params) + kv_bytes(cfg, batch, round(prompt) + ahead)) / bw
-    res["floor_ms_per_step"] = floor_ms
+    res["floor_ms_per_step"] = 1e3 * (weight_bytes(params) + kv_bytes(cfg, batch, round(prompt) + ahead)) / bw
     res["phase_context"] = round(prompt) + ahead  # where forward_ms times the phases
     res["copy_bw"] = bw
-    flops = matmul_flops_per_token(cfg)
-
-    def phase_floor_ms(tokens: int, mma: str) -> float:
-        """The larger of the byte floor and ``tokens`` tokens' matmul FLOPs at the measured rate."""
-        return max(floor_ms, 1e3 * tokens * flops / rates[mma])
-
-    ar = [m for m in args.ar if (fparams if m == "w16a16" else params) is not None]
+    res["cache_bytes"] = sum(a.size * a.dtype.itemsize for a in state.cache)
     jobs: dict = {}
-    for method in ar:
+    for method in _ar_methods(args, fparams):
         p = fparams if method == "w16a16" else params
         # the W16A16 baseline is plain XLA (bf16 dots, XLA attention), not row-count invariant
         rt_m = dataclasses.replace(rt, kernels="reference", invariant=False) if method == "w16a16" else rt
         jobs["ar", method] = (jax.jit(lambda q, s, rt_m=rt_m, method=method: ar_loop(q, s, rt=rt_m, mode=method),
                                       donate_argnums=1), (p, state))
-    if args.drafts and "w4a16" in ar:
+    if args.drafts and ("ar", "w4a16") in jobs:
         jobs["fwd", "w4a16", 1] = (forward_loop(rt, "w4a16", FORWARD_REPS), (params, carry(1)))
     for draft in args.drafts:
         jobs["fwd", draft, 1] = (forward_loop(rt, draft, FORWARD_REPS), (params, carry(1)))
@@ -337,15 +345,33 @@ def bench_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None
             jobs["qspec", draft, g] = (jax.jit(lambda q, s, g=g, draft=draft, replay=replay: qspec_loop(
                 q, s, rt=rt, gamma=g, draft_mode=draft, replay=replay), donate_argnums=1), (params, state))
             jobs["fwd", "w4a16", g + 1] = (forward_loop(rt, "w4a16", FORWARD_REPS), (params, carry(g + 1)))
-    t0 = time.perf_counter()
-    xla = {k: jobs.pop(k) for k in [("ar", "w16a16")] if k in jobs}  # its dots autotune: nothing beside it
-    compiled = compile_all(xla, 1) | compile_all(jobs, args.threads)
-    log(f"  compiled {len(compiled)} programs in {time.perf_counter() - t0:.0f} s")
+    return Config(res, rt, make, jobs, ahead)
+
+
+def _ar_methods(args, fparams: dict | None) -> list[str]:
+    return [m for m in args.ar if m != "w16a16" or fparams is not None]
+
+
+def compile_config(c: Config, threads: int, xla: bool) -> dict:
+    """``c``'s programs compiled, ``threads`` at once: the Pallas ones, or (``xla``) the plain-XLA
+    baseline alone (its autotuning times kernels on the GPU, so nothing else may run meanwhile)."""
+    return compile_all({k: v for k, v in c.jobs.items() if (k == XLA_JOB) == xla}, 1 if xla else threads)
+
+
+def run_config(c: Config, compiled: dict, params: dict, fparams: dict | None, args, rates: dict[str, float]) -> dict:
+    """Times ``c``'s compiled programs one by one: each method's decode loop, QSPEC's phases."""
+    res, make, batch, ahead = c.res, c.make, c.res["batch"], c.ahead
+    floor_ms = res["floor_ms_per_step"]
+    flops = matmul_flops_per_token(c.rt.config)
+
+    def phase_floor_ms(tokens: int, mma: str) -> float:
+        """The larger of the byte floor and ``tokens`` tokens' matmul FLOPs at the measured rate."""
+        return max(floor_ms, 1e3 * tokens * flops / rates[mma])
 
     def forward_ms(mode: str, tokens: int) -> float:
         return time_forward(compiled["fwd", mode, tokens], params, forward_carry(make(), tokens, ahead), FORWARD_REPS)
 
-    for method in ar:
+    for method in _ar_methods(args, fparams):
         secs, _ = time_loop(compiled["ar", method], fparams if method == "w16a16" else params, make, args.new,
                             args.reps)
         res["methods"][method] = {"tokens_per_s": batch * args.new / secs, "ms_per_step": 1e3 * secs / args.new,
@@ -376,7 +402,6 @@ def bench_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None
             log(f"  qspec {draft} g={g}: {t_round:.2f} ms/round ({g} x {t_draft:.2f} draft + {t_verify:.2f} verify + "
                 f"{overhead:.2f}), {tpr:.2f} tok/round, {entry['tokens_per_s']:.0f} tok/s, "
                 f"x{entry.get('speedup_vs_w4a16', float('nan')):.2f} vs w4a16 ({res['acceptance']} acceptance)")
-    res["cache_bytes"] = sum(a.size * a.dtype.itemsize for a in state.cache)
     return res
 
 
@@ -521,32 +546,55 @@ def main(argv: list[str] | None = None) -> None:
     done = {(r["model"], r["context"], r["batch"]) for r in run["results"]}
     log(f"copy bandwidth {bw / 1e12:.2f} TB/s; dense matmul {rates['bf16'] / 1e12:.0f} TFLOP/s bf16, "
         f"{rates['int8'] / 1e12:.0f} TOP/s int8")
-    for name in args.models.split(","):
-        todo = [(c, b) for c in contexts for b in batches if (name, c, b) not in done]
-        if not todo:
-            continue
-        model = load(args.checkpoint) if name == REAL_MODEL else None
-        cfg = MODELS[name] if model is None else model.config
-        params = random_params(cfg, jax.random.key(1)) if model is None else model.checkpoint.params
-        fparams = float_params(params) if "w16a16" in args.ar else None
-        for context, batch in todo:
-            if time.perf_counter() > deadline:
-                log(f"{name} B={batch} ctx={context}: time budget spent, not run")
-                continue
-            need = weight_bytes(params) * (3 if fparams else 1) + 1.5 * kv_bytes(cfg, batch, context + args.new + 64)
-            if need > MEM_LIMIT:
-                log(f"{name} B={batch} ctx={context}: skipped, needs ~{need / 1e9:.0f} GB")
-                run["results"].append({"model": name, "batch": batch, "context": context, "new": args.new,
-                                       "skipped": f"needs ~{need / 1e9:.0f} GB"})
-                continue
-            log(f"{name} B={batch} ctx={context}")
-            res = bench_config(name, cfg, params, fparams, batch, context, args, trace if model is None else None,
-                               bw, rates, model)
-            run["results"].append({**res, "label": args.label} if args.label else res)
-            save(run, args.out)
-        del params, fparams, model
+    with ThreadPoolExecutor(1) as ahead_pool:  # the next configuration's Pallas programs compile meanwhile
+        for name in args.models.split(","):
+            todo = [(c, b) for c in contexts for b in batches if (name, c, b) not in done]
+            if todo:
+                _bench_model(name, todo, args, trace, bw, rates, run, deadline, ahead_pool)
     save(run, args.out)
     print(markdown({**run, "results": [r for r in run["results"] if "skipped" not in r]}))
+
+
+def _bench_model(name: str, todo: list[tuple[int, int]], args, trace: dict, bw: float, rates: dict[str, float],
+                 run: dict, deadline: float, ahead_pool: ThreadPoolExecutor) -> None:
+    """Every (context, batch) of ``todo`` for one model, appended to ``run`` and saved after each. While
+    one configuration is timed, ``ahead_pool`` compiles the next one's Pallas programs (CPU work:
+    the GPU timings are not disturbed; the plain-XLA baseline, which autotunes on the GPU, compiles
+    in the foreground)."""
+    model = load(args.checkpoint) if name == REAL_MODEL else None
+    cfg = MODELS[name] if model is None else model.config
+    params = random_params(cfg, jax.random.key(1)) if model is None else model.checkpoint.params
+    fparams = float_params(params) if "w16a16" in args.ar else None
+    configs = []
+    for context, batch in todo:
+        need = weight_bytes(params) * (3 if fparams else 1) + 1.5 * kv_bytes(cfg, batch, context + args.new + 64)
+        if need > MEM_LIMIT:
+            log(f"{name} B={batch} ctx={context}: skipped, needs ~{need / 1e9:.0f} GB")
+            run["results"].append({"model": name, "batch": batch, "context": context, "new": args.new,
+                                   "skipped": f"needs ~{need / 1e9:.0f} GB"})
+        else:
+            configs.append((context, batch))
+
+    def plan_and_compile(context: int, batch: int) -> tuple[Config, dict]:
+        c = plan_config(name, cfg, params, fparams, batch, context, args, trace if model is None else None, bw, model)
+        return c, compile_config(c, args.threads, xla=False)
+
+    ahead = None
+    for i, (context, batch) in enumerate(configs):
+        if time.perf_counter() > deadline:
+            log(f"{name} B={batch} ctx={context}: time budget spent, not run")
+            continue
+        log(f"{name} B={batch} ctx={context}")
+        t0 = time.perf_counter()
+        c, compiled = ahead.result() if ahead is not None else plan_and_compile(context, batch)
+        compiled |= compile_config(c, args.threads, xla=True)
+        log(f"  {len(compiled)} programs ready after {time.perf_counter() - t0:.0f} s")
+        ahead = None
+        if i + 1 < len(configs) and time.perf_counter() < deadline:
+            ahead = ahead_pool.submit(plan_and_compile, *configs[i + 1])
+        res = run_config(c, compiled, params, fparams, args, rates)
+        run["results"].append({**res, "label": args.label} if args.label else res)
+        save(run, args.out)
 
 
 def save(run: dict, out: Path) -> None:

@@ -87,6 +87,24 @@ def test_plot_series_and_file(tmp_path):
     assert plot.HF_LABEL in (tmp_path / "q.svg").read_text()
 
 
+def test_decode_bench_compiles_the_next_configuration_ahead(tmp_path):
+    """Two configurations in one call: the second's programs compile while the first is timed, and
+    each is measured with its own shapes (batch, context) and its own replayed accept decisions."""
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"source": "constant test trace", "w4a8": {"1": [[1, 0, 1]]}}))
+    decode.main(["--models", "smoke", "--contexts", "32,64", "--batches", "3", "--new", "8", "--gammas", "1",
+                 "--drafts", "w4a8", "--ar", "w4a16", "--kernels", "reference", "--trace", str(trace),
+                 "--out", str(tmp_path)])
+    res = json.loads((tmp_path / "decode.json").read_text())["results"]
+    assert [(r["context"], r["batch"]) for r in res] == [(32, 3), (64, 3)]
+    for r in res:
+        assert r["phase_context"] == r["context"] + 4
+        assert set(r["methods"]) == {"w4a16", "qspec w4a8 g=1"}
+        # the sequences accept 1, 0, 1 drafts per round: 8 tokens in 4, 8, 4 rounds, 16 / 3 on average
+        assert abs(r["methods"]["qspec w4a8 g=1"]["tokens_per_round"] - 8 / (16 / 3)) < 1e-9
+    assert res[1]["cache_bytes"] > res[0]["cache_bytes"]  # the longer context's own state
+
+
 def test_decode_bench_resume_and_budget(tmp_path):
     """A second call with --resume keeps the first call's configuration and runs only the new one;
     a spent --budget-s starts nothing; --rerun measures a resumed configuration again."""
