@@ -4,7 +4,7 @@
     PYTHONPATH=. python3 -m bench.decode --trace bench/results/acceptance_trace.json \
         [--models llama3-8b,llama2-7b,llama2-13b] [--batches 1,8,16,32,64] [--contexts 512]
         [--new 512] [--gammas 1,3,5] [--drafts w4a8,w4a4] [--out DIR] [--resume OLD.json] [--budget-s 480]
-        [--threads 8] [--reps 1]
+        [--threads 8] [--reps 1] [--no-ahead] [--label TEXT] [--rerun]
     python -m bench.decode --record-trace bench/results/acceptance_trace.json \
         --gsm8k ../shared/data/gsm8k_test_dev.jsonl      # the trace, on SmolLM2's real weights
 
@@ -503,6 +503,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="with --resume: measure the configurations named here again, replacing the old ones")
     ap.add_argument("--budget-s", type=float, default=float("inf"), help="start no configuration after this")
     ap.add_argument("--threads", type=int, default=min(8, os.cpu_count() or 1), help="compiles at once")
+    ap.add_argument("--ahead", action=argparse.BooleanOptionalAction, default=True,
+                    help="compile the next configuration while one is timed (--no-ahead: one after the other)")
     ap.add_argument("--reps", type=int, default=1,
                     help="timed runs of each decode loop after its short warm-up (the best is kept)")
     args = ap.parse_args(argv)
@@ -587,10 +589,10 @@ def _bench_model(name: str, todo: list[tuple[int, int]], args, trace: dict, bw: 
         log(f"{name} B={batch} ctx={context}")
         t0 = time.perf_counter()
         c, compiled = ahead.result() if ahead is not None else plan_and_compile(context, batch)
+        ahead = None
         compiled |= compile_config(c, args.threads, xla=True)
         log(f"  {len(compiled)} programs ready after {time.perf_counter() - t0:.0f} s")
-        ahead = None
-        if i + 1 < len(configs) and time.perf_counter() < deadline:
+        if args.ahead and i + 1 < len(configs) and time.perf_counter() < deadline:
             ahead = ahead_pool.submit(plan_and_compile, *configs[i + 1])
         res = run_config(c, compiled, params, fparams, args, rates)
         run["results"].append({**res, "label": args.label} if args.label else res)
