@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 -m bench.tune [--shapes qkv,o,gate_up,down,lm_head] [--kinds w4a16,w4a8,dense]
         [--models llama3-8b,llama2-7b,llama2-13b] [--ms 16,32,64,128,256] [--attn 8,16:1024,2048]
-        [--prologue 1,16,64] [--out DIR] [--budget-s 400]
+        [--prologue 1,16,64] [--only rows_first] [--out DIR] [--budget-s 400]
 
 Layer shapes of ``--models`` (default Llama-3-8B; :data:`bench.kernels.MODELS`). For each (shape, kind,
 M) the kernel with its default tiles and a set of variants (:func:`variants`: warps, pipeline stages,
@@ -96,6 +96,14 @@ def variants(kind: str, m: int, n: int, k: int) -> list[dict]:
     return out
 
 
+MATMUL_KEYS = {"num_warps", "num_stages", "block_n", "block_k", "split_k", "block_m", "rows_first"}
+
+
+def select(configs: list[dict], only: set[str] | None) -> list[dict]:
+    """``configs``' default (``{}``) and, with ``only``, just the variants that set one of those keys."""
+    return [kw for kw in configs if not kw or not only or only & set(kw)]
+
+
 def _weights(kind: str, n: int, k: int) -> list:
     """Weight copies to rotate over (bench.kernels' families: bf16 for dense, packed otherwise)."""
     family = "bf16" if kind == "dense" else "packed"
@@ -113,7 +121,10 @@ def _compare(job: Job, base: Job, kw: dict) -> str:
     return f"rel {rel:.1e}{flag}"
 
 
-def sweep_shape(model: str, shape: str, kinds: list[str], ms: list[int], tmp: Path, threads: int) -> list[dict]:
+def sweep_shape(model: str, shape: str, kinds: list[str], ms: list[int], tmp: Path, threads: int,
+                only: set[str] | None = None) -> list[dict]:
+    """The matmul kinds at one layer shape: the default and its :func:`variants` (with ``only``, those
+    that set one of these keys) at each M."""
     n, k = MODELS[model][shape]
     rows = []
     for kind in kinds:
@@ -124,7 +135,7 @@ def sweep_shape(model: str, shape: str, kinds: list[str], ms: list[int], tmp: Pa
         for m in ms:
             calls = max(CALLS, len(ws))
             xs = [jax.random.normal(jax.random.key(1000 + i), (m, k), jnp.bfloat16) for i in range(calls)]
-            for kw in variants(kind, m, n, k):
+            for kw in select(variants(kind, m, n, k), only):
                 fn = lambda x, w, kw=kw, kind=kind: KINDS[kind](x, w, kw)  # noqa: E731
                 jobs.append(Job(fn, [(xs[i], ws[i % len(ws)]) for i in range(calls)], pallas=True))
                 meta.append((m, kw))
@@ -252,16 +263,21 @@ def main(argv: list[str] | None = None) -> None:
                     help="also sweep decode attention, e.g. 8,16:1024,2048 (KV block x cache splits)")
     ap.add_argument("--prologue", default=None, metavar="MS",
                     help="also sweep the activation-prologue kernels' tile width at these row counts, e.g. 1,16,64")
+    ap.add_argument("--only", default=None, metavar="KEYS",
+                    help="matmuls: only the variants that set one of these keys, e.g. rows_first")
     ap.add_argument("--threads", type=int, default=min(16, os.cpu_count() or 1))
     args = ap.parse_args(argv)
-    if jax.default_backend() != "gpu":
-        raise SystemExit("bench.tune times GPU kernels: run it on the GPU machine")
     kinds = args.kinds.split(",")
     models = args.models.split(",")
+    only = set(args.only.split(",")) if args.only else None
+    if only and only - MATMUL_KEYS:
+        raise SystemExit(f"--only: unknown keys {sorted(only - MATMUL_KEYS)}; known: {sorted(MATMUL_KEYS)}")
     unknown = ([x for x in kinds if x not in KINDS] + [m for m in models if m not in MODELS]
                + [s for s in args.shapes.split(",") if s and s not in MODELS[DEFAULT_MODEL]])
     if unknown:
         raise SystemExit(f"unknown kinds/models/shapes: {unknown}")
+    if jax.default_backend() != "gpu":
+        raise SystemExit("bench.tune times GPU kernels: run it on the GPU machine")
     ms = [int(m) for m in args.ms.split(",")]
     deadline = time.time() + args.budget_s
     run = {"command": " ".join(["python3 -m bench.tune", *(argv if argv is not None else sys.argv[1:])]),
@@ -279,7 +295,7 @@ def main(argv: list[str] | None = None) -> None:
                 if time.time() > deadline:
                     log(f"time budget: {model} {shape} not run")
                     continue
-                run["rows"] += sweep_shape(model, shape, kinds, ms, Path(tmp), args.threads)
+                run["rows"] += sweep_shape(model, shape, kinds, ms, Path(tmp), args.threads, only)
                 write(run, args.out)
     write(run, args.out)
     print(markdown(run))

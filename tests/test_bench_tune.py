@@ -40,6 +40,17 @@ def test_dense_variants_are_launch_settings_only():
         assert all(set(kw) <= {"num_warps", "num_stages", "block_m"} for kw in configs), configs
 
 
+def test_select_keeps_the_default_and_the_named_keys():
+    configs = tune.variants("w4a16", 16, 64, 512)
+    picked = tune.select(configs, {"rows_first"})
+    assert picked[0] == {} and len(picked) >= 2 and all("rows_first" in kw for kw in picked[1:])
+    assert tune.select(configs, None) == configs
+    assert all(set(kw) <= tune.MATMUL_KEYS for m in (1, 16, 32, 100) for kind in ("w4a16", "w4a8", "dense")
+               for kw in tune.variants(kind, m, 64, 512))
+    with pytest.raises(SystemExit, match="unknown keys"):
+        tune.main(["--only", "row_first"])
+
+
 def test_attention_variants_agree(rng):
     """Every KV block / split configuration the sweep tries runs and matches the default to float
     tolerance (only the grouping of the partial-softmax merge differs)."""
