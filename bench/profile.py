@@ -33,7 +33,7 @@ from qspec_jax.sampling import Sampling
 CATEGORIES = (("W4A16 matmul", "_w4a16_kernel"), ("W4A8/W4A4 matmul", "_w4ax_kernel"),
               ("lm_head (dense)", "_dense_kernel"), ("attention", "_attention_kernel"),
               ("activation prologue", "_prologue_kernel"), ("activation prologue", "_swiglu_"),
-              ("attention merge prologue", "_merge_kernel"),
+              ("attention merge prologue", "_merge_"),
               ("RMSNorm", "_rms_norm_kernel"), ("copies", "memcpy"), ("copies", "Memcpy"))
 
 

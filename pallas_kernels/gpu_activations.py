@@ -1,15 +1,15 @@
 """The INT4 matmuls' activation inputs, prepared by one Pallas GPU kernel per call (two for
-:func:`swiglu_quantize` at few rows; Triton lowering): the step before the layer (the RMSNorm
-before qkv and gate/up, the merge of the attention's cache splits before o, the MLP's
-``silu(gate) * up`` before down), the W4A8 / W4A4 quantization, and the plane layout the matmul
-kernel reads (:func:`pallas_kernels.gpu_matmul.activation_planes`).
+:func:`swiglu_quantize` and :func:`attention_quantize` at few rows; Triton lowering): the step
+before the layer (the RMSNorm before qkv and gate/up, the merge of the attention's cache splits
+before o, the MLP's ``silu(gate) * up`` before down), the W4A8 / W4A4 quantization, and the plane
+layout the matmul kernel reads (:func:`pallas_kernels.gpu_matmul.activation_planes`).
 
 Unfused, the same work is the norm kernel (or XLA's elementwise merge or SwiGLU), then XLA ops for
-the absmax, the quantization and the plane transpose. One program per row: the RMSNorm's statistics as
-:mod:`pallas_kernels.gpu_norm` computes them (same values, bit for bit), or
-:func:`pallas_kernels.reference.swiglu` of the row's gate and up halves, or the merge of the row's
-(one query's) per-split attention partials as :func:`pallas_kernels.gpu_attention.merge` spells it
-(float32 sums may contract differently: not bitwise the XLA merge), then
+the absmax, the quantization and the plane transpose. One program per row (or per part of one,
+below): the RMSNorm's statistics as :mod:`pallas_kernels.gpu_norm` computes them (same values, bit
+for bit), or :func:`pallas_kernels.reference.swiglu` of the row's gate and up halves, or the merge of
+the row's (one query's) per-split attention partials as :func:`pallas_kernels.gpu_attention.merge`
+spells it (float32 sums may contract differently: not bitwise the XLA merge), then
 
 * W4AX (:func:`quantize_rows`, :func:`rms_norm_quantize`, :func:`swiglu_quantize`,
   :func:`attention_quantize`): the row's absmax (exact in any order),
@@ -23,9 +23,12 @@ the absmax, the quantization and the plane transpose. One program per row: the R
 The row is read in tiles of whole 64-element blocks: ``[blocks, 32]`` per W4AX plane, ``[blocks, 16]``
 (every other element) per W4A16 plane; the whole row in one tile up to ``MAX_BLOCKS`` (rows past a
 non-power-of-two block count masked), since a loop over tiles costs each tile's load latency (a
-K = 14336 row in 1024-element tiles took 15 µs, in one tile 3.4 µs, on the H200). The exception:
+K = 14336 row in 1024-element tiles took 15 µs, in one tile 3.4 µs, on the H200). The exceptions:
 the SwiGLU + quantization of up to :data:`SPREAD_ROWS` rows spreads each row's tiles over programs
-(:func:`_swiglu_quantize_spread`), where one program per row took 13-15 µs (3-5 µs spread).
+(:func:`_swiglu_quantize_spread`), where one program per row took 13-15 µs (3-5 µs spread); the
+attention merge below :data:`MERGE_PROGRAMS` rows spreads a row's KV heads over programs
+(:func:`merge_head_tile`; one program per row read all 16 splits' partials of Llama-2-7B's 32
+heads, 256 KB, in 7.5 µs per layer at batch 1).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ HALF = PACK_BLOCK // 2  # a 64-block's elements in each W4AX plane (and each hal
 MAX_BLOCKS = 256  # 64-blocks per tile at most (16384 elements)
 SPREAD_ROWS = 64  # swiglu_quantize spreads a row over programs up to this many rows
 SPREAD_BLOCKS = 16  # 64-blocks per program when spread
+MERGE_PROGRAMS = 128  # the attention-merge prologue spreads a row's KV heads over programs below this many rows
 _RCP_ASM = "rcp.rn.f32 $0, $1;"  # 1 / x, correctly rounded
 _ROUND_ASM = "cvt.rni.s32.f32 $0, $1;"  # to the nearest integer, ties to even
 
@@ -366,15 +370,14 @@ def attention_merge_supported(kv_heads: int, group: int, head_dim: int) -> bool:
         head_dim % PACK_BLOCK == 0)
 
 
-def _merge_kernel(acc_ref, m_ref, l_ref, *outs, splits: int, dtype, bits: int | None, interpret: bool):
-    """Row ``(b, t)`` of the attention output from its splits' partials (``acc_ref[KV, P, G, nb, 64]``,
-    ``m_ref``, ``l_ref[KV, P, G]``), merged as :func:`pallas_kernels.gpu_attention.merge` does (the
-    largest ``m``, weights ``exp(m_p - top)``, sums over the splits left to right, times the
-    reciprocal of the weights' sum),
-    cast to ``dtype``, then written by :func:`_emit` (the whole row is one tile)."""
+def _merged_values(acc_ref, m_ref, l_ref, splits: int, dtype, interpret: bool):
+    """``values(i, half, byte)``: this program's KV heads (``acc_ref[KV', P, G, nb, 64]``, ``m_ref``,
+    ``l_ref[KV', P, G]``) of one query's attention output, merged from their splits as
+    :func:`pallas_kernels.gpu_attention.merge` does (the largest ``m``, weights ``exp(m_p - top)``,
+    sums over the splits left to right, times the reciprocal of the weights' sum), cast to ``dtype``:
+    one tile of ``KV' * G * nb`` 64-blocks (heads past KV' up to a power of two read as m 0, l 1, acc 0)."""
     kvh, _, g, nb, _ = acc_ref.shape
-    blocks = kvh * g * nb
-    span = _span(kvh, interpret)  # KV heads past kvh (Triton's power-of-two tiles) read as m 0, l 1, acc 0
+    span = _span(kvh, interpret)
 
     def load(ref, idx: tuple, other: float):
         """``ref[:span, *idx]``, heads past kvh read as ``other``."""
@@ -413,15 +416,57 @@ def _merge_kernel(acc_ref, m_ref, l_ref, *outs, splits: int, dtype, bits: int | 
         v = num * inv[:, :, None, None]
         return v.reshape(span * g * nb, v.shape[-1]).astype(dtype)
 
+    return values, kvh * g * nb
+
+
+def _merge_kernel(acc_ref, m_ref, l_ref, *outs, splits: int, dtype, bits: int | None, interpret: bool):
+    """This program's KV heads of one query's attention output (:func:`_merged_values`), written by
+    :func:`_emit`: W4A16 planes, or (``bits``) the whole row's W4AX codes and scale."""
+    values, blocks = _merged_values(acc_ref, m_ref, l_ref, splits, dtype, interpret)
     if bits is not None:  # the absmax and the codes passes read the same two halves: merge them once
         halves = [values(0, half) for half in (0, 1)]
         values = lambda i, half, byte=None: halves[half]  # noqa: E731
     _emit(values, outs, blocks, blocks, bits, interpret)
 
 
-def _merge_call(partials, bits: int | None, interpret: bool):
-    """The merge kernel over ``partials`` (:class:`pallas_kernels.gpu_attention.Partials`), one program
-    per (sequence, query): rows ``[B * T, H * d]`` as W4AX planes and scales, or W4A16 planes."""
+def _merge_absmax_kernel(acc_ref, m_ref, l_ref, amax_ref, *, splits: int, dtype, interpret: bool):
+    """Phase 1 of the spread W4AX merge: ``amax_ref[1]`` = the absmax of this program's KV heads of
+    the row."""
+    values, _ = _merged_values(acc_ref, m_ref, l_ref, splits, dtype, interpret)
+    amax_ref[...] = jnp.full((1,), _tile_absmax(values, 0, jnp.float32(0)), jnp.float32)
+
+
+def _merge_codes_kernel(acc_ref, m_ref, l_ref, amax_ref, q_ref, sa_ref, *, splits: int, dtype, tiles: int, bits: int,
+                        interpret: bool):
+    """Phase 2: the row's scale from all its head tiles' absmax (``amax_ref[T']``, the first ``tiles``
+    written), then this program's codes; head tile 0 writes the scale."""
+    amax = jnp.max(pl_triton.load(amax_ref, **_mask(tiles, amax_ref.shape, 0)))  # unwritten: 0
+    scale, inv = _scale(amax, bits, interpret)
+    values, blocks = _merged_values(acc_ref, m_ref, l_ref, splits, dtype, interpret)
+    _tile_codes(values, 0, q_ref, blocks, inv, bits, interpret)
+
+    @pl.when(pl.program_id(2) == 0)
+    def _():
+        sa_ref[...] = jnp.full((1,), scale, jnp.float32)
+
+
+def merge_head_tile(kv_heads: int, rows: int) -> int:
+    """KV heads per program of the attention-merge prologue: all of them (one program per row) from
+    :data:`MERGE_PROGRAMS` rows up; below, the largest power of two dividing ``kv_heads`` that still
+    gives :data:`MERGE_PROGRAMS` programs (one head per program at worst). A function of the
+    shapes; only the work's spread depends on it, not the bits."""
+    if rows >= MERGE_PROGRAMS:
+        return kv_heads
+    per = max(1, kv_heads * rows // MERGE_PROGRAMS)
+    return max(d for d in (1 << e for e in range(kv_heads.bit_length())) if kv_heads % d == 0 and d <= per)
+
+
+def _merge_call(partials, bits: int | None, interpret: bool, head_tile: int | None = None):
+    """The merge over ``partials`` (:class:`pallas_kernels.gpu_attention.Partials`), rows ``[B * T,
+    H * d]`` as W4AX planes and scales, or W4A16 planes: programs ``(sequence, query, head tile)`` of
+    ``head_tile`` KV heads (default :func:`merge_head_tile`); a W4AX row spread over several head
+    tiles takes two kernels (its tiles' absmax, then the codes; the bits are the same: the absmax is
+    exact in any order, the codes elementwise)."""
     acc, m, l = partials.acc, partials.m, partials.l
     b, t, h, d = partials.shape
     kvh, splits, r = acc.shape[1], acc.shape[2], acc.shape[3]
@@ -429,30 +474,49 @@ def _merge_call(partials, bits: int | None, interpret: bool):
     if not attention_merge_supported(kvh, g, d):
         raise ValueError(f"the merge kernel needs a power-of-two group ({g}) and a power-of-two number "
                          f"of 64-blocks per head (head_dim {d})")
-    blocks = h * nb
-    kernel = functools.partial(_merge_kernel, splits=splits, dtype=partials.dtype, bits=bits, interpret=interpret)
-    in_specs = [pl.BlockSpec((None, kvh, splits, g, nb, PACK_BLOCK), lambda i, j: (i, 0, 0, j, 0, 0)),
-                pl.BlockSpec((None, kvh, splits, g), lambda i, j: (i, 0, 0, j)),
-                pl.BlockSpec((None, kvh, splits, g), lambda i, j: (i, 0, 0, j))]
+    hk = merge_head_tile(kvh, b * t) if head_tile is None else head_tile
+    if hk != kvh and (hk < 1 or hk & (hk - 1) or kvh % hk):
+        raise ValueError(f"head_tile must be all {kvh} KV heads or a power of two dividing them, got {hk}")
+    tiles, blocks = kvh // hk, h * nb
+    tile_blocks_ = blocks // tiles  # 64-blocks of a head tile's output
+    in_specs = [pl.BlockSpec((None, hk, splits, g, nb, PACK_BLOCK), lambda i, j, c: (i, c, 0, j, 0, 0)),
+                pl.BlockSpec((None, hk, splits, g), lambda i, j, c: (i, c, 0, j)),
+                pl.BlockSpec((None, hk, splits, g), lambda i, j, c: (i, c, 0, j))]
     args = (acc.reshape(b, kvh, splits, r, nb, PACK_BLOCK), m, l)
-    row = lambda i, j: i * t + j  # noqa: E731
-    if bits is None:
-        out_shape, out_specs = _planes_out(b * t, blocks, row)
-        planes = call_kernel(kernel, out_shape, (b, t), in_specs, out_specs, interpret, NUM_WARPS, 1, *args)
+    grid, row = (b, t, tiles), lambda i, j, c: i * t + j
+    kw = dict(splits=splits, dtype=partials.dtype, interpret=interpret)
+    if bits is None:  # no row-wide statistic: each program writes its heads' planes
+        planes = call_kernel(functools.partial(_merge_kernel, bits=None, **kw),
+                             jax.ShapeDtypeStruct((4, b * t, blocks, HALF // 2), jnp.bfloat16), grid, in_specs,
+                             pl.BlockSpec((4, None, tile_blocks_, HALF // 2), lambda i, j, c: (0, row(i, j, c), c, 0)),
+                             interpret, NUM_WARPS, 1, *args)
         return planes.reshape(4, b * t, h * d // 4)
     out_shape, out_specs = _codes_out(b * t, blocks, row)
-    planes, sa = call_kernel(kernel, out_shape, (b, t), in_specs, out_specs, interpret, NUM_WARPS, 1, *args)
+    if tiles == 1:
+        planes, sa = call_kernel(functools.partial(_merge_kernel, bits=bits, **kw), out_shape, grid, in_specs,
+                                 out_specs, interpret, NUM_WARPS, 1, *args)
+        return planes.reshape(2, b * t, h * d // 2), sa
+    span = _span(tiles, interpret)
+    amax = call_kernel(functools.partial(_merge_absmax_kernel, **kw), jax.ShapeDtypeStruct((b * t, span), jnp.float32),
+                       grid, in_specs, pl.BlockSpec((None, 1), lambda i, j, c: (row(i, j, c), c)), interpret,
+                       NUM_WARPS, 1, *args)
+    out_specs = (pl.BlockSpec((2, None, tile_blocks_, HALF), lambda i, j, c: (0, row(i, j, c), c, 0)), out_specs[1])
+    planes, sa = call_kernel(functools.partial(_merge_codes_kernel, tiles=tiles, bits=bits, **kw), out_shape, grid,
+                             [*in_specs, pl.BlockSpec((None, span), lambda i, j, c: (row(i, j, c), 0))], out_specs,
+                             interpret, NUM_WARPS, 1, *args, amax)
     return planes.reshape(2, b * t, h * d // 2), sa
 
 
-def attention_quantize(partials, bits: int, *, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+def attention_quantize(partials, bits: int, *, head_tile: int | None = None,
+                       interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """:func:`quantize_rows` of the attention output ``gpu_attention.merge(partials)`` as rows
-    ``[B * T, H * d]``, in one kernel that merges the cache splits itself (the output is never
-    written out)."""
-    return _merge_call(partials, _check_bits(bits), interpret)
+    ``[B * T, H * d]``, by a kernel that merges the cache splits itself (the output is never written
+    out); two kernels where a row's KV heads are spread over programs (``head_tile``: KV heads per
+    program, default :func:`merge_head_tile`; the same bits either way)."""
+    return _merge_call(partials, _check_bits(bits), interpret, head_tile)
 
 
-def attention_planes(partials, *, interpret: bool = False) -> jax.Array:
+def attention_planes(partials, *, head_tile: int | None = None, interpret: bool = False) -> jax.Array:
     """``gpu_attention.merge(partials)`` as rows ``[B * T, H * d]`` cast to bf16 in the W4A16 kernel's
-    planes ``[4, B * T, H * d / 4]``, in one kernel."""
-    return _merge_call(partials, None, interpret)
+    planes ``[4, B * T, H * d / 4]``, in one kernel (``head_tile``: as in :func:`attention_quantize`)."""
+    return _merge_call(partials, None, interpret, head_tile)

@@ -206,7 +206,8 @@ def test_attention_merge_prologue(rng, dtype, heads, kv):
     cache split (the default splits at batch 4, 2048 slots):
     attention_planes against float64 attention; attention_quantize's codes within 1 of the reference
     quantization of the XLA merge of the same partials; each query's row bitwise the same in calls of
-    1..4 queries (row-count invariance)."""
+    1..4 queries (row-count invariance; the KV heads per program follow the row count) and with all
+    of a row's heads in one program."""
     from pallas_kernels import gpu_activations
 
     b, s, t, g = 4, 2048, 4, heads // kv
@@ -236,6 +237,12 @@ def test_attention_merge_prologue(rng, dtype, heads, kv):
             rows = (np.arange(b)[:, None] * t + np.arange(n)[None]).reshape(-1)
             np.testing.assert_array_equal(np.asarray(c), np.asarray(codes)[:, rows], err_msg=f"T={n} bits={bits}")
             np.testing.assert_array_equal(np.asarray(s_n), np.asarray(sa)[rows], err_msg=f"T={n} bits={bits}")
+        # all of a row's KV heads in one program instead of the default's head tiles: the same bits
+        one = jax.jit(lambda *a: gpu_activations.attention_quantize(parts(*a), bits, head_tile=kv))(q, k, v, pos)
+        np.testing.assert_array_equal(np.asarray(one[0]), np.asarray(codes), err_msg=f"one program, bits={bits}")
+        np.testing.assert_array_equal(np.asarray(one[1]), np.asarray(sa), err_msg=f"one program, bits={bits}")
+    one = jax.jit(lambda *a: gpu_activations.attention_planes(parts(*a), head_tile=kv))(q, k, v, pos)
+    np.testing.assert_array_equal(np.asarray(one, np.float32), planes, err_msg="planes, one program")
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

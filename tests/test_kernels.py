@@ -294,9 +294,32 @@ def test_attention_merge_prologue(rng, dtype, splits, kv):
         rows = np.arange(b) * t  # query 0 of each sequence
         np.testing.assert_array_equal(np.asarray(c1), np.asarray(codes)[:, rows])
         np.testing.assert_array_equal(np.asarray(s1), np.asarray(sa)[rows])
+    # a row's KV heads spread over programs (the default at these few rows) or all in one program: same bits
+    assert gq.merge_head_tile(kv, b * t) == 1
+    np.testing.assert_array_equal(np.asarray(gq.attention_planes(parts, head_tile=kv, interpret=True), np.float32),
+                                  planes)
+    for bits in (8, 4):
+        for got_one, got_spread in zip(gq.attention_quantize(parts, bits, head_tile=kv, interpret=True),
+                                       gq.attention_quantize(parts, bits, interpret=True)):
+            np.testing.assert_array_equal(np.asarray(got_one), np.asarray(got_spread))
+    with pytest.raises(ValueError, match="head_tile"):
+        gq.attention_quantize(parts, 8, head_tile=kv + 1, interpret=True)
     odd = gpu_attention.attention_partials(q[:, :, :3 * kv], k, v, pos, block_s=16, interpret=True)  # groups of 3
     with pytest.raises(ValueError, match="power-of-two"):
         gq.attention_quantize(odd, 8, interpret=True)
+
+
+def test_merge_head_tile():
+    """KV heads per merge program: all of them from MERGE_PROGRAMS rows up, else the largest power of
+    two dividing them that still gives that many programs."""
+    assert gq.merge_head_tile(32, 1) == 1 and gq.merge_head_tile(40, 1) == 1
+    assert gq.merge_head_tile(32, 16) == 4  # 8 tiles x 16 rows = 128 programs
+    assert gq.merge_head_tile(40, 64) == 8  # 40 * 64 / 128 = 20: 8 is the largest power of two dividing 40
+    assert gq.merge_head_tile(8, 1) == 1 and gq.merge_head_tile(32, gq.MERGE_PROGRAMS) == 32
+    for kv in (1, 3, 8, 32, 40):
+        for rows in (1, 5, 16, 64, 127, 300):
+            tile = gq.merge_head_tile(kv, rows)
+            assert kv % tile == 0 and (tile == kv or tile & (tile - 1) == 0)
 
 
 def test_rms_norm_kernel(rng):
@@ -520,6 +543,11 @@ def test_lowers_for_gpu_without_deprecation_warning():
               bf(2, 256, 8, 128), jax.ShapeDtypeStruct((2, 4), jnp.int32))
         lower(lambda *a: gpu_activations.attention_planes(parts(*a)), bf(2, 4, 32, 128), bf(2, 256, 8, 128),
               bf(2, 256, 8, 128), jax.ShapeDtypeStruct((2, 4), jnp.int32))
+        for tile in (1, 8):  # a row's KV heads spread over programs (the default at 8 rows), or in one
+            lower(lambda *a: gpu_activations.attention_quantize(parts(*a), 8, head_tile=tile), bf(2, 4, 32, 128),
+                  bf(2, 256, 8, 128), bf(2, 256, 8, 128), jax.ShapeDtypeStruct((2, 4), jnp.int32))
+            lower(lambda *a: gpu_activations.attention_planes(parts(*a), head_tile=tile), bf(2, 4, 32, 128),
+                  bf(2, 256, 8, 128), bf(2, 256, 8, 128), jax.ShapeDtypeStruct((2, 4), jnp.int32))
         print("lowered")
     """)
     proc = subprocess.run([sys.executable, "-W", "error:The Pallas Triton backend:DeprecationWarning",

@@ -28,15 +28,17 @@ TRITON_CALL = "__gpu$xla.gpu.triton"
 # the final RMSNorm and the lm_head; in the INT4 modes two prologue kernels prepare the inputs of o
 # (merging the attention's cache splits) and down (the SwiGLU of gate/up's output), as bf16 planes
 # for W4A16 or quantized for W4A8 / W4A4 (the RMSNorm kernels prepare those of qkv and gate/up); the
-# quantized SwiGLU is two kernels where it spreads a row over programs (few rows, several tiles).
+# quantized SwiGLU, and the quantized merge, are two kernels where they spread a row over programs
+# (few rows: several tiles of the row, several KV-head tiles).
 KERNELS_PER_FORWARD = {"w16a16": 9, "w4a16": 11, "w4a8": 11, "w4a4": 11}
 
 
-def _kernels_per_forward(mode: str, rows: int, intermediate: int) -> int:
-    blocks = intermediate // gpu_activations.PACK_BLOCK
-    spread = rows <= gpu_activations.SPREAD_ROWS and gpu_activations.tile_blocks(
+def _kernels_per_forward(mode: str, rows: int, cfg) -> int:
+    blocks = cfg.intermediate_size // gpu_activations.PACK_BLOCK
+    swiglu_spread = rows <= gpu_activations.SPREAD_ROWS and gpu_activations.tile_blocks(
         blocks, gpu_activations.SPREAD_BLOCKS) < blocks
-    return KERNELS_PER_FORWARD[mode] + (mode in ("w4a8", "w4a4") and spread)
+    merge_spread = gpu_activations.merge_head_tile(cfg.num_kv_heads, rows) < cfg.num_kv_heads
+    return KERNELS_PER_FORWARD[mode] + (mode in ("w4a8", "w4a4")) * (swiglu_spread + merge_spread)
 
 
 @pytest.fixture
@@ -71,7 +73,7 @@ def test_decode_forward_lowers_for_cuda(cuda_target, model, mode, dtype, tokens)
     def step(p, t, q, c):
         return forward(p, cfg, t, q, c, mode=mode, dtype=dtype, row_tile=ROW_TILE, kernels="pallas")
 
-    want = _kernels_per_forward(mode, b * tokens, cfg.intermediate_size)
+    want = _kernels_per_forward(mode, b * tokens, cfg)
     assert _triton_calls(step, params, toks, pos, cache) == want
 
 
