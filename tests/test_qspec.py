@@ -312,7 +312,10 @@ def test_committed_kv_slots_hold_w4a16_values(rng):
             got = got[:, b, : n - 1]
             want16, want4 = np.asarray(want16)[:, 0, : n - 1], np.asarray(want4)[:, 0, : n - 1]
             scale = np.abs(want16).max()
-            np.testing.assert_allclose(got, want16, rtol=0, atol=1e-3 * scale)
+            # W4A16 rounds each matmul's activations to bf16: the prefill's and this recompute's shapes sum
+            # in other orders, and a flipped rounding moves later layers by ~1e-3 * scale (seen on 2 of 12
+            # seeds, 0 elsewhere), far inside W4A4's distance of ~0.25 * scale (checked below)
+            np.testing.assert_allclose(got, want16, rtol=0, atol=2e-2 * scale)
             # layer 0 keys/values depend only on (token, position): exactly what a W4A4 draft step writes
             far = np.abs(want16[0] - want4[0]) > 1e-2 * scale
             assert np.all(np.abs(got[0] - want4[0])[far] > 5e-3 * scale)
