@@ -17,13 +17,13 @@ directly (random tokens, a zeroed KV cache: decode time does not depend on the v
 method generates ``--new`` tokens in its jitted ``while_loop`` (a configuration's loops are all
 compiled ahead, ``--threads`` at once, the Pallas ones while the previous configuration is timed;
 each is timed on a fresh state after a warm-up run of a few tokens): tokens/s, ms per step (AR) or
-per round (QSPEC), and the ratio to W4A16 AR measured in the same run. QSPEC's accept decisions are **replayed** from a per-round accepted-draft trace recorded
-on SmolLM2's real weights (``--record-trace``; every draft step and verify pass still runs, only
-the accept decision is replayed): random weights would accept nothing. Phases: one draft step
-(1 token per sequence, draft mode) and one verify pass (gamma + 1 tokens, W4A16) timed alone, the
-rest of a round is overhead; the speed-up model of DESIGN.md §2,
-``S = E[L] * T_w4a16 / (gamma * T_draft + T_verify + T_overhead)`` with E[L] the measured tokens
-per round, next to the measured speed-up. Floor per step: the bytes one W4A16 step must move
+per round (QSPEC), and the ratio to W4A16 AR measured in the same run. QSPEC's accept decisions are
+**replayed** from a per-round accepted-draft trace recorded on SmolLM2's real weights
+(``--record-trace``; every draft step and verify pass still runs, only the accept decision is
+replayed): random weights would accept nothing. Phases: one draft step (1 token per sequence, draft
+mode) and one verify pass (gamma + 1 tokens, W4A16) timed alone, the rest of a round is overhead;
+the speed-up model of DESIGN.md §2, ``S = E[L] * T_w4a16 / (gamma * T_draft + T_verify +
+T_overhead)`` with E[L] the measured tokens per round, next to the measured speed-up. Floor per step: the bytes one W4A16 step must move
 (packed weights + scales + bf16 lm_head + the KV cache read) over the copy bandwidth measured in the
 same run. Phase floors: a draft step or verify pass cannot beat the larger of that byte floor and
 its matmul FLOPs (2 x the matmul weights per token, attention left out) over the dense matmul rate

@@ -239,7 +239,8 @@ def _swiglu_quantize_spread(gate_up: jax.Array, bits: int, max_blocks: int, inte
     """:func:`swiglu_quantize` for few rows: a row's tiles spread over programs, in two kernels (the
     tiles' absmax, then the codes; each reads its tile of ``[gate | up]``, from L2 the second time):
     one program per row leaves all but M SMs idle and took 3-4x as long at M = 1 / 16 on the H200
-    (bench/results/kernels_history.md, session 8). Same bits: the absmax is exact in any order, the codes elementwise."""
+    (bench/results/kernels_history.md, session 8). Same bits: the absmax is exact in any order, the
+    codes elementwise."""
     m, h = gate_up.shape[0], gate_up.shape[1] // 2
     blocks = h // PACK_BLOCK
     tb = tile_blocks(blocks, max_blocks)

@@ -38,8 +38,8 @@ program, tile slot or tile width holds it (rows beyond M are masked: never read,
 zeros, never written; no pad or slice outside the kernel); each output element is reduced over K
 in one fixed order; K tiles, splits and warps are chosen from ``(N, K, group)`` only. That the MMA
 gives an element the same bits in a 16- and a 32-column tile, and with the sides swapped, is
-checked on the GPU, bitwise (tests/test_gpu.py). The W4AX integer accumulation is exact anyway, and its epilogue is
-elementwise per row.
+checked on the GPU, bitwise (tests/test_gpu.py). The W4AX integer accumulation is exact anyway,
+and its epilogue is elementwise per row.
 
 In interpret mode (CPU tests) the PTX steps are replaced by the same operations in jnp.
 """
@@ -481,8 +481,8 @@ def _w4ax_kernel(l_ref, qx_ref, sa_ref, p_ref, s_ref, *rest, m: int, k: int, gro
     masks = _row_masks(m, bm, tiles)
     dims = (((1,), (1,)), ((), ()))
     tile = (bm, bn) if rows_first else (bn, bm)
-    zeros = tuple((jnp.zeros(tile, jnp.int32), None if symmetric else jnp.zeros((bm, 1) if rows_first else (1, bm),
-                                                                                 jnp.int32))
+    sums = (bm, 1) if rows_first else (1, bm)  # the activation sums (asymmetric weights)
+    zeros = tuple((jnp.zeros(tile, jnp.int32), None if symmetric else jnp.zeros(sums, jnp.int32))
                   for _ in range(tiles))
 
     def weight_codes(byte0, nbytes):

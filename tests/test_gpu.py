@@ -78,7 +78,8 @@ def test_matmul_kernels_match_references(rng, n, k, group, symmetric):
         # the reference on the CPU: XLA's float32 division on the GPU is not correctly rounded (13.7%
         # of 4M reciprocals differed from numpy's in session 9), so its activation codes may differ
         with jax.default_device(cpu := jax.devices("cpu")[0]):
-            exp = jax.jit(lambda a: reference.quantized_matmul(a, jax.device_put(w, cpu), mode))(jax.device_put(x, cpu))
+            w_cpu, x_cpu = jax.device_put(w, cpu), jax.device_put(x, cpu)
+            exp = jax.jit(lambda a: reference.quantized_matmul(a, w_cpu, mode))(x_cpu)
         split = gpu_matmul.default_config(n, k, group, "w4ax")[2]
         if symmetric and split == 1:
             np.testing.assert_array_equal(np.asarray(got), np.asarray(exp))
