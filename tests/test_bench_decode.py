@@ -103,6 +103,8 @@ def test_decode_bench_compiles_the_next_configuration_ahead(tmp_path):
         # the sequences accept 1, 0, 1 drafts per round: 8 tokens in 4, 8, 4 rounds, 16 / 3 on average
         assert abs(r["methods"]["qspec w4a8 g=1"]["tokens_per_round"] - 8 / (16 / 3)) < 1e-9
     assert res[1]["cache_bytes"] > res[0]["cache_bytes"]  # the longer context's own state
+    assert all(r["bench_s"]["compile_wait"] >= 0 and r["bench_s"]["timing"] > 0 for r in res)
+    assert (tmp_path / "decode.md").read_text().count("s waiting for compiles and") == 2
 
 
 def test_decode_bench_resume_and_budget(tmp_path):
