@@ -214,25 +214,36 @@ def _planes_out(m: int, blocks: int, row) -> tuple:
             pl.BlockSpec((4, None, blocks, HALF // 2), lambda *g: (0, row(*g), 0, 0)))
 
 
+def _spread_absmax(values, i, amax_ref) -> None:
+    """Phase 1 of a row spread over programs: ``amax_ref[1]`` = the absmax of this program's tile
+    ``values(i, ...)``."""
+    amax_ref[...] = jnp.full((1,), _tile_absmax(values, i, jnp.float32(0)), jnp.float32)
+
+
+def _spread_codes(values, i, first: jax.Array, tiles: int, amax_ref, q_ref, sa_ref, tb: int, bits: int,
+                  interpret: bool) -> None:
+    """Phase 2: the row's scale from all its tiles' absmax (``amax_ref[T']``, the first ``tiles``
+    written; exact in any order), then this program's codes of tile ``values(i, ...)`` (elementwise:
+    the bits of one program per row); the row's ``first`` tile writes the scale."""
+    amax = jnp.max(pl_triton.load(amax_ref, **_mask(tiles, amax_ref.shape, 0)))  # unwritten: 0
+    scale, inv = _scale(amax, bits, interpret)
+    _tile_codes(values, i, q_ref, tb, inv, bits, interpret)
+
+    @pl.when(first)
+    def _():
+        sa_ref[...] = jnp.full((1,), scale, jnp.float32)
+
+
 def _swiglu_absmax_kernel(x2_ref, amax_ref, *, blocks: int, tb: int, interpret: bool):
-    """Phase 1 of :func:`_swiglu_quantize_spread`: ``amax_ref[1]`` = the absmax of tile
-    ``program_id(1)`` of the row's SwiGLU."""
-    values = _swiglu_values(x2_ref, blocks, tb, interpret)
-    amax_ref[...] = jnp.full((1,), _tile_absmax(values, pl.program_id(1), jnp.float32(0)), jnp.float32)
+    """Phase 1 of :func:`_swiglu_quantize_spread` for tile ``program_id(1)`` of the row's SwiGLU."""
+    _spread_absmax(_swiglu_values(x2_ref, blocks, tb, interpret), pl.program_id(1), amax_ref)
 
 
 def _swiglu_codes_kernel(x2_ref, amax_ref, q_ref, sa_ref, *, blocks: int, tb: int, bits: int, interpret: bool):
-    """Phase 2: the row's scale from all its tiles' absmax (``amax_ref[T']``, the first ``blocks /
-    tb`` written), then tile ``program_id(1)``'s codes; tile 0 writes the scale."""
-    amax = jnp.max(pl_triton.load(amax_ref, **_mask(blocks // tb, amax_ref.shape, 0)))  # unwritten: 0
-    scale, inv = _scale(amax, bits, interpret)
-    values = _swiglu_values(x2_ref, blocks, tb, interpret)
+    """Phase 2 of :func:`_swiglu_quantize_spread` for tile ``program_id(1)``."""
     t = pl.program_id(1)
-    _tile_codes(values, t, q_ref, tb, inv, bits, interpret)
-
-    @pl.when(t == 0)
-    def _():
-        sa_ref[...] = jnp.full((1,), scale, jnp.float32)
+    _spread_codes(_swiglu_values(x2_ref, blocks, tb, interpret), t, t == 0, blocks // tb, amax_ref, q_ref, sa_ref,
+                  tb, bits, interpret)
 
 
 def _swiglu_quantize_spread(gate_up: jax.Array, bits: int, max_blocks: int, interpret: bool):
@@ -431,24 +442,15 @@ def _merge_kernel(acc_ref, m_ref, l_ref, *outs, splits: int, dtype, bits: int | 
 
 
 def _merge_absmax_kernel(acc_ref, m_ref, l_ref, amax_ref, *, splits: int, dtype, interpret: bool):
-    """Phase 1 of the spread W4AX merge: ``amax_ref[1]`` = the absmax of this program's KV heads of
-    the row."""
-    values, _ = _merged_values(acc_ref, m_ref, l_ref, splits, dtype, interpret)
-    amax_ref[...] = jnp.full((1,), _tile_absmax(values, 0, jnp.float32(0)), jnp.float32)
+    """Phase 1 of the spread W4AX merge (:func:`_spread_absmax`) for this program's KV heads of the row."""
+    _spread_absmax(_merged_values(acc_ref, m_ref, l_ref, splits, dtype, interpret)[0], 0, amax_ref)
 
 
 def _merge_codes_kernel(acc_ref, m_ref, l_ref, amax_ref, q_ref, sa_ref, *, splits: int, dtype, tiles: int, bits: int,
                         interpret: bool):
-    """Phase 2: the row's scale from all its head tiles' absmax (``amax_ref[T']``, the first ``tiles``
-    written), then this program's codes; head tile 0 writes the scale."""
-    amax = jnp.max(pl_triton.load(amax_ref, **_mask(tiles, amax_ref.shape, 0)))  # unwritten: 0
-    scale, inv = _scale(amax, bits, interpret)
+    """Phase 2 (:func:`_spread_codes`) for this program's KV heads, whose output block is its own tile."""
     values, blocks = _merged_values(acc_ref, m_ref, l_ref, splits, dtype, interpret)
-    _tile_codes(values, 0, q_ref, blocks, inv, bits, interpret)
-
-    @pl.when(pl.program_id(2) == 0)
-    def _():
-        sa_ref[...] = jnp.full((1,), scale, jnp.float32)
+    _spread_codes(values, 0, pl.program_id(2) == 0, tiles, amax_ref, q_ref, sa_ref, blocks, bits, interpret)
 
 
 def merge_head_tile(kv_heads: int, rows: int) -> int:
