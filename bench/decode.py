@@ -23,14 +23,15 @@ per round (QSPEC), and the ratio to W4A16 AR measured in the same run. QSPEC's a
 replayed): random weights would accept nothing. Phases: one draft step (1 token per sequence, draft
 mode) and one verify pass (gamma + 1 tokens, W4A16) timed alone, the rest of a round is overhead;
 the speed-up model of DESIGN.md §2, ``S = E[L] * T_w4a16 / (gamma * T_draft + T_verify +
-T_overhead)`` with E[L] the measured tokens per round, next to the measured speed-up. Floor per step: the bytes one W4A16 step must move
-(packed weights + scales + bf16 lm_head + the KV cache read) over the copy bandwidth measured in the
-same run. Phase floors: a draft step or verify pass cannot beat the larger of that byte floor and
-its matmul FLOPs (2 x the matmul weights per token, attention left out) over the dense matmul rate
-measured in the same run (XLA's bf16 dot for the W4A16 verify, its int8 dot for a W4A8 / W4A4
-draft); each phase is reported as a multiple of its floor. Memory per method (paper Table 5): the
-buffers its compiled decode loop needs, from XLA's buffer assignment (weights, decode state,
-outputs and temporaries; a donated state counted once; constants inside the executable left out).
+T_overhead)`` with E[L] the measured tokens per round, next to the measured speed-up. Floor per
+step: the bytes one W4A16 step must move (packed weights + scales + bf16 lm_head + the KV cache
+read) over the copy bandwidth measured in the same run. Phase floors: a draft step or verify pass
+cannot beat the larger of that byte floor and its matmul FLOPs (2 x the matmul weights per token,
+attention left out) over the dense matmul rate measured in the same run (XLA's bf16 dot for the
+W4A16 verify, its int8 dot for a W4A8 / W4A4 draft); each phase is reported as a multiple of its
+floor. Memory per method (paper Table 5): the buffers its compiled decode loop needs, from XLA's
+buffer assignment (weights, decode state, outputs and temporaries; a donated state counted once;
+constants inside the executable left out).
 
 Writes ``decode.json`` / ``decode.md`` under ``--out`` (default ``$OUT``, else bench/results), after
 every configuration. ``--resume OLD.json`` continues an earlier run: its configurations are kept and
