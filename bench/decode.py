@@ -3,7 +3,7 @@
 
     PYTHONPATH=. python3 -m bench.decode --trace bench/results/acceptance_trace.json \
         [--models llama3-8b,llama2-7b,llama2-13b] [--batches 1,8,16,32,64] [--contexts 512]
-        [--new 512] [--gammas 1,3,5] [--drafts w4a8,w4a4] [--out DIR] [--resume OLD.json] [--budget-s 480]
+        [--new 512] [--gammas 1,3,5] [--drafts w4a8,w4a4,w4a8/kv8] [--out DIR] [--resume OLD.json] [--budget-s 480]
         [--threads 8] [--reps 1] [--no-ahead] [--label TEXT] [--rerun]
     python -m bench.decode --record-trace bench/results/acceptance_trace.json \
         --gsm8k ../shared/data/gsm8k_test_dev.jsonl      # the trace, on SmolLM2's real weights
@@ -20,7 +20,8 @@ each is timed on a fresh state after a warm-up run of a few tokens): tokens/s, m
 per round (QSPEC), and the ratio to W4A16 AR measured in the same run. QSPEC's accept decisions are
 **replayed** from a per-round accepted-draft trace recorded on SmolLM2's real weights
 (``--record-trace``; every draft step and verify pass still runs, only the accept decision is
-replayed): random weights would accept nothing. Phases: one draft step (1 token per sequence, draft
+replayed): random weights would accept nothing. A draft ``MODE/kvBITS`` reads an INT8 / INT4 shadow
+of the KV cache (``generate(draft_kv=...)``; its trace recorded with that shadow). Phases: one draft step (1 token per sequence, draft
 mode) and one verify pass (gamma + 1 tokens, W4A16) timed alone, the rest of a round is overhead;
 the speed-up model of DESIGN.md §2, ``S = E[L] * T_w4a16 / (gamma * T_draft + T_verify +
 T_overhead)`` with E[L] the measured tokens per round, next to the measured speed-up. Floor per
@@ -65,7 +66,7 @@ from pallas_kernels.layout import QuantizedWeight, dequantize  # noqa: E402
 from qspec_jax.api import CACHE_MULTIPLE, load  # noqa: E402
 from qspec_jax.config import LlamaConfig  # noqa: E402
 from qspec_jax.decode import DecodeState, Runtime, ar_loop  # noqa: E402
-from qspec_jax.model import unstack_layers  # noqa: E402
+from qspec_jax.model import init_cache, unstack_layers  # noqa: E402
 from qspec_jax.qspec import acceptance_trace, qspec_loop  # noqa: E402
 from qspec_jax.sampling import Sampling  # noqa: E402
 
@@ -137,18 +138,28 @@ def kv_bytes(cfg: LlamaConfig, batch: int, slots: int) -> int:
     return 2 * cfg.num_layers * batch * slots * cfg.num_kv_heads * cfg.head_dim * 2
 
 
-def fresh_state(cfg: LlamaConfig, batch: int, context: int, new: int, gamma: int, seed: int) -> DecodeState:
-    """``context`` committed tokens per sequence (random), a zeroed bf16 KV cache sized for ``new``
-    more tokens plus a QSPEC round."""
+def parse_draft(spec: str) -> tuple[str, int | None]:
+    """A ``--drafts`` entry, ``MODE`` or ``MODE/kvBITS`` (the drafts read an INT8 / INT4 KV shadow):
+    ``(mode, bits or None)``."""
+    mode, slash, kv = spec.partition("/")
+    bits = int(kv[2:]) if kv.startswith("kv") and kv[2:].isdigit() else None
+    if mode not in ("w4a8", "w4a4") or (slash and bits not in (8, 4)):
+        raise ValueError(f"unknown draft {spec!r}: expected w4a8 or w4a4, optionally followed by /kv8 or /kv4")
+    return mode, bits
+
+
+def fresh_state(cfg: LlamaConfig, batch: int, context: int, new: int, gamma: int, seed: int,
+                shadow_bits: int | None = None) -> DecodeState:
+    """``context`` committed tokens per sequence (random), a zeroed bf16 KV cache (and its
+    ``shadow_bits`` shadow) sized for ``new`` more tokens plus a QSPEC round."""
     buffer_len = context + new + gamma + 1
     slots = -(-buffer_len // CACHE_MULTIPLE) * CACHE_MULTIPLE
     key = jax.random.key(seed)
     tokens = jax.random.randint(key, (batch, buffer_len), 0, cfg.vocab_size, jnp.int32)
-    shape = (cfg.num_layers, batch, slots, cfg.num_kv_heads, cfg.head_dim)
     zeros = lambda: jnp.zeros((batch,), jnp.int32)  # noqa: E731  (distinct buffers: the state is donated)
     lengths = lambda: jnp.full((batch,), context, jnp.int32)  # noqa: E731
-    return DecodeState(tokens, lengths(), lengths(), zeros(),
-                       (jnp.zeros(shape, jnp.bfloat16), jnp.zeros(shape, jnp.bfloat16)), key, zeros(), zeros(), zeros())
+    return DecodeState(tokens, lengths(), lengths(), zeros(), init_cache(cfg, batch, slots, jnp.bfloat16, shadow_bits),
+                       key, zeros(), zeros(), zeros())
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -218,7 +229,7 @@ def time_loop(compiled, params, make_state, new: int, reps: int = 1) -> tuple[fl
     return best, out
 
 
-def forward_loop(rt: Runtime, mode: str, reps: int):
+def forward_loop(rt: Runtime, mode: str, reps: int, read_shadow: bool = False):
     """A jitted ``f(params, carry) -> carry`` running ``reps`` decode-time forwards in one
     ``fori_loop`` (no host dispatch between them, as inside the decode loops; the argmax feeds the
     next forward, so the lm_head is not dead code); ``carry`` is :func:`forward_carry`'s."""
@@ -226,7 +237,7 @@ def forward_loop(rt: Runtime, mode: str, reps: int):
     def many(p, carry):
         def one(i, carry):
             toks, pos, c = carry
-            logits, c = rt.run(p, toks, pos, c, mode)
+            logits, c = rt.run(p, toks, pos, c, mode, read_shadow=read_shadow)
             return jnp.argmax(logits, axis=-1).astype(toks.dtype), pos, c
 
         return jax.lax.fori_loop(0, reps, one, carry)
@@ -301,7 +312,7 @@ class Config:
 
     res: dict  # the result, filled in by run_config
     rt: Runtime
-    make: Any  # () -> a fresh DecodeState
+    makes: dict  # KV shadow bits (None: none) -> () -> a fresh DecodeState
     jobs: dict
     ahead: int  # phase forwards start this many positions after the prompt
 
@@ -316,15 +327,19 @@ def plan_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None,
     gmax = max(args.gammas)
     rt = Runtime(cfg, args.new, -1, Sampling(), jnp.bfloat16,
                  None if model is None else model.checkpoint.online_rotation_seed, args.kernels)
-    if model is None:
-        make = lambda: fresh_state(cfg, batch, context, args.new, gmax, 0)  # noqa: E731
-    else:
+    if model is not None:
         prompts = fewshot_prompts(model, args.gsm8k, args.gsm8k_train, batch, context)
         res["prompt_tokens"] = float(np.mean([len(p) for p in prompts]))
-        make = real_state_maker(model, rt, prompts, args.new, gmax)
-    state = jax.eval_shape(make)  # abstract: for lowering
+
+    def maker(bits: int | None):
+        if model is None:
+            return lambda: fresh_state(cfg, batch, context, args.new, gmax, 0, bits)
+        return real_state_maker(model, dataclasses.replace(rt, draft_kv=bits), prompts, args.new, gmax)
+
+    makes = {bits: maker(bits) for bits in {None, *(parse_draft(d)[1] for d in args.drafts)}}
+    state = jax.eval_shape(makes[None])  # abstract: for lowering
     ahead = args.new // 2  # the phases are timed at the loops' mean context, where the floors are counted
-    carry = lambda t: jax.eval_shape(lambda: forward_carry(make(), t, ahead))  # noqa: E731
+    carry = lambda t, bits=None: jax.eval_shape(lambda: forward_carry(makes[bits](), t, ahead))  # noqa: E731
     prompt = res.get("prompt_tokens", context)  # the real prompts fill the context only up to a shot
     res["floor_ms_per_step"] = 1e3 * (weight_bytes(params) + kv_bytes(cfg, batch, round(prompt) + ahead)) / bw
     res["phase_context"] = round(prompt) + ahead  # where forward_ms times the phases
@@ -340,13 +355,15 @@ def plan_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None,
     if args.drafts and ("ar", "w4a16") in jobs:
         jobs["fwd", "w4a16", 1] = (forward_loop(rt, "w4a16", FORWARD_REPS), (params, carry(1)))
     for draft in args.drafts:
-        jobs["fwd", draft, 1] = (forward_loop(rt, draft, FORWARD_REPS), (params, carry(1)))
+        mode, bits = parse_draft(draft)
+        rt_d, state_d = dataclasses.replace(rt, draft_kv=bits), jax.eval_shape(makes[bits])
+        jobs["fwd", draft, 1] = (forward_loop(rt_d, mode, FORWARD_REPS, bits is not None), (params, carry(1, bits)))
         for g in args.gammas:
             replay = None if trace is None else jnp.asarray(trace[draft][str(g)], jnp.int32)
-            jobs["qspec", draft, g] = (jax.jit(lambda q, s, g=g, draft=draft, replay=replay: qspec_loop(
-                q, s, rt=rt, gamma=g, draft_mode=draft, replay=replay), donate_argnums=1), (params, state))
+            jobs["qspec", draft, g] = (jax.jit(lambda q, s, g=g, mode=mode, rt_d=rt_d, replay=replay: qspec_loop(
+                q, s, rt=rt_d, gamma=g, draft_mode=mode, replay=replay), donate_argnums=1), (params, state_d))
             jobs["fwd", "w4a16", g + 1] = (forward_loop(rt, "w4a16", FORWARD_REPS), (params, carry(g + 1)))
-    return Config(res, rt, make, jobs, ahead)
+    return Config(res, rt, makes, jobs, ahead)
 
 
 def _ar_methods(args, fparams: dict | None) -> list[str]:
@@ -361,7 +378,7 @@ def compile_config(c: Config, threads: int, xla: bool) -> dict:
 
 def run_config(c: Config, compiled: dict, params: dict, fparams: dict | None, args, rates: dict[str, float]) -> dict:
     """Times ``c``'s compiled programs one by one: each method's decode loop, QSPEC's phases."""
-    res, make, batch, ahead = c.res, c.make, c.res["batch"], c.ahead
+    res, make, batch, ahead = c.res, c.makes[None], c.res["batch"], c.ahead
     floor_ms = res["floor_ms_per_step"]
     flops = matmul_flops_per_token(c.rt.config)
 
@@ -369,8 +386,9 @@ def run_config(c: Config, compiled: dict, params: dict, fparams: dict | None, ar
         """The larger of the byte floor and ``tokens`` tokens' matmul FLOPs at the measured rate."""
         return max(floor_ms, 1e3 * tokens * flops / rates[mma])
 
-    def forward_ms(mode: str, tokens: int) -> float:
-        return time_forward(compiled["fwd", mode, tokens], params, forward_carry(make(), tokens, ahead), FORWARD_REPS)
+    def forward_ms(mode: str, tokens: int, bits: int | None = None) -> float:
+        carry = forward_carry(c.makes[bits](), tokens, ahead)
+        return time_forward(compiled["fwd", mode, tokens], params, carry, FORWARD_REPS)
 
     for method in _ar_methods(args, fparams):
         secs, _ = time_loop(compiled["ar", method], fparams if method == "w16a16" else params, make, args.new,
@@ -382,9 +400,10 @@ def run_config(c: Config, compiled: dict, params: dict, fparams: dict | None, ar
     base = res["methods"].get("w4a16", {}).get("ms_per_step")
     t_target = forward_ms("w4a16", 1) if ("fwd", "w4a16", 1) in compiled else None
     for draft in args.drafts:
-        t_draft = forward_ms(draft, 1)
+        bits = parse_draft(draft)[1]
+        t_draft = forward_ms(draft, 1, bits)
         for g in args.gammas:
-            secs, out = time_loop(compiled["qspec", draft, g], params, make, args.new, args.reps)
+            secs, out = time_loop(compiled["qspec", draft, g], params, c.makes[bits], args.new, args.reps)
             rounds = float(np.asarray(out.rounds).mean())
             del out  # its cache: the forward timings below make states of their own
             t_round = 1e3 * secs / rounds
@@ -418,11 +437,13 @@ def record_trace(args) -> None:
     out: dict = {"source": "SmolLM2-135M-Instruct (embedded, default checkpoint), greedy, chat template, "
                            f"{len(ids)} GSM8K-dev prompts x {args.new} new tokens", "device": jax.devices()[0].device_kind}
     for draft in args.drafts:
+        mode, bits = parse_draft(draft)
         out[draft] = {}
         for g in args.gammas:
-            rt = Runtime(cfg, args.new, -1, Sampling(), jnp.float32, model.checkpoint.online_rotation_seed, args.kernels)
+            rt = Runtime(cfg, args.new, -1, Sampling(), jnp.float32, model.checkpoint.online_rotation_seed, args.kernels,
+                         draft_kv=bits)
             st = real_state_maker(model, rt, ids, args.new, g)()
-            tr = acceptance_trace(model.checkpoint.params, st, rt=rt, gamma=g, draft_mode=draft)
+            tr = acceptance_trace(model.checkpoint.params, st, rt=rt, gamma=g, draft_mode=mode)
             # each sequence's own rounds, cut to the shortest: no row of a finished sequence is replayed
             cols = [c[c >= 0] for c in tr.T]
             rounds = min(len(c) for c in cols)
@@ -515,6 +536,11 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--reps must be at least 1")
     args.gammas = [int(g) for g in args.gammas.split(",")]
     args.drafts = [d for d in args.drafts.split(",") if d]
+    for d in args.drafts:
+        try:
+            parse_draft(d)
+        except ValueError as e:
+            ap.error(str(e))
     args.ar = [m for m in args.ar.split(",") if m]
     if args.record_trace:
         if not args.gsm8k:

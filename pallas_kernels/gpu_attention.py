@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 from typing import Any
 
 import jax
@@ -32,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from pallas_kernels import reference
 from pallas_kernels.launch import LAYER_SPEC, at_layer, call_kernel, pl_triton, stacked_input
 
 ROW_TILE = 16  # query rows per MMA tile (the MMA's M side)
@@ -51,52 +53,75 @@ def num_splits(batch: int, kv_heads: int, slots: int, block_s: int = BLOCK_S) ->
     return int(max(1, min(MAX_SPLITS, blocks, _next_pow2(want))))
 
 
-def supported(head_dim: int, slots: int) -> bool:
-    """Whether :func:`decode_attention` takes this head size and cache length."""
-    return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and slots % 16 == 0
+def supported(head_dim: int, slots: int, kv_bits: int | None = None) -> bool:
+    """Whether :func:`decode_attention` takes this head size and cache length (and shadow codes:
+    each code plane must be at least 16 wide for the MMA)."""
+    planes = 1 if kv_bits is None else 16 // kv_bits
+    return head_dim >= 16 * planes and head_dim & (head_dim - 1) == 0 and slots % 16 == 0
 
 
-def _attention_kernel(layer_ref, q_ref, pos_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, tiles: int,
-                      block_s: int, blocks_per_split: int, scale: float, precision, interpret: bool):
-    """One (sequence, KV head, split): online softmax over the split's KV blocks for all row tiles."""
+def _attention_kernel(layer_ref, q_ref, pos_ref, k_ref, v_ref, *refs, tiles: int, block_s: int,
+                      blocks_per_split: int, scale: float, precision, kv_bits: int | None, interpret: bool):
+    """One (sequence, KV head, split): online softmax over the split's KV blocks for all row tiles.
+
+    With ``kv_bits`` the cache is the draft's shadow (:func:`pallas_kernels.reference.quantize_kv`,
+    ``refs`` starting with its key and value scales): each code plane is converted exactly to the
+    query's dtype and dotted with its slice of the queries; the key scales multiply the scores and
+    the value scales the probabilities, so no dequantized block is ever formed."""
+    k_scale_ref, v_scale_ref = refs[:2] if kv_bits else (None, None)
+    acc_ref, m_ref, l_ref = refs[-3:]
+    planes = 1 if kv_bits is None else 16 // kv_bits
     d = q_ref.shape[-1]
+    dp = d // planes  # the width of one code plane (all of d for a float cache)
     split = pl.program_id(2)
     layer = layer_ref[0]
-    qs = [q_ref[pl.ds(i * ROW_TILE, ROW_TILE), :] for i in range(tiles)]
+    qs = [[q_ref[pl.ds(i * ROW_TILE, ROW_TILE), pl.ds(j * dp, dp)] for j in range(planes)] for i in range(tiles)]
     ps = [pos_ref[pl.ds(i * ROW_TILE, ROW_TILE)] for i in range(tiles)]
     needed = (jnp.max(pos_ref[...]) // block_s) + 1  # blocks any row of this sequence can see
     first = split * blocks_per_split
     last = jnp.minimum(first + blocks_per_split, needed)
+    dims_qk, dims_pv = (((1,), (1,)), ((), ())), (((1,), (0,)), ((), ()))
 
     def body(j, carry):
         slots = (pl.ds(j * block_s, block_s), slice(None))
-        k = pl_triton.load(at_layer(k_ref, layer, slots, interpret))  # [bs, d]
+        k = pl_triton.load(at_layer(k_ref, layer, slots, interpret))  # [bs, d] (or [bs, dp] words)
         v = pl_triton.load(at_layer(v_ref, layer, slots, interpret))
+        score_scale = np.float32(scale)
+        if kv_bits:
+            blk = (pl.ds(j * block_s, block_s),)
+            score_scale = score_scale * pl_triton.load(at_layer(k_scale_ref, layer, blk, interpret))[None, :]
+            v_scale = pl_triton.load(at_layer(v_scale_ref, layer, blk, interpret))[None, :]
+            ks = [c.astype(q_ref.dtype) for c in reference.kv_planes(k, kv_bits)]
+            vs = [c.astype(q_ref.dtype) for c in reference.kv_planes(v, kv_bits)]
+        else:
+            ks, vs = [k], [v]
         slot = j * block_s + jax.lax.broadcasted_iota(jnp.int32, (1, block_s), 1)
         out = []
         for i in range(tiles):
             m, l, acc = carry[i]
-            s = jax.lax.dot_general(qs[i], k, (((1,), (1,)), ((), ())), precision=precision,
-                                    preferred_element_type=jnp.float32) * np.float32(scale)
+            s = functools.reduce(operator.add, [jax.lax.dot_general(
+                qp, kp, dims_qk, precision=precision, preferred_element_type=jnp.float32)
+                for qp, kp in zip(qs[i], ks)]) * score_scale
             s = jnp.where(slot <= ps[i][:, None], s, -jnp.inf)
             m_new = jnp.maximum(m, jnp.max(s, axis=1))
             m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with nothing visible yet
             alpha = jnp.exp(m - m_use)
             p = jnp.exp(s - m_use[:, None])
             l = alpha * l + jnp.sum(p, axis=1)
-            pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                                     precision=precision, preferred_element_type=jnp.float32)
-            out.append((m_new, l, alpha[:, None] * acc + pv))
+            pw = (p if kv_bits is None else p * v_scale).astype(vs[0].dtype)
+            out.append((m_new, l, tuple(alpha[:, None] * a + jax.lax.dot_general(
+                pw, vp, dims_pv, precision=precision, preferred_element_type=jnp.float32) for a, vp in zip(acc, vs))))
         return tuple(out)
 
     init = tuple((jnp.full((ROW_TILE,), -jnp.inf, jnp.float32), jnp.zeros((ROW_TILE,), jnp.float32),
-                  jnp.zeros((ROW_TILE, d), jnp.float32)) for _ in range(tiles))
+                  tuple(jnp.zeros((ROW_TILE, dp), jnp.float32) for _ in range(planes))) for _ in range(tiles))
     final = jax.lax.fori_loop(first, jnp.maximum(first, last), body, init)
     for i, (m, l, acc) in enumerate(final):
         rows = pl.ds(i * ROW_TILE, ROW_TILE)
         m_ref[rows] = m
         l_ref[rows] = l
-        acc_ref[rows, :] = acc
+        for j, a in enumerate(acc):
+            acc_ref[rows, pl.ds(j * dp, dp)] = a
 
 
 def _merge(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
@@ -117,16 +142,18 @@ def _merge(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
 
 
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, *,
-                     layer: jax.Array | None = None, block_s: int | None = None,
-                     splits: int | None = None, interpret: bool = False) -> jax.Array:
+                     layer: jax.Array | None = None, scales: tuple[jax.Array, jax.Array] | None = None,
+                     block_s: int | None = None, splits: int | None = None, interpret: bool = False) -> jax.Array:
     """Attention of ``q[B, T, H, d]`` over the cache ``k, v[B, S, KV, d]``; slot ``s`` is visible to
     query ``t`` iff ``s <= q_pos[b, t]`` (int32 ``[B, T]``, each ``>= 0``). Output like ``q``.
     With ``layer`` (an int32 scalar) the cache is the model's stack ``[L, B, S, KV, d]``, read at
-    that layer in place.
+    that layer in place. With ``scales`` (float32 ``[B, S, KV]`` key and value scales, or their
+    stacks) ``k, v`` are the draft's shadow: int16 words of 8- or 4-bit codes
+    (:func:`pallas_kernels.reference.quantize_kv`; the bits follow from the word count).
 
     ``S`` must be a multiple of the KV block (default :data:`BLOCK_S`, or the largest power of two
     >= 16 dividing S). ``splits`` defaults to :func:`num_splits`."""
-    return merge(attention_partials(q, k, v, q_pos, layer=layer, block_s=block_s, splits=splits,
+    return merge(attention_partials(q, k, v, q_pos, layer=layer, scales=scales, block_s=block_s, splits=splits,
                                     interpret=interpret))
 
 
@@ -153,8 +180,8 @@ def merge(p: Partials) -> jax.Array:
 
 
 def attention_partials(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, *,
-                       layer: jax.Array | None = None, block_s: int | None = None,
-                       splits: int | None = None, interpret: bool = False) -> Partials:
+                       layer: jax.Array | None = None, scales: tuple[jax.Array, jax.Array] | None = None,
+                       block_s: int | None = None, splits: int | None = None, interpret: bool = False) -> Partials:
     """:func:`decode_attention` up to the merge of the cache splits: the kernel's :class:`Partials`
     (for :func:`merge`, or for a consumer that merges them itself,
     :func:`pallas_kernels.gpu_activations.attention_quantize`)."""
@@ -162,17 +189,19 @@ def attention_partials(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Arra
     if q.ndim != 4 or k.ndim != cache_dims or v.shape != k.shape:
         raise ValueError(f"expected q [B,T,H,d] and k, v {'[B,S,KV,d]' if layer is None else '[L,B,S,KV,d]'}; "
                          f"got {q.shape}, {k.shape}, {v.shape}")
-    (k, v), lidx = stacked_input((k, v), layer)
     b, t, h, d = q.shape
+    kv_bits = _shadow_bits(q, k, v, scales)
+    (k, v, *scales), lidx = stacked_input((k, v, *(scales or ())), layer)
     nl, _, s, kvh, dk = k.shape
-    if k.shape[1] != b or dk != d or h % kvh:
+    if k.shape[1] != b or dk * 16 != d * (kv_bits or 16) or h % kvh:
         raise ValueError(f"q {q.shape} does not match the cache {k.shape} (batch, head_dim, or "
                          "query heads not a multiple of KV heads)")
     if q_pos.shape != (b, t):
         raise ValueError(f"q_pos must be [B, T] = {(b, t)}, got {q_pos.shape}")
-    if not supported(d, s):
-        raise ValueError(f"head_dim must be a power of two >= 16 and the cache length a multiple of "
-                         f"16; got head_dim {d}, cache length {s}")
+    if not supported(d, s, kv_bits):
+        raise ValueError(f"head_dim must be a power of two >= 16 (>= {16 * 16 // (kv_bits or 16)} for "
+                         f"{kv_bits}-bit codes) and the cache length a multiple of 16; got head_dim {d}, "
+                         f"cache length {s}")
     if block_s is None:
         block_s = next(c for c in (BLOCK_S, 32, 16) if s % c == 0)
     if s % block_s:
@@ -184,14 +213,16 @@ def attention_partials(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Arra
     splits = num_splits(b, kvh, s, block_s) if splits is None else splits
     blocks_per_split = -(-(s // block_s) // splits)
 
+    compute = q.dtype if kv_bits else k.dtype
     qr = q.reshape(b, t, kvh, g, d).transpose(0, 2, 1, 3, 4).reshape(b, kvh, rows, d)
-    qr = jnp.pad(qr.astype(k.dtype), ((0, 0), (0, 0), (0, rows_pad - rows), (0, 0)))
+    qr = jnp.pad(qr.astype(compute), ((0, 0), (0, 0), (0, rows_pad - rows), (0, 0)))
     pos = jnp.pad(jnp.repeat(q_pos.astype(jnp.int32), g, axis=1), ((0, 0), (0, rows_pad - rows)))
-    precision = jax.lax.Precision.HIGHEST if k.dtype == jnp.float32 else None
+    precision = jax.lax.Precision.HIGHEST if compute == jnp.float32 else None
     kernel = functools.partial(_attention_kernel, tiles=tiles, block_s=block_s,
                                blocks_per_split=blocks_per_split, scale=1.0 / math.sqrt(d),
-                               precision=precision, interpret=interpret)
-    kv_spec = pl.BlockSpec((nl, None, s, None, d), lambda i, j, p: (0, i, 0, j, 0))
+                               precision=precision, kv_bits=kv_bits, interpret=interpret)
+    kv_spec = pl.BlockSpec((nl, None, s, None, dk), lambda i, j, p: (0, i, 0, j, 0))
+    scale_spec = pl.BlockSpec((nl, None, s, None), lambda i, j, p: (0, i, 0, j))
     part = (b, kvh, splits, rows_pad)
     acc, m, l = call_kernel(
         kernel,
@@ -199,9 +230,27 @@ def attention_partials(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Arra
          jax.ShapeDtypeStruct(part, jnp.float32)),
         (b, kvh, splits),
         [LAYER_SPEC, pl.BlockSpec((None, None, rows_pad, d), lambda i, j, p: (i, j, 0, 0)),
-         pl.BlockSpec((None, rows_pad), lambda i, j, p: (i, 0)), kv_spec, kv_spec],
+         pl.BlockSpec((None, rows_pad), lambda i, j, p: (i, 0)), kv_spec, kv_spec, *[scale_spec] * len(scales)],
         (pl.BlockSpec((None, None, None, rows_pad, d), lambda i, j, p: (i, j, p, 0, 0)),
          pl.BlockSpec((None, None, None, rows_pad), lambda i, j, p: (i, j, p, 0)),
          pl.BlockSpec((None, None, None, rows_pad), lambda i, j, p: (i, j, p, 0))),
-        interpret, 4, 2, lidx, qr, pos, k, v)
+        interpret, 4, 2, lidx, qr, pos, k, v, *scales)
     return Partials(acc, m, l, (b, t, h, d), q.dtype)
+
+
+def _shadow_bits(q: jax.Array, k: jax.Array, v: jax.Array, scales) -> int | None:
+    """The code width of a shadow cache (None for a float cache), after checking its dtypes and shapes."""
+    if scales is None:
+        if jnp.issubdtype(k.dtype, jnp.integer):
+            raise ValueError(f"an integer cache ({k.dtype}) needs its scales (the draft's KV shadow)")
+        return None
+    if k.dtype != jnp.int16 or v.dtype != jnp.int16:
+        raise ValueError(f"a KV shadow holds int16 words of codes, got {k.dtype}, {v.dtype}")
+    if len(scales) != 2 or any(sc.shape != k.shape[:-1] or sc.dtype != jnp.float32 for sc in scales):
+        raise ValueError(f"the shadow's scales must be two float32 arrays of shape {k.shape[:-1]}, got "
+                         f"{[(sc.shape, sc.dtype) for sc in scales]}")
+    bits = 16 * k.shape[-1] // q.shape[-1]
+    if bits not in reference.KV_BITS or bits * q.shape[-1] != 16 * k.shape[-1]:
+        raise ValueError(f"{k.shape[-1]} words per head do not hold {q.shape[-1]} codes of "
+                         f"{' or '.join(map(str, reference.KV_BITS))} bits")
+    return bits

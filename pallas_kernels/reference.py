@@ -10,6 +10,9 @@ These functions define what every mode computes; the Pallas GPU kernels must rep
   (scale = absmax * f32(1/127) or f32(1/7), q = round_half_even(x * f32(1 / scale)), clamp), int8 x int8 -> int32 products
   summed within each weight group, then ``y = s_act * sum_g(s_w[g] * acc[g] + m_w[g] * sum(q_act[g]))``
   in float32 (the minimum term only for asymmetric weights).
+
+The draft's KV shadow (:func:`quantize_kv`): each (token, KV head) vector quantized like an
+activation row to INT8 or INT4, the codes packed into int16 words.
 """
 
 from __future__ import annotations
@@ -37,6 +40,40 @@ def quantize_activations(x: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]
     # (on the CPU it does), so spelling it out makes the references and the kernels agree bitwise.
     q = jnp.clip(jnp.round(xf * (np.float32(1) / scale)), -qmax - 1, qmax).astype(jnp.int8)
     return q, scale
+
+
+KV_BITS = (8, 4)  # the draft's KV shadow: codes per int16 word = 16 // bits
+
+
+def quantize_kv(x: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]:
+    """The draft's KV shadow of ``x[..., d]`` (one key or value vector per token and KV head):
+    ``(int16 words [..., d * bits // 16], float32 scales [...])``, symmetric per vector as
+    :func:`quantize_activations`. Word ``i`` holds codes ``i, i + d/P, ..., i + (P-1) d/P`` (``P = 16 //
+    bits``, lowest bits first): plane ``j`` of the words is the ``j``-th contiguous ``d/P`` slice of the
+    vector, so a kernel dots each plane with a contiguous slice of the query. int16 words and not
+    bytes: the Triton lowering indexes an array of 2**31 to 2**32 elements with wrapping int32
+    offsets (:func:`pallas_kernels.launch.int32_offsets_wrap`), and a batch-16 7B int8 shadow is one."""
+    if bits not in KV_BITS:
+        raise ValueError(f"KV shadow bits must be one of {KV_BITS}, got {bits!r}")
+    planes = 16 // bits
+    if x.shape[-1] % planes:
+        raise ValueError(f"the head dimension {x.shape[-1]} is not a multiple of {planes} ({bits}-bit KV codes)")
+    q, scale = quantize_activations(x, bits)
+    parts = jnp.split(q.astype(jnp.int32) & ((1 << bits) - 1), planes, axis=-1)
+    word = sum(p << (bits * j) for j, p in enumerate(parts))
+    return jax.lax.bitcast_convert_type(word.astype(jnp.uint16), jnp.int16), scale[..., 0]
+
+
+def kv_planes(words: jax.Array, bits: int) -> list[jax.Array]:
+    """The ``16 // bits`` signed code planes (int32 ``[..., d * bits // 16]`` each) of shadow words."""
+    w = words.astype(jnp.int32)
+    return [(w << (32 - bits * (j + 1))) >> (32 - bits) for j in range(16 // bits)]
+
+
+def dequantize_kv(words: jax.Array, scale: jax.Array, bits: int) -> jax.Array:
+    """float32 ``[..., d]`` key or value vectors from their shadow (:func:`quantize_kv`)."""
+    codes = jnp.concatenate(kv_planes(words, bits), axis=-1)
+    return codes.astype(jnp.float32) * scale[..., None]
 
 
 def swiglu(gate: jax.Array, up: jax.Array, reciprocal=lambda v: np.float32(1) / v) -> jax.Array:

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import reference
 from qspec_jax.checkpoint import Checkpoint, load_checkpoint
 from qspec_jax.decode import FINISH_REASONS, DecodeState, Runtime, ar_loop, pad_prompts, prefill
 from qspec_jax.kernels import resolve_kernels
@@ -96,13 +97,16 @@ def _prefill(params, prompts, lengths, key, *, rt, buffer_len, cache_len, mode) 
 
 def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]] | np.ndarray, *,
              max_new_tokens: int, method: str = "qspec", draft: str = "w4a4", gamma: int = 3,
+             draft_kv: int | None = None,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
              eos_token_id: int | None = None, chat: bool = False, max_len: int | None = None,
              dtype: Any = jnp.float32, kernels: str = "auto") -> GenerationResult:
     """Generate continuations of ``prompts`` (strings or token-id sequences) with ``method``.
 
     ``qspec`` drafts ``gamma`` tokens per round in ``draft`` precision and verifies them in W4A16;
-    the other methods decode autoregressively in that mode. Prefill runs in W4A16 (W16A16 for
+    the other methods decode autoregressively in that mode. ``draft_kv`` (8 or 4, ``qspec`` only):
+    the drafts attend over an INT8 / INT4 copy of the KV cache kept beside it, reading fewer bytes
+    per draft step; the verifier still reads only its own float cache, so the output is unchanged. Prefill runs in W4A16 (W16A16 for
     ``w16a16``). ``max_len`` bounds prompt + new tokens (default: the model's max positions).
     ``eos_token_id`` defaults to the tokenizer's (or config's) EOS; ``-1`` never stops on a token.
     ``kernels`` picks the Pallas GPU kernels or the jnp references (:mod:`qspec_jax.kernels`;
@@ -113,6 +117,9 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
         raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
     if draft not in DRAFTS:
         raise ValueError(f"unknown draft precision {draft!r}; expected one of {DRAFTS}")
+    if draft_kv is not None and (method != "qspec" or draft_kv not in reference.KV_BITS):
+        raise ValueError(f"draft_kv must be None or one of {reference.KV_BITS}, with method 'qspec'; got "
+                         f"draft_kv={draft_kv!r} with method {method!r}")
     if isinstance(gamma, bool) or not isinstance(gamma, (int, np.integer)) or gamma < 1:
         raise ValueError(f"gamma must be an integer >= 1, got {gamma!r}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
@@ -142,7 +149,7 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
                                 [""] * b if model.tokenizer is not None else None, _stats(None, 0.0))
 
     rt = Runtime(cfg, int(max_new_tokens), -1 if eos_token_id is None else int(eos_token_id), sampling, dtype,
-                 model.checkpoint.online_rotation_seed, kernels)
+                 model.checkpoint.online_rotation_seed, kernels, draft_kv=draft_kv)
     extra = gamma + 1 if method == "qspec" else 1
     buffer_len = tokens.shape[1] + max_new_tokens + extra
     cache_len = -(-buffer_len // CACHE_MULTIPLE) * CACHE_MULTIPLE  # whole KV blocks for the kernel

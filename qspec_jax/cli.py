@@ -27,7 +27,7 @@ def cmd_generate(args) -> None:
 
     model = load(args.checkpoint)
     res = generate(model, [args.prompt], max_new_tokens=args.max_new_tokens, method=args.method, draft=args.draft,
-                   gamma=args.gamma, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                   gamma=args.gamma, draft_kv=args.draft_kv, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                    seed=args.seed, chat=args.chat)
     print(res.texts[0] if res.texts else res.sequences[0].tolist())
     print(f"finish: {res.finish_reasons[0]}")
@@ -68,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--prompt", required=True)
     g.add_argument("--method", choices=METHODS, default="qspec")
     g.add_argument("--draft", choices=DRAFTS, default="w4a4")
+    g.add_argument("--draft-kv", type=int, choices=(8, 4), default=None,
+                   help="qspec: the drafts read an INT8 / INT4 copy of the KV cache")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=None)
     g.add_argument("--top-p", type=float, default=None)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qspec_jax.config import LlamaConfig
-from qspec_jax.model import KVCache, forward, init_cache
+from qspec_jax.model import KVCache, forward, init_cache, sync_shadow
 from qspec_jax.sampling import Sampling, choose
 
 RUNNING, STOP, LENGTH = 0, 1, 2
@@ -34,7 +34,7 @@ class DecodeState:
     lengths: jax.Array        # int32[B] committed tokens (prompt included)
     prompt_lengths: jax.Array  # int32[B]
     finish: jax.Array         # int32[B] RUNNING / STOP / LENGTH
-    cache: KVCache            # ([L, B, S, KV, hd], same)
+    cache: KVCache            # ([L, B, S, KV, hd], same), then the draft's KV shadow if Runtime.draft_kv
     key: jax.Array            # PRNG key
     rounds: jax.Array         # int32[B] loop iterations in which the sequence was running
     drafted: jax.Array        # int32[B] draft tokens proposed
@@ -57,11 +57,16 @@ class Runtime:
     online_rotation_seed: int | None = None
     kernels: str = "auto"  # see qspec_jax.kernels
     invariant: bool = True  # False: plain XLA decode steps, not row-count invariant (benchmark baselines)
+    draft_kv: int | None = None  # 8 / 4: QSPEC's drafts read an INT8 / INT4 shadow of the KV cache
 
-    def run(self, params, tokens, positions, cache, mode: str, row_tile: int | None = ROW_TILE):
-        return forward(params, self.config, tokens, positions, cache, mode=mode, dtype=self.dtype,
-                       online_rotation_seed=self.online_rotation_seed,
-                       row_tile=row_tile if self.invariant else None, kernels=self.kernels)
+    def run(self, params, tokens, positions, cache, mode: str, row_tile: int | None = ROW_TILE,
+            read_shadow: bool = False):
+        """One forward; unless it is a draft reading the shadow, the shadow follows the new slots."""
+        logits, cache = forward(params, self.config, tokens, positions, cache, mode=mode, dtype=self.dtype,
+                                online_rotation_seed=self.online_rotation_seed,
+                                row_tile=row_tile if self.invariant else None, kernels=self.kernels,
+                                read_shadow=read_shadow)
+        return logits, cache if read_shadow else sync_shadow(cache, positions)
 
 
 def commit(state: DecodeState, cand: jax.Array, n_new: jax.Array, rt: Runtime) -> tuple[DecodeState, jax.Array]:
@@ -88,7 +93,7 @@ def prefill(params, prompts: jax.Array, prompt_lengths: jax.Array, key: jax.Arra
             buffer_len: int, cache_len: int, mode: str) -> DecodeState:
     """Run the prompts through the model in ``mode`` (filling the KV cache) and commit the first token."""
     b, p = prompts.shape
-    cache = init_cache(rt.config, b, cache_len, rt.dtype)
+    cache = init_cache(rt.config, b, cache_len, rt.dtype, rt.draft_kv)
     logits, cache = rt.run(params, prompts, jnp.broadcast_to(jnp.arange(p), (b, p)), cache, mode, row_tile=None)
     key, sub = jax.random.split(key)
     first, _ = choose(logits[jnp.arange(b), prompt_lengths - 1], rt.sampling, sub)

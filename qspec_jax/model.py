@@ -11,7 +11,10 @@ and the lm_head always run in the float compute dtype. With ``online_rotation_se
 orthogonal transform of :mod:`qspec_jax.rotation` in every mode.
 
 The KV cache is a pair ``(k, v)`` of ``[L, B, S, num_kv_heads, head_dim]`` arrays whose slot
-``s`` holds position ``s``; a query at position ``p`` attends to slots ``0..p``. Without a cache
+``s`` holds position ``s``; a query at position ``p`` attends to slots ``0..p``. It may carry the
+draft's quantized shadow of itself after the pair (:func:`init_cache`): a forward with
+``read_shadow`` attends over the shadow and writes only it, so the float pair stays the verifier's
+alone; :func:`sync_shadow` re-quantizes the shadow from the pair after any other forward. Without a cache
 the tokens attend causally (by position) to each other. Callers size the cache: a position at or
 beyond its length is not stored (checked by the decoding API before anything is traced).
 """
@@ -34,7 +37,7 @@ from pallas_kernels.layout import QuantizedWeight
 from pallas_kernels.rows import map_row_tiles
 from qspec_jax.rotation import apply_transform
 
-KVCache = tuple[jax.Array, jax.Array]
+KVCache = tuple[jax.Array, ...]  # (k, v), or (k, v, k_words, v_words, k_scales, v_scales) with the shadow
 
 
 def rope_frequencies(config: LlamaConfig) -> np.ndarray:
@@ -127,9 +130,12 @@ class _Block(nn.Module):
 class Attention(_Block):
     """Fused qkv projection, RoPE, the KV cache write and grouped-query attention, then o."""
 
+    read_shadow: bool = False
+
     @nn.compact
-    def __call__(self, x, positions, cache: tuple[Layer, Layer] | None):
-        """``cache``: views of this layer in the stacked cache; returned as views of the updated stack."""
+    def __call__(self, x, positions, cache: tuple[Layer, ...] | None):
+        """``cache``: views of this layer in the stacked cache (and shadow); returned as views of the
+        updated stack."""
         c = self.config
         b, t, _ = x.shape
         hq, hk, d = c.num_heads, c.num_kv_heads, c.head_dim
@@ -139,13 +145,14 @@ class Attention(_Block):
         q = apply_rope(q.reshape(b, t, hq, d), positions, inv_freq)
         k = apply_rope(k.reshape(b, t, hk, d), positions, inv_freq)
         v = v.reshape(b, t, hk, d)
-        if cache is not None:  # write this layer's slots in place, then attend over the layer
-            rows = jnp.arange(b)[:, None]
-            cache = tuple(Layer(kv.stacked.at[kv.index, rows, positions].set(new.astype(kv.stacked.dtype), mode="drop"),
-                                kv.index) for kv, new in zip(cache, (k, v)))
         fuse = self.mode != "w16a16" and self.online_rotation_seed is None  # o's prologue merges the splits
-        out = (reference.attention(q, k, v, positions, positions) if cache is None else
-               attention(q, *cache, positions, self.row_tile, self.kernels, defer=fuse))
+        if cache is None:
+            out = reference.attention(q, k, v, positions, positions)
+        else:  # write this layer's slots in place, then attend over the layer
+            cache = _write_kv(cache, k, v, positions, self.read_shadow)
+            read = cache[2:] if self.read_shadow else cache[:2]
+            out = attention(q, *read[:2], positions, self.row_tile, self.kernels, defer=fuse,
+                            scales=tuple(read[2:]) or None)
         if isinstance(out, jax.Array):
             out = out.reshape(b, t, hq * d)
         if self.online_rotation_seed is not None:  # per head: [.., hq*d] -> [.., hq, d] rows
@@ -153,6 +160,28 @@ class Attention(_Block):
             out = map_row_tiles(lambda r: per_head(r).reshape(r.shape), out, self.row_tile)
         out = Linear(c.hidden_size, self.mode, row_tile=self.row_tile, kernels=self.kernels, name="o")(out)
         return out, cache
+
+
+def _write_kv(cache: tuple[Layer, ...], k: jax.Array, v: jax.Array, positions: jax.Array,
+              read_shadow: bool) -> tuple[Layer, ...]:
+    """Store new keys and values ``[B, T, KV, d]`` at their positions: quantized in the shadow if the
+    forward reads the shadow (a draft), else in the float pair (the caller re-quantizes the shadow
+    from the pair afterwards, :func:`sync_shadow`, leaving this forward's computation as it is
+    without a shadow)."""
+    if read_shadow and len(cache) == 2:
+        raise ValueError("read_shadow needs a KV cache with the draft's shadow (init_cache(shadow_bits=...))")
+    rows = jnp.arange(k.shape[0])[:, None]
+    full, shadow = cache[:2], cache[2:]
+
+    def put(kv: Layer, new: jax.Array) -> Layer:
+        return Layer(kv.stacked.at[kv.index, rows, positions].set(new.astype(kv.stacked.dtype), mode="drop"),
+                     kv.index)
+
+    if not read_shadow:
+        return (*(put(c, new) for c, new in zip(full, (k, v))), *shadow)
+    bits = 16 * shadow[0].stacked.shape[-1] // k.shape[-1]
+    (kw, ks), (vw, vs) = (reference.quantize_kv(new.astype(c.stacked.dtype), bits) for c, new in zip(full, (k, v)))
+    return (*full, *(put(c, new) for c, new in zip(shadow, (kw, vw, ks, vs))))
 
 
 class MLP(_Block):
@@ -174,11 +203,13 @@ class MLP(_Block):
 class DecoderLayer(_Block):
     """Pre-norm residual block: attention, then the MLP."""
 
+    read_shadow: bool = False
+
     @nn.compact
-    def __call__(self, x, cache: tuple[Layer, Layer] | None, positions):
+    def __call__(self, x, cache: tuple[Layer, ...] | None, positions):
         c, tile, kern = self.config, self.row_tile, self.kernels
         fuse = self.mode != "w16a16"  # the norms feed INT4 linears: their activation prologue in the norm kernel
-        h, cache = Attention(c, self.mode, self.online_rotation_seed, tile, kern, name="attn")(
+        h, cache = Attention(c, self.mode, self.online_rotation_seed, tile, kern, self.read_shadow, name="attn")(
             RMSNorm(c.rms_norm_eps, tile, kern, fuse, name="attn_norm")(x), positions, cache)
         x = x + h
         x = x + MLP(c, self.mode, self.online_rotation_seed, tile, kern, name="mlp")(
@@ -192,6 +223,7 @@ class Llama(nn.Module):
     ``row_tile`` (decode steps and verify passes) makes every token's logits independent of how
     many tokens the call has; prefill and evaluation leave it ``None`` for speed. ``kernels``
     (resolved, see :mod:`qspec_jax.kernels`) picks the references or the Pallas kernels.
+    ``read_shadow``: attend over the cache's quantized shadow and write only it (QSPEC's drafts).
     """
 
     config: LlamaConfig
@@ -200,6 +232,7 @@ class Llama(nn.Module):
     online_rotation_seed: int | None = None
     row_tile: int | None = None
     kernels: str = "reference"
+    read_shadow: bool = False
 
     def setup(self):
         check_mode(self.mode)
@@ -209,7 +242,8 @@ class Llama(nn.Module):
         c = self.config
         embed = self.param("embed", _dense_init, (c.vocab_size, c.hidden_size))
         x = jnp.take(embed, tokens, axis=0).astype(self.dtype)
-        layer = DecoderLayer(c, self.mode, self.online_rotation_seed, self.row_tile, self.kernels, parent=None)
+        layer = DecoderLayer(c, self.mode, self.online_rotation_seed, self.row_tile, self.kernels, self.read_shadow,
+                             parent=None)
 
         def init_layers(rng):
             init_one = lambda key: layer.init(key, x, None, positions)["params"]  # noqa: E731
@@ -221,8 +255,8 @@ class Llama(nn.Module):
                 layer_params = jax.tree.map(lambda a: Layer(a, i), stacked,
                                             is_leaf=lambda a: isinstance(a, QuantizedWeight))
             h, kv = layer.apply({"params": layer_params}, h,
-                                None if kv is None else (Layer(kv[0], i), Layer(kv[1], i)), positions)
-            return (h, None if kv is None else (kv[0].stacked, kv[1].stacked)), None
+                                None if kv is None else tuple(Layer(a, i) for a in kv), positions)
+            return (h, None if kv is None else tuple(a.stacked for a in kv)), None
 
         stacked = _param(self, "layers", init_layers)
         _check_layer_counts(c, stacked, cache)
@@ -245,8 +279,10 @@ def _check_layer_counts(config: LlamaConfig, layers: Any, cache: KVCache | None)
     n = len(layers) if isinstance(layers, (list, tuple)) else jax.tree.leaves(layers)[0].shape[0]
     counts = {"config": config.num_layers, "params": n}
     if cache is not None:
-        counts["cache (k, v)"] = (cache[0].shape[0], cache[1].shape[0])
-    if n != config.num_layers or (cache is not None and {cache[0].shape[0], cache[1].shape[0]} != {n}):
+        if len(cache) not in (2, 6):
+            raise ValueError(f"a KV cache is (k, v) or (k, v) plus a 4-array shadow, got {len(cache)} arrays")
+        counts["cache"] = tuple(a.shape[0] for a in cache)
+    if n != config.num_layers or (cache is not None and set(counts["cache"]) != {n}):
         raise ValueError(f"layer counts differ: {counts}")
 
 
@@ -263,17 +299,41 @@ def unstack_layers(params: dict[str, Any]) -> dict[str, Any]:
     return {**params, "layers": per}
 
 
-def init_cache(config: LlamaConfig, batch: int, length: int, dtype=jnp.float32) -> KVCache:
-    """A zero KV cache of ``length`` slots per sequence."""
+def init_cache(config: LlamaConfig, batch: int, length: int, dtype=jnp.float32,
+               shadow_bits: int | None = None) -> KVCache:
+    """A zero KV cache of ``length`` slots per sequence; with ``shadow_bits`` (8 or 4) followed by the
+    draft's quantized shadow: int16 words of codes and float32 scales for keys and values."""
     shape = (config.num_layers, batch, length, config.num_kv_heads, config.head_dim)
-    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+    cache = jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+    if shadow_bits is None:
+        return cache
+    if shadow_bits not in reference.KV_BITS or config.head_dim * shadow_bits % 16:
+        raise ValueError(f"shadow_bits must be one of {reference.KV_BITS} and pack head_dim {config.head_dim} "
+                         f"into 16-bit words, got {shadow_bits!r}")
+    words = (*shape[:-1], config.head_dim * shadow_bits // 16)
+    return (*cache, jnp.zeros(words, jnp.int16), jnp.zeros(words, jnp.int16),
+            jnp.zeros(shape[:-1], jnp.float32), jnp.zeros(shape[:-1], jnp.float32))
+
+
+def sync_shadow(cache: KVCache, positions: jax.Array) -> KVCache:
+    """Re-quantize the shadow's slots ``positions[B, T]`` from the float pair (positions past the
+    cache are skipped; a cache without a shadow is returned as it is): afterwards those slots hold
+    ``quantize_kv`` of what the pair holds, whatever a draft wrote there before."""
+    if len(cache) == 2:
+        return cache
+    k, v = cache[:2]
+    bits = 16 * cache[2].shape[-1] // k.shape[-1]
+    rows = jnp.arange(k.shape[1])[:, None]
+    new = [reference.quantize_kv(a[:, rows, positions], bits) for a in (k, v)]  # gathers clip; the writes drop
+    return (k, v, *(a.at[:, rows, positions].set(n, mode="drop") for a, n in zip(cache[2:], (
+        new[0][0], new[1][0], new[0][1], new[1][1]))))
 
 
 def forward(params: dict[str, Any], config: LlamaConfig, tokens: jax.Array, positions: jax.Array,
             cache: KVCache | None = None, *, mode: str, dtype: Any = jnp.float32,
             online_rotation_seed: int | None = None, row_tile: int | None = None,
-            kernels: str = "auto",
+            kernels: str = "auto", read_shadow: bool = False,
             ) -> tuple[jax.Array, KVCache | None]:
     """Apply the model to a params pytree: ``(float32 logits [B, T, V], updated cache)``."""
-    model = Llama(config, mode, dtype, online_rotation_seed, row_tile, resolve_kernels(kernels))
+    model = Llama(config, mode, dtype, online_rotation_seed, row_tile, resolve_kernels(kernels), read_shadow)
     return model.apply({"params": params}, tokens, positions, cache)

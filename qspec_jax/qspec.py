@@ -2,11 +2,13 @@
 
 Per round, for every running sequence with ``n`` committed tokens:
 1. draft ``gamma`` tokens in the draft mode (W4A4 or W4A8), one position at a time from ``n-1``,
-   each step writing its (draft-precision) KV slot;
-2. verify ``[x[n-1], d_1..d_gamma]`` in one W4A16 forward, overwriting those ``gamma+1`` slots;
+   each step writing its (draft-precision) KV slot (with ``Runtime.draft_kv``: the drafts attend
+   over the INT8 / INT4 shadow of the cache, and write only it);
+2. verify ``[x[n-1], d_1..d_gamma]`` in one W4A16 forward, overwriting those ``gamma+1`` slots
+   (and their shadow);
 3. accept the longest agreeing prefix (greedy) or run speculative sampling (stochastic);
 4. commit the accepted drafts plus one target token (1..gamma+1 tokens).
-Afterwards slots ``0..n'-2`` hold W4A16 values again.
+Afterwards slots ``0..n'-2`` hold W4A16 values again (quantized ones in the shadow).
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ def draft(params, state: DecodeState, rt: Runtime, gamma: int, mode: str, key: j
 
     def step(i, carry):
         tok, cache, drafts, qs = carry
-        logits, cache = rt.run(params, tok[:, None], (state.lengths - 1 + i)[:, None], cache, mode)
+        logits, cache = rt.run(params, tok[:, None], (state.lengths - 1 + i)[:, None], cache, mode,
+                               read_shadow=rt.draft_kv is not None)
         nxt, q = choose(logits[:, 0], rt.sampling, jax.random.fold_in(key, i))
         drafts = drafts.at[:, i].set(nxt)
         if stochastic:

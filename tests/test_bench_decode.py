@@ -15,17 +15,20 @@ from bench import decode, hf_baseline, plot
 
 def test_decode_bench_smoke(tmp_path):
     trace = tmp_path / "trace.json"
-    trace.write_text(json.dumps({"source": "constant test trace", "w4a8": {"3": [[2, 2], [2, 2]]}}))
+    trace.write_text(json.dumps({"source": "constant test trace", "w4a8": {"3": [[2, 2], [2, 2]]},
+                                 "w4a8/kv4": {"3": [[1, 1]]}}))
     out = tmp_path / "out"
     decode.main(["--models", "smoke", "--batches", "2", "--contexts", "64", "--new", "16", "--gammas", "3",
-                 "--drafts", "w4a8", "--ar", "w16a16,w4a16,w4a8", "--kernels", "reference", "--trace", str(trace),
-                 "--out", str(out), "--label", "test build"])
+                 "--drafts", "w4a8,w4a8/kv4", "--ar", "w16a16,w4a16,w4a8", "--kernels", "reference",
+                 "--trace", str(trace), "--out", str(out), "--label", "test build"])
     run = json.loads((out / "decode.json").read_text())
     (res,) = run["results"]
     assert res["label"] == "test build" and "Measured: test build." in (out / "decode.md").read_text()
-    assert set(res["methods"]) == {"w16a16", "w4a16", "w4a8", "qspec w4a8 g=3"}
+    assert set(res["methods"]) == {"w16a16", "w4a16", "w4a8", "qspec w4a8 g=3", "qspec w4a8/kv4 g=3"}
     q = res["methods"]["qspec w4a8 g=3"]
     assert abs(q["tokens_per_round"] - 16 / 6) < 1e-9  # 2 accepted + 1 per round: 16 tokens in 6 rounds
+    shadow = res["methods"]["qspec w4a8/kv4 g=3"]  # its own trace: 1 accepted + 1 per round
+    assert shadow["tokens_per_round"] == 2 and shadow["memory_bytes"] > q["memory_bytes"]  # the shadow's bytes
     # phase floors: the byte floor, or the phase's matmul FLOPs at the rate measured in the run
     cfg = decode.MODELS["smoke"]
     params = decode.random_params(cfg, jax.random.key(0))  # 2 FLOPs per weight element of every matmul
@@ -158,11 +161,15 @@ def test_record_trace_on_the_real_model(tmp_path):
                              for i in range(3)))
     out = tmp_path / "trace.json"
     decode.main(["--record-trace", str(out), "--gsm8k", str(dev), "--prompts", "2", "--new", "8",
-                 "--gammas", "2", "--drafts", "w4a8", "--kernels", "reference"])
-    rounds = json.loads(out.read_text())["w4a8"]["2"]
-    assert rounds and all(len(r) == 2 and all(0 <= a <= 2 for a in r) for r in rounds)
-    for seq in zip(*rounds):
-        assert sum(a + 1 for a in seq) <= 8
+                 "--gammas", "2", "--drafts", "w4a8,w4a8/kv8", "--kernels", "reference"])
+    for draft in ("w4a8", "w4a8/kv8"):
+        rounds = json.loads(out.read_text())[draft]["2"]
+        assert rounds and all(len(r) == 2 and all(0 <= a <= 2 for a in r) for r in rounds)
+        for seq in zip(*rounds):
+            assert sum(a + 1 for a in seq) <= 8
+    for bad in ("w4a16", "w4a8/kv2", "w4a8/int8", "w4a4/"):
+        with pytest.raises(SystemExit):
+            decode.main(["--drafts", bad, "--models", "smoke"])
 
 
 def test_hf_baseline_arguments_and_report(tmp_path):

@@ -171,6 +171,33 @@ def test_attention_kernel(rng, dtype, heads, kv, d):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("heads,kv,d,bits", [(9, 3, 64, 8), (32, 8, 128, 4), (32, 32, 128, 8)])
+def test_attention_kernel_over_kv_shadow(rng, dtype, heads, kv, d, bits):
+    """The draft's shadow attention against float64 attention over the dequantized shadow, and
+    row-count invariant (bitwise) over 1..8 queries."""
+    from pallas_kernels import reference
+
+    b, s = 4, 320
+    (kw, ks), (vw, vs) = (reference.quantize_kv(jnp.asarray(rng.standard_normal((b, s, kv, d)), dtype), bits)
+                          for _ in range(2))
+    q = jnp.asarray(rng.standard_normal((b, 8, heads, d)), dtype)
+    pos = jnp.asarray(rng.integers(0, s - 8, b)[:, None] + np.arange(8)[None], jnp.int32)
+    att = jax.jit(lambda q, p: gpu_attention.decode_attention(q, kw, vw, p, scales=(ks, vs)))
+    full = np.asarray(att(q, pos))
+    k64, v64 = (np.asarray(reference.dequantize_kv(w, sc, bits), np.float64) for w, sc in ((kw, ks), (vw, vs)))
+    q64, g = np.asarray(q.astype(jnp.float32), np.float64), heads // kv
+    sc = np.einsum("bthd,bshd->bhts", q64, np.repeat(k64, g, axis=2)) / np.sqrt(d)
+    sc = np.where(np.arange(s)[None, None, None] <= np.asarray(pos)[:, None, :, None], sc, -np.inf)
+    p = np.exp(sc - sc.max(-1, keepdims=True))
+    want = np.einsum("bhts,bshd->bthd", p / p.sum(-1, keepdims=True), np.repeat(v64, g, axis=2))
+    err = _rel(full, want)
+    print(f"shadow attention {bits}-bit H={heads} KV={kv} d={d} {jnp.dtype(dtype).name}: rel err {err:.2e}")
+    assert err <= 1e-2
+    for t in range(1, 8):
+        np.testing.assert_array_equal(np.asarray(att(q[:, :t], pos[:, :t])), full[:, :t], err_msg=f"T={t}")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("h", [1536, 28672])
 def test_activation_prologue_kernels(rng, dtype, h):
     """On the GPU, bitwise: quantize_rows == the reference quantization computed on the CPU (IEEE
@@ -312,12 +339,12 @@ def test_greedy_qspec_equals_w4a16_random_model(rng, dtype):
     model = random_model(rng)
     prompts = [rng.integers(0, model.config.vocab_size, n).tolist() for n in (5, 17, 9, 30)]
     ref = generate(model, prompts, max_new_tokens=48, method="w4a16", dtype=dtype, kernels="pallas")
-    for draft in ("w4a8", "w4a4"):
-        for gamma in (1, 3, 5):
-            res = generate(model, prompts, max_new_tokens=48, method="qspec", draft=draft, gamma=gamma,
-                           dtype=dtype, kernels="pallas")
-            for a, b in zip(res.sequences, ref.sequences):
-                np.testing.assert_array_equal(a, b, err_msg=f"{draft} gamma={gamma}")
+    runs = [(draft, gamma, None) for draft in ("w4a8", "w4a4") for gamma in (1, 3, 5)] + [("w4a8", 3, 8), ("w4a4", 1, 4)]
+    for draft, gamma, kv in runs:
+        res = generate(model, prompts, max_new_tokens=48, method="qspec", draft=draft, gamma=gamma,
+                       draft_kv=kv, dtype=dtype, kernels="pallas")
+        for a, b in zip(res.sequences, ref.sequences):
+            np.testing.assert_array_equal(a, b, err_msg=f"{draft} gamma={gamma} draft_kv={kv}")
 
 
 def _smollm2():

@@ -262,6 +262,30 @@ def test_decode_attention(rng, heads, kv, splits):
         gpu_attention.decode_attention(q, k, v, pos[:, :2], interpret=True)
 
 
+@pytest.mark.parametrize("bits,d", [(8, 32), (4, 64)])
+def test_decode_attention_over_kv_shadow(rng, bits, d):
+    """Over the draft's quantized shadow: against float64 attention of the dequantized cache; a
+    shorter call's queries are the same bits; as a stacked layer read in place; bad shadows raise."""
+    b, s, kv, heads, t = 2, 96, 2, 6, 4
+    k, v = (jnp.asarray(rng.standard_normal((b, s, kv, d)), jnp.float32) for _ in range(2))
+    (kw, ks), (vw, vs) = ref.quantize_kv(k, bits), ref.quantize_kv(v, bits)
+    q = jnp.asarray(rng.standard_normal((b, t, heads, d)), jnp.float32)
+    pos = jnp.asarray(np.array([5, 70])[:, None] + np.arange(t)[None], jnp.int32)
+    run = functools.partial(gpu_attention.decode_attention, block_s=16, splits=2, interpret=True)
+    full = np.asarray(run(q, kw, vw, pos, scales=(ks, vs)))
+    kd, vd = ref.dequantize_kv(kw, ks, bits), ref.dequantize_kv(vw, vs, bits)
+    np.testing.assert_allclose(full, _attention64(q, kd, vd, pos), rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(run(q[:, :1], kw, vw, pos[:, :1], scales=(ks, vs))), full[:, :1])
+    stack = [jnp.stack([jnp.zeros_like(a), a]) for a in (kw, vw, ks, vs)]
+    np.testing.assert_array_equal(np.asarray(run(q, *stack[:2], pos, scales=tuple(stack[2:]), layer=jnp.int32(1))), full)
+    with pytest.raises(ValueError, match="scales"):
+        run(q, kw, vw, pos)
+    with pytest.raises(ValueError, match="float32"):
+        run(q, kw, vw, pos, scales=(ks.astype(jnp.bfloat16), vs))
+    with pytest.raises(ValueError, match="words per head"):
+        run(q, kw[..., :-1], vw[..., :-1], pos, scales=(ks, vs))
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("splits,kv", [(1, 2), (4, 2), (4, 3)])
 def test_attention_merge_prologue(rng, dtype, splits, kv):

@@ -18,6 +18,7 @@ from scipy.stats import chi2
 
 from convert.pipeline import convert_model
 from convert.quantize import QuantScheme
+from pallas_kernels.reference import quantize_kv as ref_quantize_kv
 from qspec_jax.decode import ROW_TILE, Runtime, prefill
 from qspec_jax.api import generate, load
 from qspec_jax.model import forward, init_cache
@@ -75,12 +76,13 @@ def w4a16_refs(smol, smol_batches):
     return {b: generate(smol, p, max_new_tokens=NEW, method="w4a16", chat=True) for b, p in smol_batches.items()}
 
 
-@pytest.mark.parametrize("gamma,draft,batch", [(g, "w4a8", b) for g in (1, 3, 5) for b in (1, 4)]
-                         + [(3, "w4a4", 4)])
-def test_greedy_qspec_equals_w4a16_smollm2(smol, smol_batches, w4a16_refs, gamma, draft, batch):
+@pytest.mark.parametrize("gamma,draft,batch,draft_kv", [(g, "w4a8", b, None) for g in (1, 3, 5) for b in (1, 4)]
+                         + [(3, "w4a4", 4, None), (3, "w4a8", 4, 8), (1, "w4a8", 4, 4)])
+def test_greedy_qspec_equals_w4a16_smollm2(smol, smol_batches, w4a16_refs, gamma, draft, batch, draft_kv):
+    """Bitwise the W4A16 tokens, with the drafts reading the float cache or its INT8 / INT4 shadow."""
     ref = w4a16_refs[batch]
     got = generate(smol, smol_batches[batch], max_new_tokens=NEW, method="qspec", draft=draft, gamma=gamma,
-                   chat=True)
+                   draft_kv=draft_kv, chat=True)
     assert len(got.sequences) == batch
     for i, (a, b) in enumerate(zip(got.sequences, ref.sequences)):
         assert np.array_equal(a, b), f"sequence {i} diverges at token {_first_diff(a, b)}"
@@ -323,6 +325,37 @@ def test_committed_kv_slots_hold_w4a16_values(rng):
     assert differing >= 2 * rounds  # the check has teeth: W4A4 entries would be visible there
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_kv_shadow_follows_the_cache_and_alone_feeds_the_drafts(rng, bits):
+    """After QSPEC rounds with a KV shadow, each committed slot's shadow is exactly quantize_kv of the
+    float cache there (bitwise); a draft forward's logits do not change when the float cache is
+    scrambled, and do when the shadow is: the drafts read the shadow and only it."""
+    params, cfg, _ = convert_model(random_source(TINY, rng), QuantScheme(16, True), None)
+    gamma, new = 2, 16
+    lengths = rng.choice(np.arange(2, 9), 2, replace=False).astype(np.int32)
+    prompts = rng.integers(0, cfg.vocab_size, (2, int(lengths.max()))).astype(np.int32)
+    rt = Runtime(cfg, new, -1, Sampling(), draft_kv=bits)
+    buf = int(lengths.max()) + new + gamma + 1
+    state = _prefill_jit(params, prompts, lengths, jax.random.key(0), rt=rt, buffer_len=buf, cache_len=buf,
+                         mode="w4a16")
+    for _ in range(3):
+        state = _round_jit(params, state, rt=rt, gamma=gamma, draft_mode="w4a8")
+    k, v, *shadow = state.cache
+    for b, n in enumerate(np.asarray(state.lengths)):
+        for full, words, scales in ((k, shadow[0], shadow[2]), (v, shadow[1], shadow[3])):
+            want_w, want_s = ref_quantize_kv(full[:, b, :n - 1], bits)
+            np.testing.assert_array_equal(np.asarray(words[:, b, :n - 1]), np.asarray(want_w))
+            np.testing.assert_array_equal(np.asarray(scales[:, b, :n - 1]), np.asarray(want_s))
+    tok = jnp.asarray(np.asarray(state.tokens)[np.arange(2), np.asarray(state.lengths) - 1][:, None])
+    pos = (state.lengths - 1)[:, None]
+    draft = jax.jit(lambda c: rt.run(params, tok, pos, c, "w4a8", read_shadow=True)[0])
+    base = np.asarray(draft(state.cache))
+    noise = [jnp.asarray(rng.standard_normal(a.shape), a.dtype) for a in (k, v)]
+    np.testing.assert_array_equal(np.asarray(draft((*noise, *shadow))), base)
+    scrambled = jnp.asarray(rng.integers(-2**15, 2**15, shadow[0].shape), jnp.int16)
+    assert not np.array_equal(np.asarray(draft((k, v, scrambled, *shadow[1:]))), base)
+
+
 # ---------------------------------------------------------------------------------------------
 # 5. edge cases, EOS inside a drafted run, counters
 # ---------------------------------------------------------------------------------------------
@@ -350,6 +383,9 @@ def test_invalid_requests_raise(tiny_model):
         generate(tiny_model, ok, max_new_tokens=4, method="w8a8")
     with pytest.raises(ValueError, match="unknown draft"):
         generate(tiny_model, ok, max_new_tokens=4, draft="w4a16")
+    for method, kv in (("qspec", 2), ("qspec", 16), ("w4a16", 8)):
+        with pytest.raises(ValueError, match="draft_kv"):
+            generate(tiny_model, ok, max_new_tokens=4, method=method, draft_kv=kv)
     for bad in ([3, TINY.vocab_size], [-1, 3]):
         with pytest.raises(ValueError, match="token ids must lie in"):
             generate(tiny_model, [bad], max_new_tokens=4)

@@ -68,6 +68,30 @@ def test_activation_quantization_matches_numpy(rng, bits):
     assert list(np.asarray(q)[1, :4]) == [qmax, 2, -2, 0]
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_kv_shadow_packing_matches_numpy(rng, bits):
+    """The shadow's int16 words hold the per-vector codes of quantize_activations, plane j = the j-th
+    contiguous slice of the vector (unpacked here with numpy bit operations); dequantized values lie
+    within half a step of float64; unsupported widths and head sizes raise."""
+    d, planes = 64, 16 // bits
+    x = np.asarray(jnp.asarray(rng.standard_normal((3, 5, 2, d)) * rng.uniform(0.1, 20, (3, 5, 2, 1)),
+                               jnp.bfloat16), np.float32)
+    words, scale = reference.quantize_kv(jnp.asarray(x), bits)
+    assert words.dtype == jnp.int16 and words.shape == (3, 5, 2, d // planes) and scale.shape == (3, 5, 2)
+    q, s = (np.asarray(a) for a in reference.quantize_activations(jnp.asarray(x), bits))
+    u = np.asarray(words).view(np.uint16).astype(np.int64)
+    nib = [((u >> (bits * j)) & ((1 << bits) - 1)) for j in range(planes)]
+    codes = np.concatenate([np.where(c >= 1 << (bits - 1), c - (1 << bits), c) for c in nib], axis=-1)
+    assert np.array_equal(codes, q.astype(np.int64))
+    assert np.array_equal(np.asarray(scale), s[..., 0])
+    back = np.asarray(reference.dequantize_kv(words, scale, bits), np.float64)
+    assert np.all(np.abs(back - x) <= 0.5 * s.astype(np.float64) * (1 + 1e-5))  # x * f32(1/s) rounds
+    with pytest.raises(ValueError, match="bits"):
+        reference.quantize_kv(jnp.asarray(x), 2)
+    with pytest.raises(ValueError, match="multiple"):
+        reference.quantize_kv(jnp.asarray(x[..., :6]), 4)
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_w4ax_int32_accumulation_exact(rng, bits, symmetric):
