@@ -1,11 +1,13 @@
 """Where a decode step's GPU time goes: per-kernel time of decode-time forwards, from a profiler trace.
 
     PYTHONPATH=. python3 -m bench.profile [--model llama3-8b] [--batch 8] [--context 512] \
-        [--runs w4a16:1,w4a8:1,w4a16:4] [--reps 8] [--out DIR]
+        [--runs w4a16:1,w4a8:1,w4a16:4,w4a8/kv8:1,w4a16/kv8:4] [--reps 8] [--out DIR]
 
 Each ``mode:tokens`` run traces (``jax.profiler``, Perfetto JSON) one call of
 :func:`bench.decode.forward_loop`: ``--reps`` forwards of ``tokens`` new tokens per sequence in one
-jitted loop, on a random-weight model shape with a decode state of ``--context`` tokens. GPU events
+jitted loop, on a random-weight model shape with a decode state of ``--context`` tokens (``mode/kvBITS``:
+the state carries an INT8 / INT4 KV shadow, which a W4A8 / W4A4 draft forward reads and a W4A16 verify
+forward re-quantizes, as in QSPEC with ``draft_kv``). GPU events
 are summed per kernel name and per category (INT4 matmuls, attention, RMSNorm, lm_head, copies, other
 XLA ops) and divided by ``--reps``: microseconds per forward. GPU only (the CPU trace has no per-op
 events). Writes ``profile.md`` / ``profile.json`` under ``--out`` (default ``$OUT``, else bench/results).
@@ -26,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from bench.decode import MODELS, forward_carry, forward_loop, fresh_state, random_params
+from pallas_kernels.reference import KV_BITS, MODES
 from qspec_jax.decode import Runtime
 from qspec_jax.sampling import Sampling
 
@@ -65,8 +68,8 @@ def summarize(us: dict[str, float], count: dict[str, int], reps: int) -> dict:
             "kernels": [{"name": n, "us": t, "calls": c} for n, t, c in kernels]}
 
 
-def profile_run(params, rt: Runtime, state, mode: str, tokens: int, reps: int) -> dict:
-    fn, carry = forward_loop(rt, mode, reps), forward_carry(state, tokens)
+def profile_run(params, rt: Runtime, state, mode: str, tokens: int, reps: int, read_shadow: bool = False) -> dict:
+    fn, carry = forward_loop(rt, mode, reps, read_shadow), forward_carry(state, tokens)
     carry = jax.block_until_ready(fn(params, carry))  # compile and warm up
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):
@@ -106,19 +109,22 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     runs = []
     for item in args.runs.split(","):
-        mode, _, tokens = item.partition(":")
-        if not tokens.isdigit() or int(tokens) < 1:
-            ap.error(f"--runs: expected mode:tokens, got {item!r}")
-        runs.append((mode, int(tokens)))
+        spec, _, tokens = item.partition(":")
+        mode, slash, kv = spec.partition("/")
+        bits = int(kv[2:]) if kv.startswith("kv") and kv[2:].isdigit() else None
+        if not tokens.isdigit() or int(tokens) < 1 or mode not in MODES or (slash and bits not in KV_BITS):
+            ap.error(f"--runs: expected mode[/kv8|/kv4]:tokens, got {item!r}")
+        runs.append((spec, mode, bits, int(tokens)))
     cfg = MODELS[args.model]
     params = random_params(cfg, jax.random.key(1))
     rt = Runtime(cfg, 64, -1, Sampling(), jnp.bfloat16, None, "auto")
     out = {"command": " ".join(["python3 -m bench.profile", *(argv if argv is not None else sys.argv[1:])]),
            "device": jax.devices()[0].device_kind, "model": args.model, "batch": args.batch,
            "context": args.context, "reps": args.reps, "runs": {}}
-    for mode, tokens in runs:  # a fresh state each: the loop donates its cache
-        state = fresh_state(cfg, args.batch, args.context, 64, tokens, 0)
-        out["runs"][f"{mode}, {tokens} token(s) per sequence"] = profile_run(params, rt, state, mode, tokens, args.reps)
+    for spec, mode, bits, tokens in runs:  # a fresh state each: the loop donates its cache
+        state = fresh_state(cfg, args.batch, args.context, 64, tokens, 0, bits)
+        out["runs"][f"{spec}, {tokens} token(s) per sequence"] = profile_run(
+            params, rt, state, mode, tokens, args.reps, read_shadow=bits is not None and mode != "w4a16")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "profile.json").write_text(json.dumps(out, indent=1))
     text = markdown(out)

@@ -65,9 +65,9 @@ def _attention_kernel(layer_ref, q_ref, pos_ref, k_ref, v_ref, *refs, tiles: int
     """One (sequence, KV head, split): online softmax over the split's KV blocks for all row tiles.
 
     With ``kv_bits`` the cache is the draft's shadow (:func:`pallas_kernels.reference.quantize_kv`,
-    ``refs`` starting with its key and value scales): each code plane is converted exactly to the
-    query's dtype and dotted with its slice of the queries; the key scales multiply the scores and
-    the value scales the probabilities, so no dequantized block is ever formed."""
+    ``refs`` starting with its key and value scales): each code plane becomes float16 codes
+    (:func:`kv_planes_f16`) dotted with its slice of the float16 queries; the key scales multiply
+    the scores and the value scales the probabilities, so no dequantized block is ever formed."""
     k_scale_ref, v_scale_ref = refs[:2] if kv_bits else (None, None)
     acc_ref, m_ref, l_ref = refs[-3:]
     planes = 1 if kv_bits is None else 16 // kv_bits
@@ -91,8 +91,7 @@ def _attention_kernel(layer_ref, q_ref, pos_ref, k_ref, v_ref, *refs, tiles: int
             blk = (pl.ds(j * block_s, block_s),)
             score_scale = score_scale * pl_triton.load(at_layer(k_scale_ref, layer, blk, interpret))[None, :]
             v_scale = pl_triton.load(at_layer(v_scale_ref, layer, blk, interpret))[None, :]
-            ks = [c.astype(q_ref.dtype) for c in reference.kv_planes(k, kv_bits)]
-            vs = [c.astype(q_ref.dtype) for c in reference.kv_planes(v, kv_bits)]
+            ks, vs = kv_planes_f16(k, kv_bits), kv_planes_f16(v, kv_bits)
         else:
             ks, vs = [k], [v]
         slot = j * block_s + jax.lax.broadcasted_iota(jnp.int32, (1, block_s), 1)
@@ -124,6 +123,16 @@ def _attention_kernel(layer_ref, q_ref, pos_ref, k_ref, v_ref, *refs, tiles: int
             acc_ref[rows, pl.ds(j * dp, dp)] = a
 
 
+def kv_planes_f16(words: jax.Array, bits: int) -> list[jax.Array]:
+    """:func:`pallas_kernels.reference.kv_planes` as float16, exactly, without an int-to-float
+    conversion (a quarter-rate instruction that bounded the shadow kernel at the bf16 cache's
+    speed): an offset code ``u < 1024`` ORed into the bits of 1024.0 is ``1024 + u``; subtracting
+    ``1024 + 2**(bits-1)`` leaves the code."""
+    mask, magic = np.int16((1 << bits) - 1), np.float16(1024 + (1 << (bits - 1)))
+    planes = [words if j == 0 else words >> np.int16(bits * j) for j in range(16 // bits)]  # int16 ops only
+    return [jax.lax.bitcast_convert_type((p & mask) | np.int16(0x6400), jnp.float16) - magic for p in planes]
+
+
 def _merge(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
     """Combine split partials ``[..., P, R(, d)]`` left to right with elementwise ops only, the sum
     times the correctly rounded reciprocal of the weights' sum (XLA rewrites a division by a
@@ -143,7 +152,8 @@ def _merge(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
 
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, *,
                      layer: jax.Array | None = None, scales: tuple[jax.Array, jax.Array] | None = None,
-                     block_s: int | None = None, splits: int | None = None, interpret: bool = False) -> jax.Array:
+                     block_s: int | None = None, splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                     interpret: bool = False) -> jax.Array:
     """Attention of ``q[B, T, H, d]`` over the cache ``k, v[B, S, KV, d]``; slot ``s`` is visible to
     query ``t`` iff ``s <= q_pos[b, t]`` (int32 ``[B, T]``, each ``>= 0``). Output like ``q``.
     With ``layer`` (an int32 scalar) the cache is the model's stack ``[L, B, S, KV, d]``, read at
@@ -154,7 +164,7 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
     ``S`` must be a multiple of the KV block (default :data:`BLOCK_S`, or the largest power of two
     >= 16 dividing S). ``splits`` defaults to :func:`num_splits`."""
     return merge(attention_partials(q, k, v, q_pos, layer=layer, scales=scales, block_s=block_s, splits=splits,
-                                    interpret=interpret))
+                                    num_warps=num_warps, num_stages=num_stages, interpret=interpret))
 
 
 @jax.tree_util.register_dataclass
@@ -181,7 +191,8 @@ def merge(p: Partials) -> jax.Array:
 
 def attention_partials(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, *,
                        layer: jax.Array | None = None, scales: tuple[jax.Array, jax.Array] | None = None,
-                       block_s: int | None = None, splits: int | None = None, interpret: bool = False) -> Partials:
+                       block_s: int | None = None, splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                       interpret: bool = False) -> Partials:
     """:func:`decode_attention` up to the merge of the cache splits: the kernel's :class:`Partials`
     (for :func:`merge`, or for a consumer that merges them itself,
     :func:`pallas_kernels.gpu_activations.attention_quantize`)."""
@@ -213,7 +224,7 @@ def attention_partials(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Arra
     splits = num_splits(b, kvh, s, block_s) if splits is None else splits
     blocks_per_split = -(-(s // block_s) // splits)
 
-    compute = q.dtype if kv_bits else k.dtype
+    compute = jnp.float16 if kv_bits else k.dtype  # the shadow's codes are float16 (kv_planes_f16)
     qr = q.reshape(b, t, kvh, g, d).transpose(0, 2, 1, 3, 4).reshape(b, kvh, rows, d)
     qr = jnp.pad(qr.astype(compute), ((0, 0), (0, 0), (0, rows_pad - rows), (0, 0)))
     pos = jnp.pad(jnp.repeat(q_pos.astype(jnp.int32), g, axis=1), ((0, 0), (0, rows_pad - rows)))
@@ -234,7 +245,7 @@ def attention_partials(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Arra
         (pl.BlockSpec((None, None, None, rows_pad, d), lambda i, j, p: (i, j, p, 0, 0)),
          pl.BlockSpec((None, None, None, rows_pad), lambda i, j, p: (i, j, p, 0)),
          pl.BlockSpec((None, None, None, rows_pad), lambda i, j, p: (i, j, p, 0))),
-        interpret, 4, 2, lidx, qr, pos, k, v, *scales)
+        interpret, num_warps, num_stages, lidx, qr, pos, k, v, *scales)
     return Partials(acc, m, l, (b, t, h, d), q.dtype)
 
 

@@ -48,18 +48,19 @@ KV_BITS = (8, 4)  # the draft's KV shadow: codes per int16 word = 16 // bits
 def quantize_kv(x: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]:
     """The draft's KV shadow of ``x[..., d]`` (one key or value vector per token and KV head):
     ``(int16 words [..., d * bits // 16], float32 scales [...])``, symmetric per vector as
-    :func:`quantize_activations`. Word ``i`` holds codes ``i, i + d/P, ..., i + (P-1) d/P`` (``P = 16 //
-    bits``, lowest bits first): plane ``j`` of the words is the ``j``-th contiguous ``d/P`` slice of the
-    vector, so a kernel dots each plane with a contiguous slice of the query. int16 words and not
-    bytes: the Triton lowering indexes an array of 2**31 to 2**32 elements with wrapping int32
-    offsets (:func:`pallas_kernels.launch.int32_offsets_wrap`), and a batch-16 7B int8 shadow is one."""
+    :func:`quantize_activations`, each code stored offset by ``2**(bits-1)`` (unsigned). Word ``i``
+    holds codes ``i, i + d/P, ..., i + (P-1) d/P`` (``P = 16 // bits``, lowest bits first): plane ``j``
+    of the words is the ``j``-th contiguous ``d/P`` slice of the vector, so a kernel dots each plane
+    with a contiguous slice of the query. int16 words and not bytes: the Triton lowering indexes an
+    array of 2**31 to 2**32 elements with wrapping int32 offsets
+    (:func:`pallas_kernels.launch.int32_offsets_wrap`), and a batch-16 7B int8 shadow is one."""
     if bits not in KV_BITS:
         raise ValueError(f"KV shadow bits must be one of {KV_BITS}, got {bits!r}")
     planes = 16 // bits
     if x.shape[-1] % planes:
         raise ValueError(f"the head dimension {x.shape[-1]} is not a multiple of {planes} ({bits}-bit KV codes)")
     q, scale = quantize_activations(x, bits)
-    parts = jnp.split(q.astype(jnp.int32) & ((1 << bits) - 1), planes, axis=-1)
+    parts = jnp.split(q.astype(jnp.int32) + (1 << (bits - 1)), planes, axis=-1)
     word = sum(p << (bits * j) for j, p in enumerate(parts))
     return jax.lax.bitcast_convert_type(word.astype(jnp.uint16), jnp.int16), scale[..., 0]
 
@@ -67,7 +68,7 @@ def quantize_kv(x: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]:
 def kv_planes(words: jax.Array, bits: int) -> list[jax.Array]:
     """The ``16 // bits`` signed code planes (int32 ``[..., d * bits // 16]`` each) of shadow words."""
     w = words.astype(jnp.int32)
-    return [(w << (32 - bits * (j + 1))) >> (32 - bits) for j in range(16 // bits)]
+    return [((w >> (bits * j)) & ((1 << bits) - 1)) - (1 << (bits - 1)) for j in range(16 // bits)]
 
 
 def dequantize_kv(words: jax.Array, scale: jax.Array, bits: int) -> jax.Array:

@@ -41,5 +41,9 @@ def test_no_gpu_is_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="needs a GPU"):
         profile.main(["--model", "smoke", "--batch", "2", "--context", "32", "--runs", "w4a16:1", "--reps", "2",
                       "--out", str(tmp_path)])
-    with pytest.raises(SystemExit):
-        profile.main(["--model", "smoke", "--runs", "w4a16"])
+    with pytest.raises(SystemExit, match="needs a GPU"):  # a shadow draft run gets as far as the trace
+        profile.main(["--model", "smoke", "--batch", "2", "--context", "32", "--runs", "w4a8/kv4:1", "--reps", "2",
+                      "--out", str(tmp_path)])
+    for bad in ("w4a16", "w4a8/kv2:1", "w8a8:1", "w4a8/int8:1"):
+        with pytest.raises(SystemExit):
+            profile.main(["--model", "smoke", "--runs", bad])

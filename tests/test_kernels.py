@@ -264,8 +264,8 @@ def test_decode_attention(rng, heads, kv, splits):
 
 @pytest.mark.parametrize("bits,d", [(8, 32), (4, 64)])
 def test_decode_attention_over_kv_shadow(rng, bits, d):
-    """Over the draft's quantized shadow: against float64 attention of the dequantized cache; a
-    shorter call's queries are the same bits; as a stacked layer read in place; bad shadows raise."""
+    """Over the draft's quantized shadow: against float64 attention of the dequantized cache (to
+    float16 rounding); a shorter call's queries are the same bits; as a stacked layer read in place; bad shadows raise."""
     b, s, kv, heads, t = 2, 96, 2, 6, 4
     k, v = (jnp.asarray(rng.standard_normal((b, s, kv, d)), jnp.float32) for _ in range(2))
     (kw, ks), (vw, vs) = ref.quantize_kv(k, bits), ref.quantize_kv(v, bits)
@@ -274,7 +274,8 @@ def test_decode_attention_over_kv_shadow(rng, bits, d):
     run = functools.partial(gpu_attention.decode_attention, block_s=16, splits=2, interpret=True)
     full = np.asarray(run(q, kw, vw, pos, scales=(ks, vs)))
     kd, vd = ref.dequantize_kv(kw, ks, bits), ref.dequantize_kv(vw, vs, bits)
-    np.testing.assert_allclose(full, _attention64(q, kd, vd, pos), rtol=1e-4, atol=1e-5)
+    want = _attention64(q, kd, vd, pos)  # the kernel rounds queries and probabilities to float16
+    assert np.linalg.norm(full - want) / np.linalg.norm(want) < 1e-3
     np.testing.assert_array_equal(np.asarray(run(q[:, :1], kw, vw, pos[:, :1], scales=(ks, vs))), full[:, :1])
     stack = [jnp.stack([jnp.zeros_like(a), a]) for a in (kw, vw, ks, vs)]
     np.testing.assert_array_equal(np.asarray(run(q, *stack[:2], pos, scales=tuple(stack[2:]), layer=jnp.int32(1))), full)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import jax.numpy as jnp
 
-from pallas_kernels import reference
+from pallas_kernels import gpu_attention, reference
 from pallas_kernels.layout import QuantizedWeight, dequantize, pack_codes, unpack_codes
 
 
@@ -70,9 +70,10 @@ def test_activation_quantization_matches_numpy(rng, bits):
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_kv_shadow_packing_matches_numpy(rng, bits):
-    """The shadow's int16 words hold the per-vector codes of quantize_activations, plane j = the j-th
-    contiguous slice of the vector (unpacked here with numpy bit operations); dequantized values lie
-    within half a step of float64; unsupported widths and head sizes raise."""
+    """The shadow's int16 words hold the per-vector codes of quantize_activations, offset to unsigned,
+    plane j = the j-th contiguous slice of the vector (unpacked here with numpy bit operations); the
+    GPU kernel's float16 unpacking gives the same codes exactly; dequantized values lie within half a
+    step of float64; unsupported widths and head sizes raise."""
     d, planes = 64, 16 // bits
     x = np.asarray(jnp.asarray(rng.standard_normal((3, 5, 2, d)) * rng.uniform(0.1, 20, (3, 5, 2, 1)),
                                jnp.bfloat16), np.float32)
@@ -81,9 +82,11 @@ def test_kv_shadow_packing_matches_numpy(rng, bits):
     q, s = (np.asarray(a) for a in reference.quantize_activations(jnp.asarray(x), bits))
     u = np.asarray(words).view(np.uint16).astype(np.int64)
     nib = [((u >> (bits * j)) & ((1 << bits) - 1)) for j in range(planes)]
-    codes = np.concatenate([np.where(c >= 1 << (bits - 1), c - (1 << bits), c) for c in nib], axis=-1)
+    codes = np.concatenate(nib, axis=-1) - (1 << (bits - 1))  # stored offset, unsigned
     assert np.array_equal(codes, q.astype(np.int64))
     assert np.array_equal(np.asarray(scale), s[..., 0])
+    f16 = np.concatenate([np.asarray(p, np.float64) for p in gpu_attention.kv_planes_f16(words, bits)], axis=-1)
+    assert np.array_equal(f16, codes)
     back = np.asarray(reference.dequantize_kv(words, scale, bits), np.float64)
     assert np.all(np.abs(back - x) <= 0.5 * s.astype(np.float64) * (1 + 1e-5))  # x * f32(1/s) rounds
     with pytest.raises(ValueError, match="bits"):
