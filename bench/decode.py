@@ -222,6 +222,7 @@ def time_loop(compiled, params, make_state, new: int, reps: int = 1) -> tuple[fl
     jax.block_until_ready(compiled(params, warm))
     best, out = float("inf"), None
     for _ in range(reps):
+        out = None  # the previous run's state is freed before the next one is made
         st = jax.block_until_ready(make_state())
         t = time.perf_counter()
         out = jax.block_until_ready(compiled(params, st))
@@ -391,8 +392,10 @@ def run_config(c: Config, compiled: dict, params: dict, fparams: dict | None, ar
         return time_forward(compiled["fwd", mode, tokens], params, carry, FORWARD_REPS)
 
     for method in _ar_methods(args, fparams):
-        secs, _ = time_loop(compiled["ar", method], fparams if method == "w16a16" else params, make, args.new,
-                            args.reps)
+        # [0]: the loop's final state is dropped at once (held in a variable, a 70 GB cache would
+        # still be alive when the next method makes its state: out of memory at 7B, batch 32, 3584)
+        secs = time_loop(compiled["ar", method], fparams if method == "w16a16" else params, make, args.new,
+                         args.reps)[0]
         res["methods"][method] = {"tokens_per_s": batch * args.new / secs, "ms_per_step": 1e3 * secs / args.new,
                                   "memory_bytes": loop_memory_bytes(compiled["ar", method])}
         log(f"  {method}: {res['methods'][method]['ms_per_step']:.2f} ms/step, "
@@ -597,8 +600,10 @@ def _bench_model(name: str, todo: list[tuple[int, int]], args, trace: dict, bw: 
     params = random_params(cfg, jax.random.key(1)) if model is None else model.checkpoint.params
     fparams = float_params(params) if "w16a16" in args.ar else None
     configs = []
+    shadow = max([parse_draft(d)[1] or 0 for d in args.drafts] + [0]) / 16  # a shadow's bytes per cache byte
     for context, batch in todo:
-        need = weight_bytes(params) * (3 if fparams else 1) + 1.5 * kv_bytes(cfg, batch, context + args.new + 64)
+        kv = kv_bytes(cfg, batch, context + args.new + 64)
+        need = weight_bytes(params) * (3 if fparams else 1) + 1.5 * kv + (kv * (shadow + 1 / 32) if shadow else 0)
         if need > MEM_LIMIT:
             log(f"{name} B={batch} ctx={context}: skipped, needs ~{need / 1e9:.0f} GB")
             run["results"].append({"model": name, "batch": batch, "context": context, "new": args.new,
@@ -625,7 +630,14 @@ def _bench_model(name: str, todo: list[tuple[int, int]], args, trace: dict, bw: 
         if args.ahead and i + 1 < len(configs) and time.perf_counter() < deadline:
             ahead = ahead_pool.submit(plan_and_compile, *configs[i + 1])
         t1 = time.perf_counter()
-        res = run_config(c, compiled, params, fparams, args, rates)
+        try:
+            res = run_config(c, compiled, params, fparams, args, rates)
+        except jax.errors.JaxRuntimeError as e:  # one configuration out of memory: record it, go on
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            log(f"  out of GPU memory: {str(e).splitlines()[0][:200]}")
+            res = {**c.res, "skipped": "out of GPU memory while timing"}
+        del compiled  # its executables and buffers, before the next configuration's states
         res["bench_s"] = {"compile_wait": waited, "timing": time.perf_counter() - t1}  # the benchmark's own cost
         run["results"].append({**res, "label": args.label} if args.label else res)
         save(run, args.out)

@@ -40,6 +40,7 @@ ROW_TILE = 16  # query rows per MMA tile (the MMA's M side)
 BLOCK_S = 64  # cache slots per KV block
 TARGET_PROGRAMS = 264  # split the cache until B * KV * splits reaches this (2 programs per H200 SM)
 MAX_SPLITS = 16
+SHADOW_STAGES = 3  # software-pipeline stages over a KV shadow's blocks
 
 
 def _next_pow2(v: int) -> int:
@@ -152,14 +153,15 @@ def _merge(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
 
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, *,
                      layer: jax.Array | None = None, scales: tuple[jax.Array, jax.Array] | None = None,
-                     block_s: int | None = None, splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
-                     interpret: bool = False) -> jax.Array:
+                     block_s: int | None = None, splits: int | None = None, num_warps: int = 4,
+                     num_stages: int | None = None, interpret: bool = False) -> jax.Array:
     """Attention of ``q[B, T, H, d]`` over the cache ``k, v[B, S, KV, d]``; slot ``s`` is visible to
     query ``t`` iff ``s <= q_pos[b, t]`` (int32 ``[B, T]``, each ``>= 0``). Output like ``q``.
     With ``layer`` (an int32 scalar) the cache is the model's stack ``[L, B, S, KV, d]``, read at
-    that layer in place. With ``scales`` (float32 ``[B, S, KV]`` key and value scales, or their
-    stacks) ``k, v`` are the draft's shadow: int16 words of 8- or 4-bit codes
-    (:func:`pallas_kernels.reference.quantize_kv`; the bits follow from the word count).
+    that layer in place. With ``scales`` (float32 key and value scales, head-major ``[B, KV, S]``
+    so that a KV block's scales are contiguous, or their stacks) ``k, v`` are the draft's shadow:
+    int16 words of 8- or 4-bit codes (:func:`pallas_kernels.reference.quantize_kv`; the bits follow
+    from the word count).
 
     ``S`` must be a multiple of the KV block (default :data:`BLOCK_S`, or the largest power of two
     >= 16 dividing S). ``splits`` defaults to :func:`num_splits`."""
@@ -191,8 +193,8 @@ def merge(p: Partials) -> jax.Array:
 
 def attention_partials(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, *,
                        layer: jax.Array | None = None, scales: tuple[jax.Array, jax.Array] | None = None,
-                       block_s: int | None = None, splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
-                       interpret: bool = False) -> Partials:
+                       block_s: int | None = None, splits: int | None = None, num_warps: int = 4,
+                       num_stages: int | None = None, interpret: bool = False) -> Partials:
     """:func:`decode_attention` up to the merge of the cache splits: the kernel's :class:`Partials`
     (for :func:`merge`, or for a consumer that merges them itself,
     :func:`pallas_kernels.gpu_activations.attention_quantize`)."""
@@ -222,6 +224,8 @@ def attention_partials(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Arra
     tiles = -(-rows // ROW_TILE)
     rows_pad = _next_pow2(tiles * ROW_TILE)
     splits = num_splits(b, kvh, s, block_s) if splits is None else splits
+    if num_stages is None:  # measured on the H200 (kv_shadow.md): 3 stages beat 2 for the shadow, not for bf16
+        num_stages = SHADOW_STAGES if kv_bits else 2
     blocks_per_split = -(-(s // block_s) // splits)
 
     compute = jnp.float16 if kv_bits else k.dtype  # the shadow's codes are float16 (kv_planes_f16)
@@ -233,7 +237,7 @@ def attention_partials(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Arra
                                blocks_per_split=blocks_per_split, scale=1.0 / math.sqrt(d),
                                precision=precision, kv_bits=kv_bits, interpret=interpret)
     kv_spec = pl.BlockSpec((nl, None, s, None, dk), lambda i, j, p: (0, i, 0, j, 0))
-    scale_spec = pl.BlockSpec((nl, None, s, None), lambda i, j, p: (0, i, 0, j))
+    scale_spec = pl.BlockSpec((nl, None, None, s), lambda i, j, p: (0, i, j, 0))
     part = (b, kvh, splits, rows_pad)
     acc, m, l = call_kernel(
         kernel,
@@ -257,10 +261,11 @@ def _shadow_bits(q: jax.Array, k: jax.Array, v: jax.Array, scales) -> int | None
         return None
     if k.dtype != jnp.int16 or v.dtype != jnp.int16:
         raise ValueError(f"a KV shadow holds int16 words of codes, got {k.dtype}, {v.dtype}")
-    if len(scales) != 2 or any(sc.shape != k.shape[:-1] or sc.dtype != jnp.float32 for sc in scales):
-        raise ValueError(f"the shadow's scales must be two float32 arrays of shape {k.shape[:-1]}, got "
+    want = (*k.shape[:-3], k.shape[-2], k.shape[-3])  # head-major
+    if len(scales) != 2 or any(sc.shape != want or sc.dtype != jnp.float32 for sc in scales):
+        raise ValueError(f"the shadow's scales must be two float32 arrays of shape {want} (head-major), got "
                          f"{[(sc.shape, sc.dtype) for sc in scales]}")
-    bits = 16 * k.shape[-1] // q.shape[-1]
+    bits = reference.kv_shadow_bits(k.shape[-1], q.shape[-1])
     if bits not in reference.KV_BITS or bits * q.shape[-1] != 16 * k.shape[-1]:
         raise ValueError(f"{k.shape[-1]} words per head do not hold {q.shape[-1]} codes of "
                          f"{' or '.join(map(str, reference.KV_BITS))} bits")

@@ -65,6 +65,11 @@ def quantize_kv(x: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]:
     return jax.lax.bitcast_convert_type(word.astype(jnp.uint16), jnp.int16), scale[..., 0]
 
 
+def kv_shadow_bits(words_per_head: int, head_dim: int) -> int:
+    """The code width of a shadow holding ``words_per_head`` int16 words per ``head_dim`` vector."""
+    return 16 * words_per_head // head_dim
+
+
 def kv_planes(words: jax.Array, bits: int) -> list[jax.Array]:
     """The ``16 // bits`` signed code planes (int32 ``[..., d * bits // 16]`` each) of shadow words."""
     w = words.astype(jnp.int32)

@@ -248,13 +248,13 @@ def attention(q: jax.Array, k: jax.Array | Layer, v: jax.Array | Layer, q_pos: j
               scales: tuple[jax.Array | Layer, jax.Array | Layer] | None = None) -> jax.Array | PendingAttention:
     """Attention of ``q[B,T,H,d]`` over a KV cache ``k, v[B,S,KV,d]`` (or :class:`Layer` views of
     the model's stacked cache) whose slot ``s`` holds position ``s`` (visible to a query iff
-    ``s <= q_pos``). With ``scales`` (the key and value scales), ``k, v`` are the draft's
-    quantized KV shadow (:func:`pallas_kernels.reference.quantize_kv`). With ``row_tile``, row-count
+    ``s <= q_pos``). With ``scales`` (the key and value scales, head-major ``[B, KV, S]``), ``k, v``
+    are the draft's quantized KV shadow (:func:`pallas_kernels.reference.quantize_kv`). With ``row_tile``, row-count
     invariant: the reference runs each sequence's queries in padded tiles of ``row_tile``. ``defer``
     (its consumer is an INT4 linear layer): on the kernel path, where the heads allow, a
     :class:`PendingAttention` for that layer to merge the cache splits in its activation prologue."""
     (ks, layer), (vs, _) = _split_layer(k), _split_layer(v)
-    bits = None if scales is None else 16 * ks.shape[-1] // q.shape[-1]
+    bits = None if scales is None else reference.kv_shadow_bits(ks.shape[-1], q.shape[-1])
     if _on_kernels(kernels, row_tile) and gpu_attention.supported(q.shape[-1], ks.shape[-3], bits):
         if scales is None and (ks.dtype != q.dtype or vs.dtype != q.dtype):  # casting would copy the cache
             raise ValueError(f"the KV cache ({ks.dtype}, {vs.dtype}) must have the compute dtype {q.dtype} "
@@ -267,7 +267,8 @@ def attention(q: jax.Array, k: jax.Array | Layer, v: jax.Array | Layer, q_pos: j
             return PendingAttention(partials, kernels)
         return gpu_attention.merge(partials)
     if scales is not None:
-        k, v = (reference.dequantize_kv(unstack(c), unstack(sc), bits) for c, sc in zip((k, v), scales))
+        k, v = (reference.dequantize_kv(unstack(c), jnp.swapaxes(unstack(sc), -1, -2), bits)  # scales head-major
+                for c, sc in zip((k, v), scales))
     k, v = unstack(k).astype(q.dtype), unstack(v).astype(q.dtype)
     b = q.shape[0]
     k_pos = jnp.broadcast_to(jnp.arange(k.shape[1]), (b, k.shape[1]))

@@ -37,7 +37,7 @@ from pallas_kernels.layout import QuantizedWeight
 from pallas_kernels.rows import map_row_tiles
 from qspec_jax.rotation import apply_transform
 
-KVCache = tuple[jax.Array, ...]  # (k, v), or (k, v, k_words, v_words, k_scales, v_scales) with the shadow
+KVCache = tuple[jax.Array, ...]  # (k, v), or (k, v, k_words, v_words, k_scales, v_scales) with the shadow (init_cache)
 
 
 def rope_frequencies(config: LlamaConfig) -> np.ndarray:
@@ -179,9 +179,13 @@ def _write_kv(cache: tuple[Layer, ...], k: jax.Array, v: jax.Array, positions: j
 
     if not read_shadow:
         return (*(put(c, new) for c, new in zip(full, (k, v))), *shadow)
-    bits = 16 * shadow[0].stacked.shape[-1] // k.shape[-1]
+    bits = reference.kv_shadow_bits(shadow[0].stacked.shape[-1], k.shape[-1])
     (kw, ks), (vw, vs) = (reference.quantize_kv(new.astype(c.stacked.dtype), bits) for c, new in zip(full, (k, v)))
-    return (*full, *(put(c, new) for c, new in zip(shadow, (kw, vw, ks, vs))))
+
+    def put_scales(sc: Layer, new: jax.Array) -> Layer:  # [B, T, KV] into the head-major [L, B, KV, S]
+        return Layer(sc.stacked.at[sc.index, rows, :, positions].set(new, mode="drop"), sc.index)
+
+    return (*full, put(shadow[0], kw), put(shadow[1], vw), put_scales(shadow[2], ks), put_scales(shadow[3], vs))
 
 
 class MLP(_Block):
@@ -302,7 +306,9 @@ def unstack_layers(params: dict[str, Any]) -> dict[str, Any]:
 def init_cache(config: LlamaConfig, batch: int, length: int, dtype=jnp.float32,
                shadow_bits: int | None = None) -> KVCache:
     """A zero KV cache of ``length`` slots per sequence; with ``shadow_bits`` (8 or 4) followed by the
-    draft's quantized shadow: int16 words of codes and float32 scales for keys and values."""
+    draft's quantized shadow: int16 words of codes ``[L, B, S, KV, d * bits / 16]`` and float32
+    scales for keys and values, head-major ``[L, B, KV, S]`` so that the attention kernel reads a KV
+    block's scales as one contiguous run."""
     shape = (config.num_layers, batch, length, config.num_kv_heads, config.head_dim)
     cache = jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
     if shadow_bits is None:
@@ -311,8 +317,9 @@ def init_cache(config: LlamaConfig, batch: int, length: int, dtype=jnp.float32,
         raise ValueError(f"shadow_bits must be one of {reference.KV_BITS} and pack head_dim {config.head_dim} "
                          f"into 16-bit words, got {shadow_bits!r}")
     words = (*shape[:-1], config.head_dim * shadow_bits // 16)
+    scales = (*shape[:2], shape[3], shape[2])
     return (*cache, jnp.zeros(words, jnp.int16), jnp.zeros(words, jnp.int16),
-            jnp.zeros(shape[:-1], jnp.float32), jnp.zeros(shape[:-1], jnp.float32))
+            jnp.zeros(scales, jnp.float32), jnp.zeros(scales, jnp.float32))
 
 
 def sync_shadow(cache: KVCache, positions: jax.Array) -> KVCache:
@@ -322,11 +329,14 @@ def sync_shadow(cache: KVCache, positions: jax.Array) -> KVCache:
     if len(cache) == 2:
         return cache
     k, v = cache[:2]
-    bits = 16 * cache[2].shape[-1] // k.shape[-1]
+    bits = reference.kv_shadow_bits(cache[2].shape[-1], k.shape[-1])
     rows = jnp.arange(k.shape[1])[:, None]
-    new = [reference.quantize_kv(a[:, rows, positions], bits) for a in (k, v)]  # gathers clip; the writes drop
-    return (k, v, *(a.at[:, rows, positions].set(n, mode="drop") for a, n in zip(cache[2:], (
-        new[0][0], new[1][0], new[0][1], new[1][1]))))
+    (kw, ks), (vw, vs) = (reference.quantize_kv(a[:, rows, positions], bits) for a in (k, v))  # gathers clip
+    words = [a.at[:, rows, positions].set(n, mode="drop") for a, n in zip(cache[2:4], (kw, vw))]
+    # scales [L, B, T, KV] into [L, B, KV, S]: the indexed dims (B, T) lead the update, then (L, KV)
+    scales = [a.at[:, rows, :, positions].set(jnp.transpose(n, (1, 2, 0, 3)), mode="drop")
+              for a, n in zip(cache[4:], (ks, vs))]
+    return (k, v, *words, *scales)
 
 
 def forward(params: dict[str, Any], config: LlamaConfig, tokens: jax.Array, positions: jax.Array,

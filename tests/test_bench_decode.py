@@ -110,6 +110,31 @@ def test_decode_bench_compiles_the_next_configuration_ahead(tmp_path):
     assert (tmp_path / "decode.md").read_text().count("s waiting for compiles and") == 2
 
 
+def test_decode_bench_out_of_memory_skips_the_configuration(tmp_path, monkeypatch):
+    """A configuration that runs out of GPU memory is recorded as skipped and the next one still
+    runs; another runtime error still stops the run."""
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"source": "constant test trace", "w4a8": {"1": [[0, 1]]}}))
+    real = decode.run_config
+
+    def oom_at_batch_2(c, *a, **k):
+        if c.res["batch"] == 2:
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 32.50GiB")
+        return real(c, *a, **k)
+
+    monkeypatch.setattr(decode, "run_config", oom_at_batch_2)
+    common = ["--models", "smoke", "--contexts", "64", "--new", "8", "--gammas", "1", "--drafts", "w4a8",
+              "--ar", "w4a16", "--kernels", "reference", "--trace", str(trace)]
+    decode.main([*common, "--batches", "2,3", "--out", str(tmp_path / "a")])
+    res = json.loads((tmp_path / "a" / "decode.json").read_text())["results"]
+    assert [(r["batch"], r.get("skipped")) for r in res] == [(2, "out of GPU memory while timing"), (3, None)]
+    assert "batch 2," not in (tmp_path / "a" / "decode.md").read_text()
+    monkeypatch.setattr(decode, "run_config", lambda *a, **k: (_ for _ in ()).throw(
+        jax.errors.JaxRuntimeError("INTERNAL: something else")))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
+        decode.main([*common, "--batches", "2", "--out", str(tmp_path / "b")])
+
+
 def test_decode_bench_resume_and_budget(tmp_path):
     """A second call with --resume keeps the first call's configuration and runs only the new one;
     a spent --budget-s starts nothing; --rerun measures a resumed configuration again."""

@@ -182,7 +182,8 @@ def test_attention_kernel_over_kv_shadow(rng, dtype, heads, kv, d, bits):
                           for _ in range(2))
     q = jnp.asarray(rng.standard_normal((b, 8, heads, d)), dtype)
     pos = jnp.asarray(rng.integers(0, s - 8, b)[:, None] + np.arange(8)[None], jnp.int32)
-    att = jax.jit(lambda q, p: gpu_attention.decode_attention(q, kw, vw, p, scales=(ks, vs)))
+    head_major = (jnp.swapaxes(ks, -1, -2), jnp.swapaxes(vs, -1, -2))
+    att = jax.jit(lambda q, p: gpu_attention.decode_attention(q, kw, vw, p, scales=head_major))
     full = np.asarray(att(q, pos))
     k64, v64 = (np.asarray(reference.dequantize_kv(w, sc, bits), np.float64) for w, sc in ((kw, ks), (vw, vs)))
     q64, g = np.asarray(q.astype(jnp.float32), np.float64), heads // kv

@@ -269,22 +269,25 @@ def test_decode_attention_over_kv_shadow(rng, bits, d):
     b, s, kv, heads, t = 2, 96, 2, 6, 4
     k, v = (jnp.asarray(rng.standard_normal((b, s, kv, d)), jnp.float32) for _ in range(2))
     (kw, ks), (vw, vs) = ref.quantize_kv(k, bits), ref.quantize_kv(v, bits)
+    hm = lambda sc: jnp.swapaxes(sc, -1, -2)  # noqa: E731  (the kernel takes the scales head-major)
     q = jnp.asarray(rng.standard_normal((b, t, heads, d)), jnp.float32)
     pos = jnp.asarray(np.array([5, 70])[:, None] + np.arange(t)[None], jnp.int32)
     run = functools.partial(gpu_attention.decode_attention, block_s=16, splits=2, interpret=True)
-    full = np.asarray(run(q, kw, vw, pos, scales=(ks, vs)))
+    full = np.asarray(run(q, kw, vw, pos, scales=(hm(ks), hm(vs))))
     kd, vd = ref.dequantize_kv(kw, ks, bits), ref.dequantize_kv(vw, vs, bits)
     want = _attention64(q, kd, vd, pos)  # the kernel rounds queries and probabilities to float16
     assert np.linalg.norm(full - want) / np.linalg.norm(want) < 1e-3
-    np.testing.assert_array_equal(np.asarray(run(q[:, :1], kw, vw, pos[:, :1], scales=(ks, vs))), full[:, :1])
-    stack = [jnp.stack([jnp.zeros_like(a), a]) for a in (kw, vw, ks, vs)]
+    np.testing.assert_array_equal(np.asarray(run(q[:, :1], kw, vw, pos[:, :1], scales=(hm(ks), hm(vs)))), full[:, :1])
+    stack = [jnp.stack([jnp.zeros_like(a), a]) for a in (kw, vw, hm(ks), hm(vs))]
     np.testing.assert_array_equal(np.asarray(run(q, *stack[:2], pos, scales=tuple(stack[2:]), layer=jnp.int32(1))), full)
     with pytest.raises(ValueError, match="scales"):
         run(q, kw, vw, pos)
     with pytest.raises(ValueError, match="float32"):
-        run(q, kw, vw, pos, scales=(ks.astype(jnp.bfloat16), vs))
+        run(q, kw, vw, pos, scales=(hm(ks).astype(jnp.bfloat16), hm(vs)))
+    with pytest.raises(ValueError, match="head-major"):
+        run(q, kw, vw, pos, scales=(ks, vs))
     with pytest.raises(ValueError, match="words per head"):
-        run(q, kw[..., :-1], vw[..., :-1], pos, scales=(ks, vs))
+        run(q, kw[..., :-1], vw[..., :-1], pos, scales=(hm(ks), hm(vs)))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

@@ -345,7 +345,7 @@ def test_kv_shadow_follows_the_cache_and_alone_feeds_the_drafts(rng, bits):
         for full, words, scales in ((k, shadow[0], shadow[2]), (v, shadow[1], shadow[3])):
             want_w, want_s = ref_quantize_kv(full[:, b, :n - 1], bits)
             np.testing.assert_array_equal(np.asarray(words[:, b, :n - 1]), np.asarray(want_w))
-            np.testing.assert_array_equal(np.asarray(scales[:, b, :n - 1]), np.asarray(want_s))
+            np.testing.assert_array_equal(np.asarray(scales[:, b, :, :n - 1]), np.swapaxes(np.asarray(want_s), 1, 2))
     tok = jnp.asarray(np.asarray(state.tokens)[np.arange(2), np.asarray(state.lengths) - 1][:, None])
     pos = (state.lengths - 1)[:, None]
     draft = jax.jit(lambda c: rt.run(params, tok, pos, c, "w4a8", read_shadow=True)[0])
