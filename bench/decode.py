@@ -63,7 +63,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from pallas_kernels.layout import QuantizedWeight, dequantize  # noqa: E402
-from qspec_jax.api import CACHE_MULTIPLE, load  # noqa: E402
+from pallas_kernels.reference import KV_BITS  # noqa: E402
+from qspec_jax.api import CACHE_MULTIPLE, DRAFTS, load  # noqa: E402
 from qspec_jax.config import LlamaConfig  # noqa: E402
 from qspec_jax.decode import DecodeState, Runtime, ar_loop  # noqa: E402
 from qspec_jax.model import init_cache, unstack_layers  # noqa: E402
@@ -138,13 +139,14 @@ def kv_bytes(cfg: LlamaConfig, batch: int, slots: int) -> int:
     return 2 * cfg.num_layers * batch * slots * cfg.num_kv_heads * cfg.head_dim * 2
 
 
-def parse_draft(spec: str) -> tuple[str, int | None]:
+def parse_draft(spec: str, modes: tuple[str, ...] = DRAFTS) -> tuple[str, int | None]:
     """A ``--drafts`` entry, ``MODE`` or ``MODE/kvBITS`` (the drafts read an INT8 / INT4 KV shadow):
-    ``(mode, bits or None)``."""
+    ``(mode, bits or None)``; ``modes``: the modes allowed."""
     mode, slash, kv = spec.partition("/")
     bits = int(kv[2:]) if kv.startswith("kv") and kv[2:].isdigit() else None
-    if mode not in ("w4a8", "w4a4") or (slash and bits not in (8, 4)):
-        raise ValueError(f"unknown draft {spec!r}: expected w4a8 or w4a4, optionally followed by /kv8 or /kv4")
+    if mode not in modes or (slash and bits not in KV_BITS):
+        raise ValueError(f"unknown draft {spec!r}: expected one of {', '.join(modes)}, optionally followed by "
+                         f"{' or '.join(f'/kv{b}' for b in KV_BITS)}")
     return mode, bits
 
 
@@ -342,7 +344,8 @@ def plan_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None,
     ahead = args.new // 2  # the phases are timed at the loops' mean context, where the floors are counted
     carry = lambda t, bits=None: jax.eval_shape(lambda: forward_carry(makes[bits](), t, ahead))  # noqa: E731
     prompt = res.get("prompt_tokens", context)  # the real prompts fill the context only up to a shot
-    res["floor_ms_per_step"] = 1e3 * (weight_bytes(params) + kv_bytes(cfg, batch, round(prompt) + ahead)) / bw
+    res["weight_bytes"], res["kv_read_bytes"] = weight_bytes(params), kv_bytes(cfg, batch, round(prompt) + ahead)
+    res["floor_ms_per_step"] = 1e3 * (res["weight_bytes"] + res["kv_read_bytes"]) / bw
     res["phase_context"] = round(prompt) + ahead  # where forward_ms times the phases
     res["copy_bw"] = bw
     res["cache_bytes"] = sum(a.size * a.dtype.itemsize for a in state.cache)
@@ -354,16 +357,17 @@ def plan_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None,
         jobs["ar", method] = (jax.jit(lambda q, s, rt_m=rt_m, method=method: ar_loop(q, s, rt=rt_m, mode=method),
                                       donate_argnums=1), (p, state))
     if args.drafts and ("ar", "w4a16") in jobs:
-        jobs["fwd", "w4a16", 1] = (forward_loop(rt, "w4a16", FORWARD_REPS), (params, carry(1)))
+        jobs["fwd", "w4a16", 1, None] = (forward_loop(rt, "w4a16", FORWARD_REPS), (params, carry(1)))
     for draft in args.drafts:
         mode, bits = parse_draft(draft)
         rt_d, state_d = dataclasses.replace(rt, draft_kv=bits), jax.eval_shape(makes[bits])
-        jobs["fwd", draft, 1] = (forward_loop(rt_d, mode, FORWARD_REPS, bits is not None), (params, carry(1, bits)))
+        jobs["fwd", mode, 1, bits] = (forward_loop(rt_d, mode, FORWARD_REPS, bits is not None), (params, carry(1, bits)))
         for g in args.gammas:
             replay = None if trace is None else jnp.asarray(trace[draft][str(g)], jnp.int32)
             jobs["qspec", draft, g] = (jax.jit(lambda q, s, g=g, mode=mode, rt_d=rt_d, replay=replay: qspec_loop(
                 q, s, rt=rt_d, gamma=g, draft_mode=mode, replay=replay), donate_argnums=1), (params, state_d))
-            jobs["fwd", "w4a16", g + 1] = (forward_loop(rt, "w4a16", FORWARD_REPS), (params, carry(g + 1)))
+            # the verify on the draft's state: with a shadow, its re-quantization (sync_shadow) included
+            jobs["fwd", "w4a16", g + 1, bits] = (forward_loop(rt_d, "w4a16", FORWARD_REPS), (params, carry(g + 1, bits)))
     return Config(res, rt, makes, jobs, ahead)
 
 
@@ -383,13 +387,15 @@ def run_config(c: Config, compiled: dict, params: dict, fparams: dict | None, ar
     floor_ms = res["floor_ms_per_step"]
     flops = matmul_flops_per_token(c.rt.config)
 
-    def phase_floor_ms(tokens: int, mma: str) -> float:
-        """The larger of the byte floor and ``tokens`` tokens' matmul FLOPs at the measured rate."""
-        return max(floor_ms, 1e3 * tokens * flops / rates[mma])
+    def phase_floor_ms(tokens: int, mma: str, kv_bits: int | None = None) -> float:
+        """The larger of the byte floor (the KV read from a ``kv_bits`` shadow: codes and a float32
+        scale per key / value vector) and ``tokens`` tokens' matmul FLOPs at the measured rate."""
+        kv = res["kv_read_bytes"] * (1 if kv_bits is None else kv_bits / 16 + 2 / c.rt.config.head_dim)
+        return max(1e3 * (res["weight_bytes"] + kv) / res["copy_bw"], 1e3 * tokens * flops / rates[mma])
 
     def forward_ms(mode: str, tokens: int, bits: int | None = None) -> float:
         carry = forward_carry(c.makes[bits](), tokens, ahead)
-        return time_forward(compiled["fwd", mode, tokens], params, carry, FORWARD_REPS)
+        return time_forward(compiled["fwd", mode, tokens, bits], params, carry, FORWARD_REPS)
 
     for method in _ar_methods(args, fparams):
         # [0]: the loop's final state is dropped at once (held in a variable, a 70 GB cache would
@@ -401,21 +407,21 @@ def run_config(c: Config, compiled: dict, params: dict, fparams: dict | None, ar
         log(f"  {method}: {res['methods'][method]['ms_per_step']:.2f} ms/step, "
             f"{res['methods'][method]['tokens_per_s']:.0f} tok/s (floor {floor_ms:.2f} ms/step)")
     base = res["methods"].get("w4a16", {}).get("ms_per_step")
-    t_target = forward_ms("w4a16", 1) if ("fwd", "w4a16", 1) in compiled else None
+    t_target = forward_ms("w4a16", 1) if ("fwd", "w4a16", 1, None) in compiled else None
     for draft in args.drafts:
-        bits = parse_draft(draft)[1]
-        t_draft = forward_ms(draft, 1, bits)
+        mode, bits = parse_draft(draft)
+        t_draft = forward_ms(mode, 1, bits)
         for g in args.gammas:
             secs, out = time_loop(compiled["qspec", draft, g], params, c.makes[bits], args.new, args.reps)
             rounds = float(np.asarray(out.rounds).mean())
             del out  # its cache: the forward timings below make states of their own
             t_round = 1e3 * secs / rounds
-            t_verify = forward_ms("w4a16", g + 1)
+            t_verify = forward_ms("w4a16", g + 1, bits)
             overhead = t_round - g * t_draft - t_verify
             tpr = args.new / rounds
             entry = {"tokens_per_s": batch * args.new / secs, "ms_per_round": t_round, "tokens_per_round": tpr,
                      "draft_ms": t_draft, "verify_ms": t_verify, "overhead_ms": overhead,
-                     "draft_floor_ms": phase_floor_ms(batch, "int8"),
+                     "draft_floor_ms": phase_floor_ms(batch, "int8", bits),
                      "verify_floor_ms": phase_floor_ms(batch * (g + 1), "bf16"),
                      "memory_bytes": loop_memory_bytes(compiled["qspec", draft, g])}
             if base and t_target:

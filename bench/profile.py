@@ -27,8 +27,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from bench.decode import MODELS, forward_carry, forward_loop, fresh_state, random_params
-from pallas_kernels.reference import KV_BITS, MODES
+from bench.decode import MODELS, forward_carry, forward_loop, fresh_state, parse_draft, random_params
+from pallas_kernels.reference import MODES
 from qspec_jax.decode import Runtime
 from qspec_jax.sampling import Sampling
 
@@ -110,9 +110,11 @@ def main(argv: list[str] | None = None) -> None:
     runs = []
     for item in args.runs.split(","):
         spec, _, tokens = item.partition(":")
-        mode, slash, kv = spec.partition("/")
-        bits = int(kv[2:]) if kv.startswith("kv") and kv[2:].isdigit() else None
-        if not tokens.isdigit() or int(tokens) < 1 or mode not in MODES or (slash and bits not in KV_BITS):
+        try:
+            mode, bits = parse_draft(spec, MODES)
+        except ValueError as e:
+            ap.error(f"--runs: {e}")
+        if not tokens.isdigit() or int(tokens) < 1:
             ap.error(f"--runs: expected mode[/kv8|/kv4]:tokens, got {item!r}")
         runs.append((spec, mode, bits, int(tokens)))
     cfg = MODELS[args.model]

@@ -67,7 +67,11 @@ def quantize_kv(x: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]:
 
 def kv_shadow_bits(words_per_head: int, head_dim: int) -> int:
     """The code width of a shadow holding ``words_per_head`` int16 words per ``head_dim`` vector."""
-    return 16 * words_per_head // head_dim
+    for bits in KV_BITS:
+        if words_per_head * 16 == head_dim * bits:
+            return bits
+    raise ValueError(f"{words_per_head} int16 words per head do not hold {head_dim} codes of "
+                     f"{' or '.join(map(str, KV_BITS))} bits")
 
 
 def kv_planes(words: jax.Array, bits: int) -> list[jax.Array]:

@@ -117,7 +117,8 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
         raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
     if draft not in DRAFTS:
         raise ValueError(f"unknown draft precision {draft!r}; expected one of {DRAFTS}")
-    if draft_kv is not None and (method != "qspec" or draft_kv not in reference.KV_BITS):
+    if draft_kv is not None and (method != "qspec" or isinstance(draft_kv, bool)
+                                 or not isinstance(draft_kv, (int, np.integer)) or draft_kv not in reference.KV_BITS):
         raise ValueError(f"draft_kv must be None or one of {reference.KV_BITS}, with method 'qspec'; got "
                          f"draft_kv={draft_kv!r} with method {method!r}")
     if isinstance(gamma, bool) or not isinstance(gamma, (int, np.integer)) or gamma < 1:

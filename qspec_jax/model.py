@@ -179,13 +179,25 @@ def _write_kv(cache: tuple[Layer, ...], k: jax.Array, v: jax.Array, positions: j
 
     if not read_shadow:
         return (*(put(c, new) for c, new in zip(full, (k, v))), *shadow)
-    bits = reference.kv_shadow_bits(shadow[0].stacked.shape[-1], k.shape[-1])
-    (kw, ks), (vw, vs) = (reference.quantize_kv(new.astype(c.stacked.dtype), bits) for c, new in zip(full, (k, v)))
+    k, v = (new.astype(c.stacked.dtype) for c, new in zip(full, (k, v)))  # the values the pair would hold
+    stored = _store_shadow(tuple(c.stacked for c in shadow), shadow[0].index, rows, positions, k, v)
+    return (*full, *(Layer(a, shadow[0].index) for a in stored))
 
-    def put_scales(sc: Layer, new: jax.Array) -> Layer:  # [B, T, KV] into the head-major [L, B, KV, S]
-        return Layer(sc.stacked.at[sc.index, rows, :, positions].set(new, mode="drop"), sc.index)
 
-    return (*full, put(shadow[0], kw), put(shadow[1], vw), put_scales(shadow[2], ks), put_scales(shadow[3], vs))
+def _store_shadow(shadow: tuple[jax.Array, ...], layer, rows: jax.Array, positions: jax.Array, k: jax.Array,
+                  v: jax.Array) -> tuple[jax.Array, ...]:
+    """Quantize keys and values and store them in the shadow stacks at ``[layer, rows, positions]``:
+    ``k, v [B, T, KV, d]`` of one layer (``layer`` an index), or ``[L, B, T, KV, d]`` of all layers
+    (``layer`` None). Positions past the cache are dropped. The one place the shadow is written."""
+    bits = reference.kv_shadow_bits(shadow[0].shape[-1], k.shape[-1])
+    (kw, ks), (vw, vs) = reference.quantize_kv(k, bits), reference.quantize_kv(v, bits)
+    if layer is None:  # the indexed dims (B, T) lead a scatter's update when a slice splits them
+        words_at, scales_at = (slice(None), rows, positions), (slice(None), rows, slice(None), positions)
+        ks, vs = (jnp.transpose(sc, (1, 2, 0, 3)) for sc in (ks, vs))  # [L, B, T, KV] -> [B, T, L, KV]
+    else:
+        words_at, scales_at = (layer, rows, positions), (layer, rows, slice(None), positions)
+    return (*(a.at[words_at].set(n, mode="drop") for a, n in zip(shadow[:2], (kw, vw))),
+            *(a.at[scales_at].set(n, mode="drop") for a, n in zip(shadow[2:], (ks, vs))))
 
 
 class MLP(_Block):
@@ -322,21 +334,27 @@ def init_cache(config: LlamaConfig, batch: int, length: int, dtype=jnp.float32,
             jnp.zeros(scales, jnp.float32), jnp.zeros(scales, jnp.float32))
 
 
+SYNC_LAYERS_AT_ONCE = 4096  # sync_shadow re-quantizes all layers at once up to this many (row, position) slots
+
+
 def sync_shadow(cache: KVCache, positions: jax.Array) -> KVCache:
     """Re-quantize the shadow's slots ``positions[B, T]`` from the float pair (positions past the
     cache are skipped; a cache without a shadow is returned as it is): afterwards those slots hold
-    ``quantize_kv`` of what the pair holds, whatever a draft wrote there before."""
+    ``quantize_kv`` of what the pair holds, whatever a draft wrote there before. Decode-time calls
+    (few slots) do all layers in one step; a prefill goes layer by layer, so its float32 temporaries
+    stay one layer's."""
     if len(cache) == 2:
         return cache
     k, v = cache[:2]
-    bits = reference.kv_shadow_bits(cache[2].shape[-1], k.shape[-1])
     rows = jnp.arange(k.shape[1])[:, None]
-    (kw, ks), (vw, vs) = (reference.quantize_kv(a[:, rows, positions], bits) for a in (k, v))  # gathers clip
-    words = [a.at[:, rows, positions].set(n, mode="drop") for a, n in zip(cache[2:4], (kw, vw))]
-    # scales [L, B, T, KV] into [L, B, KV, S]: the indexed dims (B, T) lead the update, then (L, KV)
-    scales = [a.at[:, rows, :, positions].set(jnp.transpose(n, (1, 2, 0, 3)), mode="drop")
-              for a, n in zip(cache[4:], (ks, vs))]
-    return (k, v, *words, *scales)
+    if positions.size <= SYNC_LAYERS_AT_ONCE:  # gathers clip past the cache; those writes drop
+        return (k, v, *_store_shadow(cache[2:], None, rows, positions, k[:, rows, positions], v[:, rows, positions]))
+
+    def one_layer(i, shadow):
+        kl, vl = (jax.lax.dynamic_index_in_dim(a, i, keepdims=False)[rows, positions] for a in (k, v))
+        return _store_shadow(shadow, i, rows, positions, kl, vl)
+
+    return (k, v, *jax.lax.fori_loop(0, k.shape[0], one_layer, tuple(cache[2:])))
 
 
 def forward(params: dict[str, Any], config: LlamaConfig, tokens: jax.Array, positions: jax.Array,

@@ -29,6 +29,7 @@ def test_decode_bench_smoke(tmp_path):
     assert abs(q["tokens_per_round"] - 16 / 6) < 1e-9  # 2 accepted + 1 per round: 16 tokens in 6 rounds
     shadow = res["methods"]["qspec w4a8/kv4 g=3"]  # its own trace: 1 accepted + 1 per round
     assert shadow["tokens_per_round"] == 2 and shadow["memory_bytes"] > q["memory_bytes"]  # the shadow's bytes
+    assert shadow["draft_floor_ms"] <= q["draft_floor_ms"]  # a shadow draft reads fewer KV bytes
     # phase floors: the byte floor, or the phase's matmul FLOPs at the rate measured in the run
     cfg = decode.MODELS["smoke"]
     params = decode.random_params(cfg, jax.random.key(0))  # 2 FLOPs per weight element of every matmul

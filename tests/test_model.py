@@ -9,11 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.conftest import random_source, tiny_variant
+from tests.conftest import TINY, random_source, tiny_variant
 from convert.pipeline import convert_model
 from convert.quantize import QuantScheme
 from pallas_kernels.layout import QuantizedWeight, dequantize
-from qspec_jax.model import Linear, Llama, forward, init_cache, unstack_layers
+import qspec_jax.model as model_mod
+from pallas_kernels.reference import quantize_kv as ref_quantize_kv
+from qspec_jax.model import Linear, Llama, forward, init_cache, sync_shadow, unstack_layers
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 64}
@@ -271,3 +273,39 @@ def test_unknown_mode_raises(rng):
     tokens, positions = random_batch(cfg, rng, 1, 3)
     with pytest.raises(ValueError, match="unknown mode"):
         Llama(cfg, "w3a3").init(jax.random.key(0), tokens, positions)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_sync_shadow_requantizes_exactly_the_given_slots(rng, monkeypatch, bits):
+    """sync_shadow, all layers at once (decode) and layer by layer (prefill), against quantize_kv of
+    the float pair, bitwise: the given slots hold it, a position past the cache is dropped, every
+    other slot keeps what it held; a cache without a shadow is returned as it is."""
+    cfg = TINY
+    b, s = 3, 16
+    cache = init_cache(cfg, b, s, jnp.float32, shadow_bits=bits)
+    k, v = (jnp.asarray(rng.standard_normal(cache[0].shape), jnp.float32) for _ in range(2))
+    junk = tuple(jnp.asarray(rng.integers(-2**15, 2**15, a.shape), a.dtype) if a.dtype == jnp.int16
+                 else jnp.asarray(rng.standard_normal(a.shape), a.dtype) for a in cache[2:])
+    positions = jnp.asarray([[0, 5, 15], [3, 4, 16], [7, 9, 2]], jnp.int32)  # 16: past the cache
+    outs = []
+    for at_once in (10**6, 0):
+        monkeypatch.setattr(model_mod, "SYNC_LAYERS_AT_ONCE", at_once)
+        outs.append([np.asarray(a) for a in sync_shadow((k, v, *junk), positions)])
+    for a, c in zip(*outs):
+        np.testing.assert_array_equal(a, c)
+    got = outs[0]
+    (kw, ks), (vw, vs) = ref_quantize_kv(k, bits), ref_quantize_kv(v, bits)
+    hit = np.zeros((b, s), bool)
+    for i in range(b):
+        for p in np.asarray(positions[i]):
+            if p < s:
+                hit[i, p] = True
+    for stored, want, old in zip(got[2:4], (kw, vw), junk[:2]):
+        np.testing.assert_array_equal(stored[:, hit], np.asarray(want)[:, hit])
+        np.testing.assert_array_equal(stored[:, ~hit], np.asarray(old)[:, ~hit])
+    for stored, want, old in zip(got[4:], (ks, vs), junk[2:]):  # head-major [L, B, KV, S]
+        stored, old = np.swapaxes(stored, 2, 3), np.swapaxes(np.asarray(old), 2, 3)
+        np.testing.assert_array_equal(stored[:, hit], np.asarray(want)[:, hit])
+        np.testing.assert_array_equal(stored[:, ~hit], old[:, ~hit])
+    assert sync_shadow((k, v), positions)[0] is k
+

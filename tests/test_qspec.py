@@ -383,7 +383,7 @@ def test_invalid_requests_raise(tiny_model):
         generate(tiny_model, ok, max_new_tokens=4, method="w8a8")
     with pytest.raises(ValueError, match="unknown draft"):
         generate(tiny_model, ok, max_new_tokens=4, draft="w4a16")
-    for method, kv in (("qspec", 2), ("qspec", 16), ("w4a16", 8)):
+    for method, kv in (("qspec", 2), ("qspec", 16), ("qspec", 8.0), ("qspec", True), ("w4a16", 8)):
         with pytest.raises(ValueError, match="draft_kv"):
             generate(tiny_model, ok, max_new_tokens=4, method=method, draft_kv=kv)
     for bad in ([3, TINY.vocab_size], [-1, 3]):
