@@ -106,7 +106,8 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
     ``qspec`` drafts ``gamma`` tokens per round in ``draft`` precision and verifies them in W4A16;
     the other methods decode autoregressively in that mode. ``draft_kv`` (8 or 4, ``qspec`` only):
     the drafts attend over an INT8 / INT4 copy of the KV cache kept beside it, reading fewer bytes
-    per draft step; the verifier still reads only its own float cache, so the output is unchanged. Prefill runs in W4A16 (W16A16 for
+    per draft step; the verifier still reads only its own float cache, so the output is unchanged.
+    Prefill runs in W4A16 (W16A16 for
     ``w16a16``). ``max_len`` bounds prompt + new tokens (default: the model's max positions).
     ``eos_token_id`` defaults to the tokenizer's (or config's) EOS; ``-1`` never stops on a token.
     ``kernels`` picks the Pallas GPU kernels or the jnp references (:mod:`qspec_jax.kernels`;
