@@ -22,9 +22,11 @@ per round (QSPEC), and the ratio to W4A16 AR measured in the same run. QSPEC's a
 (``--record-trace``; every draft step and verify pass still runs, only the accept decision is
 replayed): random weights would accept nothing. A draft ``MODE/kvBITS`` reads an INT8 / INT4 shadow
 of the KV cache (``generate(draft_kv=...)``; its trace recorded with that shadow). Phases: one draft step (1 token per sequence, draft
-mode) and one verify pass (gamma + 1 tokens, W4A16) timed alone, the rest of a round is overhead;
-the speed-up model of DESIGN.md §2, ``S = E[L] * T_w4a16 / (gamma * T_draft + T_verify +
-T_overhead)`` with E[L] the measured tokens per round, next to the measured speed-up. Floor per
+mode) and one verify pass (gamma + 1 tokens, W4A16) timed alone, the rest of a round (one iteration
+of the batch's loop) is overhead; the speed-up model of DESIGN.md §2, ``S = E[L] * T_w4a16 /
+(gamma * T_draft + T_verify + T_overhead)`` with E[L] the measured tokens per round (the sequences'
+mean), next to the measured speed-up. The loop runs until its slowest sequence is done: the batch
+tail, iterations / the sequences' mean rounds, is what separates the two (measured ≈ S / tail). Floor per
 step: the bytes one W4A16 step must move (packed weights + scales + bf16 lm_head + the KV cache
 read) over the copy bandwidth measured in the same run. Phase floors: a draft step or verify pass
 cannot beat the larger of that byte floor and its matmul FLOPs (2 x the matmul weights per token,
@@ -413,13 +415,16 @@ def run_config(c: Config, compiled: dict, params: dict, fparams: dict | None, ar
         t_draft = forward_ms(mode, 1, bits)
         for g in args.gammas:
             secs, out = time_loop(compiled["qspec", draft, g], params, c.makes[bits], args.new, args.reps)
-            rounds = float(np.asarray(out.rounds).mean())
+            # a sequence counts the rounds it ran in; the loop runs until its slowest sequence is done
+            rounds = np.asarray(out.rounds)
             del out  # its cache: the forward timings below make states of their own
-            t_round = 1e3 * secs / rounds
+            iterations, tail = int(rounds.max()), float(rounds.max() / rounds.mean())
+            t_round = 1e3 * secs / iterations
             t_verify = forward_ms("w4a16", g + 1, bits)
             overhead = t_round - g * t_draft - t_verify
-            tpr = args.new / rounds
+            tpr = args.new / float(rounds.mean())
             entry = {"tokens_per_s": batch * args.new / secs, "ms_per_round": t_round, "tokens_per_round": tpr,
+                     "iterations": iterations, "tail": tail,
                      "draft_ms": t_draft, "verify_ms": t_verify, "overhead_ms": overhead,
                      "draft_floor_ms": phase_floor_ms(batch, "int8", bits),
                      "verify_floor_ms": phase_floor_ms(batch * (g + 1), "bf16"),
@@ -429,7 +434,7 @@ def run_config(c: Config, compiled: dict, params: dict, fparams: dict | None, ar
                 entry["model_speedup"] = tpr * t_target / (g * t_draft + t_verify + overhead)
             res["methods"][f"qspec {draft} g={g}"] = entry
             log(f"  qspec {draft} g={g}: {t_round:.2f} ms/round ({g} x {t_draft:.2f} draft + {t_verify:.2f} verify + "
-                f"{overhead:.2f}), {tpr:.2f} tok/round, {entry['tokens_per_s']:.0f} tok/s, "
+                f"{overhead:.2f}), {tpr:.2f} tok/round, batch tail x{tail:.2f}, {entry['tokens_per_s']:.0f} tok/s, "
                 f"x{entry.get('speedup_vs_w4a16', float('nan')):.2f} vs w4a16 ({res['acceptance']} acceptance)")
     return res
 
@@ -482,7 +487,10 @@ def markdown(run: dict) -> str:
              "generated tokens of the whole batch; speed-ups are against W4A16 AR in the same run; "
              "floor = bytes one W4A16 step moves (weights + KV read at the mid context) / copy bandwidth; "
              "`x floor`: each QSPEC phase over the larger of that and its matmul FLOPs at the dense matmul rate "
-             "(bf16 for the verify, int8 for the draft)"
+             "(bf16 for the verify, int8 for the draft). A QSPEC round is one iteration of the batch's loop, which "
+             "runs until its slowest sequence is done; tokens/round is the sequences' mean; batch tail = the "
+             "loop's iterations / the sequences' mean rounds, so measured ≈ model / tail (sections "
+             "measured before session 11 divided by the mean rounds: the tail is inside their overhead)"
              + (f", measured in this call at {run['matmul_rates']['bf16'] / 1e12:.0f} TFLOP/s bf16 and "
                 f"{run['matmul_rates']['int8'] / 1e12:.0f} TOP/s int8" if "matmul_rates" in run else "") + ".", ""]
     for r in run["results"]:
@@ -496,17 +504,18 @@ def markdown(run: dict) -> str:
                   + (f"{r['phase_context']} (the loops' mean)" if "phase_context" in r else "= the prompt's end")
                   + (f"; measuring it took {r['bench_s']['compile_wait']:.0f} s waiting for compiles and "
                      f"{r['bench_s']['timing']:.0f} s of runs" if "bench_s" in r else ""), "",
-                  "| method | tok/s | ms/step or round | tokens/round | draft / verify / overhead ms | "
+                  "| method | tok/s | ms/step or round | tokens/round | batch tail | draft / verify / overhead ms | "
                   "draft / verify x floor | vs W4A16 | model | memory GB |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for m, e in r["methods"].items():
             mem = f"{e['memory_bytes'] / 1e9:.2f}" if "memory_bytes" in e else ""
             if "ms_per_step" in e:
                 ratio = r["methods"].get("w4a16", {}).get("ms_per_step", float("nan")) / e["ms_per_step"]
-                lines.append(f"| {m} | {e['tokens_per_s']:.0f} | {e['ms_per_step']:.2f} | 1 | | | {ratio:.2f}× | | {mem} |")
+                lines.append(f"| {m} | {e['tokens_per_s']:.0f} | {e['ms_per_step']:.2f} | 1 | | | | {ratio:.2f}× | | {mem} |")
             else:
+                tail = f"{e['tail']:.2f}" if "tail" in e else "(in overhead)"
                 lines.append(f"| qspec {m[6:]} ({acceptance}) | {e['tokens_per_s']:.0f} | {e['ms_per_round']:.2f} | "
-                             f"{e['tokens_per_round']:.2f} | {e['draft_ms']:.2f} / {e['verify_ms']:.2f} / "
+                             f"{e['tokens_per_round']:.2f} | {tail} | {e['draft_ms']:.2f} / {e['verify_ms']:.2f} / "
                              f"{e['overhead_ms']:.2f} | {_over_floor(e)} | {e.get('speedup_vs_w4a16', float('nan')):.2f}× | "
                              f"{e.get('model_speedup', float('nan')):.2f}× | {mem} |")
         lines.append("")

@@ -27,6 +27,7 @@ def test_decode_bench_smoke(tmp_path):
     assert set(res["methods"]) == {"w16a16", "w4a16", "w4a8", "qspec w4a8 g=3", "qspec w4a8/kv4 g=3"}
     q = res["methods"]["qspec w4a8 g=3"]
     assert abs(q["tokens_per_round"] - 16 / 6) < 1e-9  # 2 accepted + 1 per round: 16 tokens in 6 rounds
+    assert q["iterations"] == 6 and q["tail"] == 1.0  # every sequence the same: no batch tail
     shadow = res["methods"]["qspec w4a8/kv4 g=3"]  # its own trace: 1 accepted + 1 per round
     assert shadow["tokens_per_round"] == 2 and shadow["memory_bytes"] > q["memory_bytes"]  # the shadow's bytes
     assert shadow["draft_floor_ms"] <= q["draft_floor_ms"]  # a shadow draft reads fewer KV bytes
@@ -105,7 +106,13 @@ def test_decode_bench_compiles_the_next_configuration_ahead(tmp_path):
         assert r["phase_context"] == r["context"] + 4
         assert set(r["methods"]) == {"w4a16", "qspec w4a8 g=1"}
         # the sequences accept 1, 0, 1 drafts per round: 8 tokens in 4, 8, 4 rounds, 16 / 3 on average
-        assert abs(r["methods"]["qspec w4a8 g=1"]["tokens_per_round"] - 8 / (16 / 3)) < 1e-9
+        q = r["methods"]["qspec w4a8 g=1"]
+        assert abs(q["tokens_per_round"] - 8 / (16 / 3)) < 1e-9
+        # the loop ran 8 iterations (the slowest sequence's rounds): a round's time is the loop's / 8
+        assert q["iterations"] == 8 and abs(q["tail"] - 8 / (16 / 3)) < 1e-9
+        loop_ms = 1e3 * 3 * 8 / q["tokens_per_s"]
+        assert abs(q["ms_per_round"] - loop_ms / 8) < 1e-9 * loop_ms
+        assert abs(q["overhead_ms"] - (q["ms_per_round"] - q["draft_ms"] - q["verify_ms"])) < 1e-9 * loop_ms
     assert res[1]["cache_bytes"] > res[0]["cache_bytes"]  # the longer context's own state
     assert all(r["bench_s"]["compile_wait"] >= 0 and r["bench_s"]["timing"] > 0 for r in res)
     assert (tmp_path / "decode.md").read_text().count("s waiting for compiles and") == 2
