@@ -487,12 +487,13 @@ def markdown(run: dict) -> str:
              "generated tokens of the whole batch; speed-ups are against W4A16 AR in the same run; "
              "floor = bytes one W4A16 step moves (weights + KV read at the mid context) / copy bandwidth; "
              "`x floor`: each QSPEC phase over the larger of that and its matmul FLOPs at the dense matmul rate "
-             "(bf16 for the verify, int8 for the draft). A QSPEC round is one iteration of the batch's loop, which "
-             "runs until its slowest sequence is done; tokens/round is the sequences' mean; batch tail = the "
-             "loop's iterations / the sequences' mean rounds, so measured ≈ model / tail (sections "
-             "measured before session 11 divided by the mean rounds: the tail is inside their overhead)"
+             "(bf16 for the verify, int8 for the draft)"
              + (f", measured in this call at {run['matmul_rates']['bf16'] / 1e12:.0f} TFLOP/s bf16 and "
-                f"{run['matmul_rates']['int8'] / 1e12:.0f} TOP/s int8" if "matmul_rates" in run else "") + ".", ""]
+                f"{run['matmul_rates']['int8'] / 1e12:.0f} TOP/s int8" if "matmul_rates" in run else "")
+             + ". A QSPEC round is one iteration of the batch's loop, which runs until its slowest sequence is "
+             "done; tokens/round is the sequences' mean; batch tail = the loop's iterations / the sequences' "
+             "mean rounds, so measured ≈ model / tail (sections measured before session 11 divided by the mean "
+             "rounds: the tail is inside their overhead).", ""]
     for r in run["results"]:
         acceptance = r.get("acceptance", "replayed")
         prompt = f"; prompts of {r['prompt_tokens']:.0f} tokens on average" if "prompt_tokens" in r else ""
