@@ -26,7 +26,9 @@ mode) and one verify pass (gamma + 1 tokens, W4A16) timed alone, the rest of a r
 of the batch's loop) is overhead; the speed-up model of DESIGN.md §2, ``S = E[L] * T_w4a16 /
 (gamma * T_draft + T_verify + T_overhead)`` with E[L] the measured tokens per round (the sequences'
 mean), next to the measured speed-up. The loop runs until its slowest sequence is done: the batch
-tail, iterations / the sequences' mean rounds, is what separates the two (measured ≈ S / tail). Floor per
+tail, iterations / the sequences' mean rounds, is what separates the two (measured ≈ S / tail).
+Beside it the same model fed with the measured acceptance rate alpha instead, E[L] = (1 -
+alpha**(gamma+1)) / (1 - alpha): DESIGN.md's formula as written, which assumes independent accepts. Floor per
 step: the bytes one W4A16 step must move (packed weights + scales + bf16 lm_head + the KV cache
 read) over the copy bandwidth measured in the same run. Phase floors: a draft step or verify pass
 cannot beat the larger of that byte floor and its matmul FLOPs (2 x the matmul weights per token,
@@ -150,6 +152,12 @@ def parse_draft(spec: str, modes: tuple[str, ...] = DRAFTS) -> tuple[str, int | 
         raise ValueError(f"unknown draft {spec!r}: expected one of {', '.join(modes)}, optionally followed by "
                          f"{' or '.join(f'/kv{b}' for b in KV_BITS)}")
     return mode, bits
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """DESIGN.md §2's ``E[L] = (1 - alpha**(gamma+1)) / (1 - alpha)``: tokens per round when each
+    draft is accepted independently with probability ``alpha``."""
+    return float(gamma + 1) if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
 
 
 def fresh_state(cfg: LlamaConfig, batch: int, context: int, new: int, gamma: int, seed: int,
@@ -417,6 +425,7 @@ def run_config(c: Config, compiled: dict, params: dict, fparams: dict | None, ar
             secs, out = time_loop(compiled["qspec", draft, g], params, c.makes[bits], args.new, args.reps)
             # a sequence counts the rounds it ran in; the loop runs until its slowest sequence is done
             rounds = np.asarray(out.rounds)
+            alpha = int(np.asarray(out.accepted).sum()) / max(int(np.asarray(out.drafted).sum()), 1)
             del out  # its cache: the forward timings below make states of their own
             iterations, tail = int(rounds.max()), float(rounds.max() / rounds.mean())
             t_round = 1e3 * secs / iterations
@@ -424,7 +433,7 @@ def run_config(c: Config, compiled: dict, params: dict, fparams: dict | None, ar
             overhead = t_round - g * t_draft - t_verify
             tpr = args.new / float(rounds.mean())
             entry = {"tokens_per_s": batch * args.new / secs, "ms_per_round": t_round, "tokens_per_round": tpr,
-                     "iterations": iterations, "tail": tail,
+                     "iterations": iterations, "tail": tail, "alpha": alpha,
                      "draft_ms": t_draft, "verify_ms": t_verify, "overhead_ms": overhead,
                      "draft_floor_ms": phase_floor_ms(batch, "int8", bits),
                      "verify_floor_ms": phase_floor_ms(batch * (g + 1), "bf16"),
@@ -432,6 +441,7 @@ def run_config(c: Config, compiled: dict, params: dict, fparams: dict | None, ar
             if base and t_target:
                 entry["speedup_vs_w4a16"] = base * args.new / (1e3 * secs)
                 entry["model_speedup"] = tpr * t_target / (g * t_draft + t_verify + overhead)
+                entry["model_speedup_alpha"] = expected_tokens(alpha, g) * t_target / (g * t_draft + t_verify + overhead)
             res["methods"][f"qspec {draft} g={g}"] = entry
             log(f"  qspec {draft} g={g}: {t_round:.2f} ms/round ({g} x {t_draft:.2f} draft + {t_verify:.2f} verify + "
                 f"{overhead:.2f}), {tpr:.2f} tok/round, batch tail x{tail:.2f}, {entry['tokens_per_s']:.0f} tok/s, "
@@ -493,7 +503,9 @@ def markdown(run: dict) -> str:
              + ". A QSPEC round is one iteration of the batch's loop, which runs until its slowest sequence is "
              "done; tokens/round is the sequences' mean; batch tail = the loop's iterations / the sequences' "
              "mean rounds, so measured ≈ model / tail (sections measured before session 11 divided by the mean "
-             "rounds: the tail is inside their overhead).", ""]
+             "rounds: the tail is inside their overhead). α: the fraction of drafts accepted; model (α): DESIGN.md "
+             "§2's model with E[L] = (1 - α^(γ+1)) / (1 - α), as if each draft were accepted independently, "
+             "instead of the measured tokens per round.", ""]
     for r in run["results"]:
         acceptance = r.get("acceptance", "replayed")
         prompt = f"; prompts of {r['prompt_tokens']:.0f} tokens on average" if "prompt_tokens" in r else ""
@@ -505,20 +517,23 @@ def markdown(run: dict) -> str:
                   + (f"{r['phase_context']} (the loops' mean)" if "phase_context" in r else "= the prompt's end")
                   + (f"; measuring it took {r['bench_s']['compile_wait']:.0f} s waiting for compiles and "
                      f"{r['bench_s']['timing']:.0f} s of runs" if "bench_s" in r else ""), "",
-                  "| method | tok/s | ms/step or round | tokens/round | batch tail | draft / verify / overhead ms | "
-                  "draft / verify x floor | vs W4A16 | model | memory GB |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| method | tok/s | ms/step or round | tokens/round | α | batch tail | draft / verify / overhead ms | "
+                  "draft / verify x floor | vs W4A16 | model | model (α) | memory GB |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for m, e in r["methods"].items():
             mem = f"{e['memory_bytes'] / 1e9:.2f}" if "memory_bytes" in e else ""
             if "ms_per_step" in e:
                 ratio = r["methods"].get("w4a16", {}).get("ms_per_step", float("nan")) / e["ms_per_step"]
-                lines.append(f"| {m} | {e['tokens_per_s']:.0f} | {e['ms_per_step']:.2f} | 1 | | | | {ratio:.2f}× | | {mem} |")
+                lines.append(f"| {m} | {e['tokens_per_s']:.0f} | {e['ms_per_step']:.2f} | 1 | | | | | {ratio:.2f}× "
+                             f"| | | {mem} |")
             else:
                 tail = f"{e['tail']:.2f}" if "tail" in e else "(in overhead)"
+                alpha = f"{e['alpha']:.3f}" if "alpha" in e else ""
+                model_alpha = f"{e['model_speedup_alpha']:.2f}×" if "model_speedup_alpha" in e else ""
                 lines.append(f"| qspec {m[6:]} ({acceptance}) | {e['tokens_per_s']:.0f} | {e['ms_per_round']:.2f} | "
-                             f"{e['tokens_per_round']:.2f} | {tail} | {e['draft_ms']:.2f} / {e['verify_ms']:.2f} / "
+                             f"{e['tokens_per_round']:.2f} | {alpha} | {tail} | {e['draft_ms']:.2f} / {e['verify_ms']:.2f} / "
                              f"{e['overhead_ms']:.2f} | {_over_floor(e)} | {e.get('speedup_vs_w4a16', float('nan')):.2f}× | "
-                             f"{e.get('model_speedup', float('nan')):.2f}× | {mem} |")
+                             f"{e.get('model_speedup', float('nan')):.2f}× | {model_alpha} | {mem} |")
         lines.append("")
     return "\n".join(lines)
 

@@ -28,6 +28,11 @@ def test_decode_bench_smoke(tmp_path):
     q = res["methods"]["qspec w4a8 g=3"]
     assert abs(q["tokens_per_round"] - 16 / 6) < 1e-9  # 2 accepted + 1 per round: 16 tokens in 6 rounds
     assert q["iterations"] == 6 and q["tail"] == 1.0  # every sequence the same: no batch tail
+    # 5 rounds commit 2 drafts + 1 each (15 tokens); the 6th has room for 1 token, which counts as
+    # accepted (a draft) of the 2 it would accept: 11 of 6 x 3 drafts
+    assert abs(q["alpha"] - 11 / 18) < 1e-12
+    e_l = (1 - (11 / 18) ** 4) / (1 - 11 / 18)  # DESIGN.md §2, gamma 3
+    assert abs(q["model_speedup_alpha"] / q["model_speedup"] - e_l / q["tokens_per_round"]) < 1e-9
     shadow = res["methods"]["qspec w4a8/kv4 g=3"]  # its own trace: 1 accepted + 1 per round
     assert shadow["tokens_per_round"] == 2 and shadow["memory_bytes"] > q["memory_bytes"]  # the shadow's bytes
     assert shadow["draft_floor_ms"] <= q["draft_floor_ms"]  # a shadow draft reads fewer KV bytes
@@ -51,6 +56,15 @@ def test_decode_bench_smoke(tmp_path):
         assert e["memory_bytes"] >= weights + res["cache_bytes"], m
     assert "replayed" in (out / "decode.md").read_text()
     assert res["phase_context"] == 64 + 16 // 2  # the phases are timed where the floors are counted
+
+
+def test_expected_tokens_matches_a_geometric_sum():
+    """E[L] for independent accepts: sum over k = 0..gamma of alpha**k, in float64; gamma + 1 at alpha 1."""
+    rng = np.random.default_rng()
+    for alpha, gamma in zip(rng.uniform(0, 0.999, 20), rng.integers(1, 9, 20)):
+        want = sum(np.float64(alpha) ** k for k in range(gamma + 1))
+        assert abs(decode.expected_tokens(float(alpha), int(gamma)) - want) < 1e-9 * want
+    assert decode.expected_tokens(1.0, 4) == 5.0 and decode.expected_tokens(0.0, 4) == 1.0
 
 
 def test_forward_carry_positions():
