@@ -2,7 +2,8 @@
 accuracy, agreement with W4A16, identical outputs, and QSPEC acceptance (the paper's Table 3).
 
     python -m bench.fidelity --gsm8k ../shared/data/gsm8k_test_dev.jsonl \
-        --wikitext ../shared/data/wikitext2_test.raw [--limit 32] [--checkpoint DIR] [--out FILE]
+        --wikitext ../shared/data/wikitext2_test.raw [--limit 32] [--checkpoint DIR] [--out FILE] \
+        [--drafts w4a8,w4a4,w4a8/kv8]
 
 GSM8K: each question alone in the chat template (zero-shot), greedy, up to ``--max-new-tokens``;
 answers extracted as lm-evaluation-harness does for gsm8k: "strict" takes the number after
@@ -16,6 +17,8 @@ output distribution is W4A16's by construction, so its perplexity is W4A16's.
 
 ``--limit`` runs the first N problems (a CPU subset); without it, the whole dev set. ``--kernels``
 picks the Pallas kernels or the references (``qspec_jax.kernels``; default: kernels on a GPU).
+``--drafts``: QSPEC's draft modes, each ``MODE`` or ``MODE/kvBITS`` (drafts over an INT8 / INT4 KV
+shadow, ``generate(draft_kv=...)``).
 """
 
 from __future__ import annotations
@@ -30,13 +33,13 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from bench.decode import parse_draft
 from bench.quality import wikitext_ids
 from qspec_jax.api import Model, generate, load
 from qspec_jax.evaluate import perplexity
 from qspec_jax.kernels import KERNELS
 
 AR_METHODS = ("w16a16", "w4a16", "w4a8", "w4a4")
-QSPEC_DRAFTS = ("w4a8", "w4a4")
 _NUMBER = re.compile(r"-?[$0-9.,]{2,}|-?[0-9]+")
 _STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
 
@@ -72,13 +75,13 @@ def agreement(a: np.ndarray, b: np.ndarray) -> tuple[int, int]:
 
 
 def run_method(model: Model, questions: list[str], method: str, draft: str, gamma: int, batch: int,
-               max_new: int, kernels: str) -> tuple[list[np.ndarray], list[str], dict]:
+               max_new: int, kernels: str, draft_kv: int | None = None) -> tuple[list[np.ndarray], list[str], dict]:
     """Greedy outputs of one method over all questions, in batches; summed QSPEC counters."""
     seqs, texts = [], []
     tot = dict(rounds=0, drafted=0, accepted=0, in_rounds=0, seconds=0.0)
     for i in range(0, len(questions), batch):
         res = generate(model, questions[i:i + batch], max_new_tokens=max_new, method=method, draft=draft,
-                       gamma=gamma, chat=True, kernels=kernels)
+                       gamma=gamma, draft_kv=draft_kv, chat=True, kernels=kernels)
         seqs += res.sequences
         texts += res.texts
         st = res.stats
@@ -102,9 +105,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ppl-tokens", type=int, default=40960)
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--kernels", default="auto", choices=KERNELS)
+    ap.add_argument("--drafts", default="w4a8,w4a4", help="QSPEC drafts: MODE or MODE/kvBITS, comma-separated")
     ap.add_argument("--out", type=Path, default=Path("bench/results/fidelity.md"))
     args = ap.parse_args(argv)
-
+    try:
+        drafts = [(d, *parse_draft(d)) for d in args.drafts.split(",")]
+    except ValueError as e:
+        ap.error(f"--drafts: {e}")
     if not args.gsm8k.is_file():
         raise SystemExit(f"--gsm8k: no such file {args.gsm8k}")
     model = load(args.checkpoint)
@@ -115,13 +122,13 @@ def main(argv: list[str] | None = None) -> None:
     device = jax.devices()[0].device_kind
     print(f"{len(rows)} problems on {device}", flush=True)
 
-    methods = [(m, m, "w4a4") for m in AR_METHODS] + [(f"qspec-{d}", "qspec", d) for d in QSPEC_DRAFTS]
+    methods = [(m, m, "w4a4", None) for m in AR_METHODS] + [(f"qspec-{d}", "qspec", mode, kv) for d, mode, kv in drafts]
     out: dict = {"problems": len(rows), "device": device, "gamma": args.gamma, "methods": {}}
     outputs = {}
-    for name, method, draft in methods:
+    for name, method, draft, draft_kv in methods:
         t = time.time()
         seqs, texts, tot = run_method(model, questions, method, draft, args.gamma, args.batch,
-                                      args.max_new_tokens, args.kernels)
+                                      args.max_new_tokens, args.kernels, draft_kv)
         outputs[name] = seqs
         ext = [extract(x) for x in texts]
         res = {"strict_acc": float(np.mean([_same_number(s, a) for (s, _), a in zip(ext, answers)])),

@@ -4,6 +4,7 @@ outputs, and the token agreement measure."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from bench.fidelity import agreement, extract, reference_answer
 
@@ -21,3 +22,15 @@ def test_token_agreement_counts_positions_over_the_longer_output():
     a, b = np.array([1, 2, 3, 4]), np.array([1, 9, 3])
     assert agreement(a, b) == (2, 4)
     assert agreement(a, a) == (4, 4)
+
+
+def test_unknown_draft_is_rejected_before_any_work(tmp_path, capsys):
+    """``--drafts`` takes MODE or MODE/kvBITS; anything else stops with a message naming it."""
+    from bench import fidelity
+
+    dev = tmp_path / "dev.jsonl"
+    dev.write_text('{"question": "1 + 1?", "answer": "#### 2"}\n')
+    for bad in ("w4a9", "w4a8/kv5", "w4a8/kv"):
+        with pytest.raises(SystemExit):
+            fidelity.main(["--gsm8k", str(dev), "--drafts", bad])
+        assert "--drafts" in capsys.readouterr().err

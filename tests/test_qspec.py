@@ -211,13 +211,14 @@ def dist_setup():
     pytest.fail("no random model whose W4A4 draft differs enough from W4A16 in 8 attempts")
 
 
-def _draw(setup, gamma: int) -> np.ndarray:
-    """``int[N, 3]`` draws (x1, x2, x3) of stochastic QSPEC from one generate call per seed."""
+def _draw(setup, gamma: int, draft_kv: int | None = None) -> np.ndarray:
+    """``int[N, 3]`` draws (x1, x2, x3) of stochastic QSPEC from one generate call per seed (with
+    ``draft_kv`` the drafts and their probabilities come from the INT8 / INT4 KV shadow)."""
     model = memory_model(setup["params"], setup["cfg"])
     out = []
     for seed in setup["seeds"]:
         res = generate(model, np.tile(setup["prompt"], (N_PER_CALL, 1)), max_new_tokens=3, method="qspec",
-                       draft="w4a4", gamma=gamma, temperature=1.0, seed=seed)
+                       draft="w4a4", gamma=gamma, draft_kv=draft_kv, temperature=1.0, seed=seed)
         assert res.finish_reasons == ["length"] * N_PER_CALL
         out.append(np.stack(res.sequences))
     return np.concatenate(out)
@@ -231,9 +232,9 @@ def _pvalues(setup, draws: np.ndarray) -> tuple[float, float]:
     return chi2_pvalue(c12, p12), chi2_pvalue(c123, p12[..., None] * setup["p3"])
 
 
-@pytest.mark.parametrize("gamma", [2, 3])
-def test_stochastic_qspec_samples_target_distribution(dist_setup, gamma):
-    draws = _draw(dist_setup, gamma)
+@pytest.mark.parametrize("gamma,draft_kv", [(2, None), (3, None), (2, 4)])
+def test_stochastic_qspec_samples_target_distribution(dist_setup, gamma, draft_kv):
+    draws = _draw(dist_setup, gamma, draft_kv)
     p12, p123 = _pvalues(dist_setup, draws)
     assert p12 > ALPHA and p123 > ALPHA, (p12, p123)
 
