@@ -20,15 +20,17 @@ each is timed on a fresh state after a warm-up run of a few tokens): tokens/s, m
 per round (QSPEC), and the ratio to W4A16 AR measured in the same run. QSPEC's accept decisions are
 **replayed** from a per-round accepted-draft trace recorded on SmolLM2's real weights
 (``--record-trace``; every draft step and verify pass still runs, only the accept decision is
-replayed): random weights would accept nothing. A draft ``MODE/kvBITS`` reads an INT8 / INT4 shadow
-of the KV cache (``generate(draft_kv=...)``; its trace recorded with that shadow). Phases: one draft step (1 token per sequence, draft
-mode) and one verify pass (gamma + 1 tokens, W4A16) timed alone, the rest of a round (one iteration
-of the batch's loop) is overhead; the speed-up model of DESIGN.md §2, ``S = E[L] * T_w4a16 /
-(gamma * T_draft + T_verify + T_overhead)`` with E[L] the measured tokens per round (the sequences'
-mean), next to the measured speed-up. The loop runs until its slowest sequence is done: the batch
-tail, iterations / the sequences' mean rounds, is what separates the two (measured ≈ S / tail).
-Beside it the same model fed with the measured acceptance rate alpha instead, E[L] = (1 -
-alpha**(gamma+1)) / (1 - alpha): DESIGN.md's formula as written, which assumes independent accepts. Floor per
+replayed): random weights would accept nothing. A draft ``MODE/kvBITS`` reads an INT8 / INT4
+shadow of the KV cache (``generate(draft_kv=...)``; its trace recorded with that shadow).
+
+Phases: one draft step (1 token per sequence, draft mode) and one verify pass (gamma + 1 tokens,
+W4A16) timed alone; the rest of a round (one iteration of the batch's loop) is overhead. The
+speed-up model of DESIGN.md §2, ``S = E[L] * T_w4a16 / (gamma * T_draft + T_verify + T_overhead)``
+with E[L] the measured tokens per round (the sequences' mean), stands next to the measured
+speed-up. The loop runs until its slowest sequence is done: the batch tail, iterations / the
+sequences' mean rounds, is what separates the two (measured ≈ S / tail). Beside it, the same model
+fed with the measured acceptance rate alpha, E[L] = (1 - alpha**(gamma+1)) / (1 - alpha):
+DESIGN.md's formula as written, which assumes independent accepts. Floor per
 step: the bytes one W4A16 step must move (packed weights + scales + bf16 lm_head + the KV cache
 read) over the copy bandwidth measured in the same run. Phase floors: a draft step or verify pass
 cannot beat the larger of that byte floor and its matmul FLOPs (2 x the matmul weights per token,
