@@ -1,0 +1,168 @@
+"""What a Pallas GPU kernel executes per loop iteration, counted without a GPU: SASS instructions.
+
+    python -m bench.sass attention --kv-bits 8 [--batch 16 --heads 32 --kv-heads 32 --head-dim 128
+        --slots 4096] [--out FILE]
+    python -m bench.sass w4a16 --m 16 --n 28672 --k 4096 [--out FILE]
+
+The kernel is lowered for CUDA on this machine (jax's Triton lowering, with an H200 as the assumed
+target), each Pallas kernel's Triton module is taken as text, compiled for sm_90 by a local
+``triton`` (the version on the GPU machine, 3.6: ``pip install triton==3.6.0``; not a dependency of
+the project) and disassembled with the ``cuobjdump`` that comes with it. For each loop of the SASS
+(a backward branch) the table gives its instructions per iteration and thread, by opcode. XLA
+compiles the same module with its own bundled Triton and ptxas, so the counts are indicative, not
+the instructions that run; they tell which parts of a loop body cost issue slots, and how a kernel
+change moves them, before any device time is spent (bench/results/kv_shadow.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from jax._src.pallas.triton import gpu_info, pallas_call_registration
+
+_SASS_LINE = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[0-9T] )?([A-Z][A-Z0-9_]*)(\.[A-Z0-9_.]*)?\s*(.*?);")
+
+
+@contextlib.contextmanager
+def _capture_modules(modules: list[tuple[str, str]]):
+    """While active, every Pallas Triton lowering appends ``(kernel name, module text)`` to
+    ``modules``, and the lowering assumes an H200 (there is no GPU to ask)."""
+    lower = pallas_call_registration.lowering.lower_jaxpr_to_triton_module
+    get_info = gpu_info.get_gpu_info
+
+    def recording(*args, **kwargs):
+        result = lower(*args, **kwargs)
+        text = result.module.operation.get_asm()
+        name = re.search(r"tt\.func public @([\w$.]+)", text).group(1)
+        modules.append((name, text))
+        return result
+
+    pallas_call_registration.lowering.lower_jaxpr_to_triton_module = recording
+    gpu_info.get_gpu_info = lambda: gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200)
+    try:
+        yield
+    finally:
+        pallas_call_registration.lowering.lower_jaxpr_to_triton_module = lower
+        gpu_info.get_gpu_info = get_info
+
+
+def triton_modules(fn, *args) -> list[dict]:
+    """``[{name, module (Triton IR text), num_warps, num_stages}]`` of the Pallas kernels ``jit(fn)``
+    launches on ``args`` (arrays or ``ShapeDtypeStruct``), from a CUDA lowering on this machine."""
+    modules: list[tuple[str, str]] = []
+    with _capture_modules(modules):
+        hlo = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    params = {m.group(1): (int(m.group(3)), int(m.group(2))) for m in re.finditer(
+        r'name = "([\w$.]+)", num_stages = (\d+) : i32, num_warps = (\d+) : i32', hlo)}
+    return [dict(name=n, module=t, num_warps=params[n][0], num_stages=params[n][1]) for n, t in modules]
+
+
+def compile_sass(module: str, num_warps: int, num_stages: int) -> dict[str, str]:
+    """``{ttgir, ptx, sass}`` of a Triton module (text) compiled for sm_90 by the local triton."""
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+    except ImportError:
+        raise SystemExit("bench.sass needs a local triton to compile with: pip install triton==3.6.0") from None
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "kernel.ttir"
+        src.write_text(module)
+        k = triton.compile(str(src), target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=num_warps, num_stages=num_stages))
+        cubin = Path(tmp) / "kernel.cubin"
+        cubin.write_bytes(k.asm["cubin"])
+        cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+        sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True,
+                              check=True).stdout
+    return {"ttgir": k.asm["ttgir"], "ptx": k.asm["ptx"], "sass": sass}
+
+
+def loops(sass: str) -> list[dict]:
+    """Each loop of a SASS listing, innermost (shortest) first: ``{start, end, instructions, opcodes}``,
+    a loop being the instructions from a backward branch's target to the branch itself."""
+    code = [(int(m.group(1), 16), m.group(2), m.group(4)) for m in map(_SASS_LINE.match, sass.splitlines()) if m]
+    found = []
+    for addr, op, operands in code:
+        target = re.match(r"(0x[0-9a-f]+)", operands.strip()) if op == "BRA" else None
+        if target and int(target.group(1), 16) < addr:
+            body = [o for a, o, _ in code if int(target.group(1), 16) <= a <= addr]
+            found.append({"start": int(target.group(1), 16), "end": addr, "instructions": len(body),
+                          "opcodes": dict(collections.Counter(body).most_common())})
+    return sorted(found, key=lambda lp: lp["instructions"])
+
+
+def markdown(title: str, command: str, kernels: list[dict]) -> str:
+    lines = [f"# SASS per loop iteration: {title}", "", f"`{command}`", "",
+             "Compiled for sm_90 by a local triton (indicative: XLA compiles with its own); per thread.", ""]
+    for k in kernels:
+        lines += [f"## `{k['name']}` ({k['num_warps']} warps, {k['num_stages']} stages)", ""]
+        if not k["loops"]:
+            lines += ["No loop.", ""]
+        for lp in k["loops"]:
+            ops = ", ".join(f"{op} {n}" for op, n in lp["opcodes"].items())
+            lines += [f"- loop at {lp['start']:#x}-{lp['end']:#x}: **{lp['instructions']} instructions** ({ops})"]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _attention(args):
+    from pallas_kernels import gpu_attention
+
+    b, h, kvh, d, s = args.batch, args.heads, args.kv_heads, args.head_dim, args.slots
+    q = jax.ShapeDtypeStruct((b, 1, h, d), jnp.bfloat16)
+    pos = jax.ShapeDtypeStruct((b, 1), jnp.int32)
+    if args.kv_bits == 16:
+        kv = jax.ShapeDtypeStruct((b, s, kvh, d), jnp.bfloat16)
+        return (lambda q, k, v, p: gpu_attention.decode_attention(q, k, v, p)), (q, kv, kv, pos)
+    words = jax.ShapeDtypeStruct((b, s, kvh, d * args.kv_bits // 16), jnp.int16)
+    scales = jax.ShapeDtypeStruct((b, kvh, s), jnp.float32)
+    return ((lambda q, k, v, x, y, p: gpu_attention.decode_attention(q, k, v, p, scales=(x, y))),
+            (q, words, words, scales, scales, pos))
+
+
+def _w4a16(args):
+    from bench.kernels import make_weight
+    from pallas_kernels import gpu_matmul
+
+    w = jax.eval_shape(lambda: make_weight(jax.random.key(0), args.n, args.k, 128, True))
+    x = jax.ShapeDtypeStruct((args.m, args.k), jnp.bfloat16)
+    return (lambda x, w: gpu_matmul.w4a16_matmul(x, w)), (x, w)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--out", type=Path, default=None, help="also write the table here")
+    sub = ap.add_subparsers(dest="kernel", required=True)
+    att = sub.add_parser("attention", parents=[common], help="decode attention over the bf16 cache or the draft's shadow")
+    att.add_argument("--kv-bits", type=int, choices=(16, 8, 4), default=16)
+    for name, default in (("batch", 16), ("heads", 32), ("kv-heads", 32), ("head-dim", 128), ("slots", 4096)):
+        att.add_argument(f"--{name}", type=int, default=default)
+    mm = sub.add_parser("w4a16", parents=[common], help="the W4A16 matmul")
+    for name, default in (("m", 16), ("n", 28672), ("k", 4096)):
+        mm.add_argument(f"--{name}", type=int, default=default)
+    args = ap.parse_args(argv)
+    fn, fn_args = (_attention if args.kernel == "attention" else _w4a16)(args)
+    kernels = triton_modules(fn, *fn_args)
+    if not kernels:
+        raise SystemExit("no Pallas kernel in this call (a shape the kernels do not take falls back to XLA)")
+    for k in kernels:
+        k["loops"] = loops(compile_sass(k["module"], k["num_warps"], k["num_stages"])["sass"])
+    text = markdown(args.kernel, " ".join(["python -m bench.sass", *(argv if argv is not None else sys.argv[1:])]),
+                    kernels)
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()

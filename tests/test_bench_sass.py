@@ -1,0 +1,76 @@
+"""bench/sass.py: the Triton modules of a CUDA lowering made on the CPU, and the loops of a SASS
+listing (hand-written here, so the counts are known); the compile step where a local triton exists."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from bench import sass
+from pallas_kernels import gpu_attention
+
+LISTING = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;                 /* 0x00000a0000017a02 */
+        /*0010*/                   LDG.E R2, desc[UR4][R2.64] ;           /* 0x0000000402027981 */
+        /*0020*/                   FFMA R3, R2, R2, R3 ;                  /* 0x0000000202037223 */
+        /*0030*/                   HMMA.16816.F32 R4, R8, R12, R4 ;       /* 0x0000000c0804723c */
+        /*0040*/               @P0 BRA 0x60 ;                             /* 0x0000000000080947 */
+        /*0050*/                   FADD R3, R3, 1 ;                       /* 0x3f80000003037421 */
+        /*0060*/                   ISETP.GE.AND P1, PT, R3, R5, PT ;      /* 0x000000050300720c */
+        /*0070*/              @!P1 BRA 0x20 ;                             /* 0xfffffffc0900a947 */
+        /*0080*/                   LOP3.LUT R6, R3, 0xf, RZ, 0xc0, !PT ;  /* 0x0000000f03067812 */
+        /*0090*/               @P2 BRA 0x80 ;                             /* 0xfffffff400002947 */
+        /*00a0*/                   BRA 0xa0;                              /* 0xfffffffc00fc7947 */
+        /*00b0*/                   EXIT ;                                 /* 0x000000000000794d */
+"""
+
+
+def test_loops_of_a_listing():
+    """A backward branch closes a loop from its target to itself (a forward branch inside it does
+    not, nor does the kernel's closing self-branch); the shortest loop comes first."""
+    found = sass.loops(LISTING)
+    assert [(lp["start"], lp["end"], lp["instructions"]) for lp in found] == [(0x80, 0x90, 2), (0x20, 0x70, 6)]
+    assert found[1]["opcodes"] == {"FFMA": 1, "HMMA": 1, "BRA": 2, "FADD": 1, "ISETP": 1}
+    assert found[0]["opcodes"] == {"LOP3": 1, "BRA": 1}
+
+
+@pytest.mark.parametrize("kv_bits", [None, 8])
+def test_triton_modules_of_the_attention_kernel(kv_bits):
+    """The decode attention lowered for CUDA on the CPU: one module, named after the kernel, with the
+    warps and stages the kernel asks for; the lowering hooks are put back afterwards."""
+    b, h, d, s = 2, 4, 128, 256
+    q = jax.ShapeDtypeStruct((b, 1, h, d), jnp.bfloat16)
+    pos = jax.ShapeDtypeStruct((b, 1), jnp.int32)
+    if kv_bits is None:
+        kv = jax.ShapeDtypeStruct((b, s, h, d), jnp.bfloat16)
+        mods = sass.triton_modules(lambda q, k, v, p: gpu_attention.decode_attention(q, k, v, p), q, kv, kv, pos)
+    else:
+        w = jax.ShapeDtypeStruct((b, s, h, d * kv_bits // 16), jnp.int16)
+        sc = jax.ShapeDtypeStruct((b, h, s), jnp.float32)
+        mods = sass.triton_modules(lambda q, k, v, x, y, p: gpu_attention.decode_attention(q, k, v, p, scales=(x, y)),
+                                   q, w, w, sc, sc, pos)
+    (m,) = mods
+    assert m["name"] == "_attention_kernel" and m["num_warps"] == 4
+    assert m["num_stages"] == (2 if kv_bits is None else gpu_attention.SHADOW_STAGES)
+    assert "tt.func public @_attention_kernel" in m["module"] and "tt.dot" in m["module"]
+    assert "loc(" not in m["module"]  # plain text, parseable by another MLIR
+    with pytest.raises(RuntimeError, match="GPU"):  # the H200 stand-in is gone again
+        jax.jit(lambda q, k, v, p: gpu_attention.decode_attention(q, k, v, p)).trace(
+            q, jax.ShapeDtypeStruct((b, s, h, d), jnp.bfloat16), jax.ShapeDtypeStruct((b, s, h, d), jnp.bfloat16),
+            pos).lower(lowering_platforms=("cuda",))
+
+
+def test_compile_counts_the_kernel_loop():
+    """With a local triton: the bf16 attention kernel has one loop over KV blocks, with its two MMAs
+    of 16 x 64 x 128 (q k^T, p v) as m16n8k16 HMMAs per warp."""
+    pytest.importorskip("triton")
+    b, h, d, s = 2, 4, 128, 4096  # 16 cache splits of 4 blocks: a loop (one block each would be none)
+    q = jax.ShapeDtypeStruct((b, 1, h, d), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((b, s, h, d), jnp.bfloat16)
+    (m,) = sass.triton_modules(lambda q, k, v, p: gpu_attention.decode_attention(q, k, v, p), q, kv, kv,
+                               jax.ShapeDtypeStruct((b, 1), jnp.int32))
+    (loop,) = sass.loops(sass.compile_sass(m["module"], m["num_warps"], m["num_stages"])["sass"])
+    # a 64-slot block, 16 query rows, 4 warps side by side on the MMA's N: per warp, q k^T is
+    # 16 x 16 x 128 (2 n8 tiles x 8 k16 steps) and p v 16 x 32 x 64 (4 n8 tiles x 4 k16 steps)
+    assert loop["opcodes"]["HMMA"] == 2 * 8 + 4 * 4
