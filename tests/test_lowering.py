@@ -77,6 +77,22 @@ def test_decode_forward_lowers_for_cuda(cuda_target, model, mode, dtype, tokens)
     assert _triton_calls(step, params, toks, pos, cache) == want
 
 
+@pytest.mark.parametrize("mode,bits", [("w4a8", 8), ("w4a4", 4)])
+def test_draft_forward_over_the_kv_shadow_lowers_for_cuda(cuda_target, model, mode, bits):
+    """A draft step reading the INT8 / INT4 shadow: its attention is the Pallas kernel over the codes
+    (the PTX unpacking included), not a fallback, and the kernel count is a plain draft step's."""
+    cfg, params = model.config, model.checkpoint.params
+    b = 3
+    cache = init_cache(cfg, b, 64, jnp.bfloat16, bits)
+    toks, pos = jnp.zeros((b, 1), jnp.int32), jnp.full((b, 1), 7, jnp.int32)
+
+    def step(p, t, q, c):
+        return forward(p, cfg, t, q, c, mode=mode, dtype=jnp.bfloat16, row_tile=ROW_TILE, kernels="pallas",
+                       read_shadow=True)
+
+    assert _triton_calls(step, params, toks, pos, cache) == _kernels_per_forward(mode, b, cfg)
+
+
 @pytest.mark.parametrize("m", [1, 16, 17, 32, 33, 64, 65, 128, 129, 256])
 def test_matmuls_lower_for_cuda_at_every_tile_height(cuda_target, rng, m):
     n, k = 128, 512
