@@ -61,9 +61,14 @@ def triton_modules(fn, *args) -> list[dict]:
     modules: list[tuple[str, str]] = []
     with _capture_modules(modules):
         hlo = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    params = {m.group(1): (int(m.group(3)), int(m.group(2))) for m in re.finditer(
-        r'name = "([\w$.]+)", num_stages = (\d+) : i32, num_warps = (\d+) : i32', hlo)}
-    return [dict(name=n, module=t, num_warps=params[n][0], num_stages=params[n][1]) for n, t in modules]
+    params = collections.defaultdict(list)  # per kernel name, its launches' (warps, stages) in order
+    for m in re.finditer(r'name = "([\w$.]+)", num_stages = (\d+) : i32, num_warps = (\d+) : i32', hlo):
+        params[m.group(1)].append((int(m.group(3)), int(m.group(2))))
+    out = []
+    for name, text in modules:
+        warps, stages = params[name].pop(0)
+        out.append(dict(name=name, module=text, num_warps=warps, num_stages=stages))
+    return out
 
 
 def compile_sass(module: str, num_warps: int, num_stages: int) -> dict[str, str]:
