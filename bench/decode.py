@@ -442,8 +442,9 @@ def run_config(c: Config, compiled: dict, params: dict, fparams: dict | None, ar
                      "memory_bytes": loop_memory_bytes(compiled["qspec", draft, g])}
             if base and t_target:
                 entry["speedup_vs_w4a16"] = base * args.new / (1e3 * secs)
-                entry["model_speedup"] = tpr * t_target / (g * t_draft + t_verify + overhead)
-                entry["model_speedup_alpha"] = expected_tokens(alpha, g) * t_target / (g * t_draft + t_verify + overhead)
+                # DESIGN.md §2: E[L] * T_target / (gamma * T_draft + T_verify + T_overhead), that sum being t_round
+                entry["model_speedup"] = tpr * t_target / t_round
+                entry["model_speedup_alpha"] = expected_tokens(alpha, g) * t_target / t_round
             res["methods"][f"qspec {draft} g={g}"] = entry
             log(f"  qspec {draft} g={g}: {t_round:.2f} ms/round ({g} x {t_draft:.2f} draft + {t_verify:.2f} verify + "
                 f"{overhead:.2f}), {tpr:.2f} tok/round, batch tail x{tail:.2f}, {entry['tokens_per_s']:.0f} tok/s, "

@@ -95,6 +95,11 @@ def _prefill(params, prompts, lengths, key, *, rt, buffer_len, cache_len, mode) 
     return prefill(params, prompts, lengths, key, rt, buffer_len, cache_len, mode)
 
 
+def _is_int(x) -> bool:
+    """An integer argument (Python or NumPy), and not a bool."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
 def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]] | np.ndarray, *,
              max_new_tokens: int, method: str = "qspec", draft: str = "w4a4", gamma: int = 3,
              draft_kv: int | None = None,
@@ -107,8 +112,8 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
     the other methods decode autoregressively in that mode. ``draft_kv`` (8 or 4, ``qspec`` only):
     the drafts attend over an INT8 / INT4 copy of the KV cache kept beside it, reading fewer bytes
     per draft step; the verifier still reads only its own float cache, so the output is unchanged.
-    Prefill runs in W4A16 (W16A16 for
-    ``w16a16``). ``max_len`` bounds prompt + new tokens (default: the model's max positions).
+    Prefill runs in W4A16 (W16A16 for ``w16a16``). ``max_len`` bounds prompt + new tokens (default:
+    the model's max positions).
     ``eos_token_id`` defaults to the tokenizer's (or config's) EOS; ``-1`` never stops on a token.
     ``kernels`` picks the Pallas GPU kernels or the jnp references (:mod:`qspec_jax.kernels`;
     ``"auto"``: the kernels on a GPU). Prompts are padded to a multiple of :data:`PROMPT_MULTIPLE`
@@ -118,13 +123,12 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
         raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
     if draft not in DRAFTS:
         raise ValueError(f"unknown draft precision {draft!r}; expected one of {DRAFTS}")
-    if draft_kv is not None and (method != "qspec" or isinstance(draft_kv, bool)
-                                 or not isinstance(draft_kv, (int, np.integer)) or draft_kv not in reference.KV_BITS):
+    if draft_kv is not None and (method != "qspec" or not _is_int(draft_kv) or draft_kv not in reference.KV_BITS):
         raise ValueError(f"draft_kv must be None or one of {reference.KV_BITS}, with method 'qspec'; got "
                          f"draft_kv={draft_kv!r} with method {method!r}")
-    if isinstance(gamma, bool) or not isinstance(gamma, (int, np.integer)) or gamma < 1:
+    if not _is_int(gamma) or gamma < 1:
         raise ValueError(f"gamma must be an integer >= 1, got {gamma!r}")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
+    if not _is_int(max_new_tokens) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     if method != "w16a16" and not model.checkpoint.quantized:
         raise ValueError(f"method {method!r} needs a quantized checkpoint; this one holds float weights")

@@ -14,9 +14,9 @@ The KV cache is a pair ``(k, v)`` of ``[L, B, S, num_kv_heads, head_dim]`` array
 ``s`` holds position ``s``; a query at position ``p`` attends to slots ``0..p``. It may carry the
 draft's quantized shadow of itself after the pair (:func:`init_cache`): a forward with
 ``read_shadow`` attends over the shadow and writes only it, so the float pair stays the verifier's
-alone; :func:`sync_shadow` re-quantizes the shadow from the pair after any other forward.
-Without a cache the tokens attend causally (by position) to each other. Callers size the cache: a position at or
-beyond its length is not stored (checked by the decoding API before anything is traced).
+alone; :func:`sync_shadow` re-quantizes the shadow from the pair after any other forward. Without
+a cache the tokens attend causally (by position) to each other. Callers size the cache: a position
+at or beyond its length is not stored (checked by the decoding API before anything is traced).
 """
 
 from __future__ import annotations

@@ -377,9 +377,12 @@ def test_invalid_requests_raise(tiny_model):
         generate(tiny_model, [list(range(3, 11))], max_new_tokens=5, max_len=12)
     with pytest.raises(ValueError, match="exceeds"):
         generate(tiny_model, ok, max_new_tokens=TINY.max_position_embeddings)
-    for g in (0, -1):
+    for g in (0, -1, True, 2.0):
         with pytest.raises(ValueError, match="gamma"):
             generate(tiny_model, ok, max_new_tokens=4, gamma=g)
+    for new in (-1, True, 4.0):
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            generate(tiny_model, ok, max_new_tokens=new)
     with pytest.raises(ValueError, match="unknown method"):
         generate(tiny_model, ok, max_new_tokens=4, method="w8a8")
     with pytest.raises(ValueError, match="unknown draft"):
