@@ -84,6 +84,9 @@ def _attention_kernel(layer_ref, q_ref, pos_ref, k_ref, v_ref, *refs, tiles: int
     first = split * blocks_per_split
     last = jnp.minimum(first + blocks_per_split, needed)
     dims_qk, dims_pv = (((1,), (1,)), ((), ())), (((1,), (0,)), ((), ()))
+    # a draft's softmax: 2**(x log2 e), one multiply and the approximate exp2, where expf takes ~8
+    # instructions; the target's (a float cache) keeps expf
+    exp = (lambda x: jnp.exp2(x * np.float32(math.log2(math.e)))) if kv_bits else jnp.exp
 
     def body(j, carry):
         slots = (pl.ds(j * block_s, block_s), slice(None))
@@ -94,7 +97,7 @@ def _attention_kernel(layer_ref, q_ref, pos_ref, k_ref, v_ref, *refs, tiles: int
             blk = (pl.ds(j * block_s, block_s),)
             score_scale = score_scale * pl_triton.load(at_layer(k_scale_ref, layer, blk, interpret))[None, :]
             v_scale = pl_triton.load(at_layer(v_scale_ref, layer, blk, interpret))[None, :]
-            ks, vs = kv_planes_f16(k, kv_bits), kv_planes_f16(v, kv_bits)
+            ks, vs = kv_planes_f16(k, kv_bits, interpret), kv_planes_f16(v, kv_bits, interpret)
         else:
             ks, vs = [k], [v]
         slot = j * block_s + jax.lax.broadcasted_iota(jnp.int32, (1, block_s), 1)
@@ -107,8 +110,7 @@ def _attention_kernel(layer_ref, q_ref, pos_ref, k_ref, v_ref, *refs, tiles: int
             s = jnp.where(slot <= ps[i][:, None], s, -jnp.inf)
             m_new = jnp.maximum(m, jnp.max(s, axis=1))
             m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with nothing visible yet
-            alpha = jnp.exp(m - m_use)
-            p = jnp.exp(s - m_use[:, None])
+            alpha, p = exp(m - m_use), exp(s - m_use[:, None])
             l = alpha * l + jnp.sum(p, axis=1)
             pw = (p if kv_bits is None else p * v_scale).astype(vs[0].dtype)
             out.append((m_new, l, tuple(alpha[:, None] * a + jax.lax.dot_general(
@@ -126,11 +128,34 @@ def _attention_kernel(layer_ref, q_ref, pos_ref, k_ref, v_ref, *refs, tiles: int
             acc_ref[rows, pl.ds(j * dp, dp)] = a
 
 
-def kv_planes_f16(words: jax.Array, bits: int) -> list[jax.Array]:
+_F16_1024 = 0x6400  # float16 bits of 1024.0: (0x6400 | u) is 1024 + u for a code u < 1024
+_F16_X2 = lambda v: f"{v << 16 | v:#010x}"  # noqa: E731  (a float16 constant in both halves)
+
+
+def _plane_asm(bits: int, j: int) -> str:
+    """PTX (pack=2) for code plane ``j`` of two adjacent int16 words (one 32-bit register): put the
+    code under 1024's exponent (INT8: one ``prmt`` that also interleaves the 0x64 bytes; INT4: a
+    shift and a ``lop3``), then one ``sub.f16x2`` of ``1024 + 2**(bits-1)`` leaves the exact codes."""
+    offset = _F16_X2(_F16_1024 + (1 << (bits - 1)))
+    if bits == 8:  # bytes j and 2 + j of the register, each under a 0x64 byte
+        place = f"prmt.b32 m, $1, {_F16_X2(0x6464)}, {0x4240 + 0x101 * j:#06x};\n"
+    else:
+        src = "$1" if j == 0 else "m"
+        place = ((f"shr.u32 m, $1, {bits * j};\n" if j else "")
+                 + f"lop3.b32 m, {src}, {_F16_X2((1 << bits) - 1)}, {_F16_X2(_F16_1024)}, 0xEA;\n")
+    return "{\n.reg .b32 m, c;\n" + place + f"mov.b32 c, {offset};\nsub.rn.f16x2 $0, m, c;\n}}"
+
+
+def kv_planes_f16(words: jax.Array, bits: int, interpret: bool = True) -> list[jax.Array]:
     """:func:`pallas_kernels.reference.kv_planes` as float16, exactly, by bit operations instead of a
     (quarter-rate) int-to-float conversion: an offset code ``u < 1024`` ORed into the bits of 1024.0
-    is ``1024 + u``; subtracting ``1024 + 2**(bits-1)`` leaves the code. (Measured: the same kernel
-    time as the conversion; neither bounds it, kv_shadow.md.)"""
+    is ``1024 + u``; subtracting ``1024 + 2**(bits-1)`` leaves the code. On the GPU as PTX on pairs of
+    words (:func:`_plane_asm`: 1-1.5 instructions per code, where Triton's 16-bit integer ops took
+    2.6-2.8, kv_shadow.md); ``interpret`` (the CPU) with jnp's int16 ops."""
+    if not interpret:
+        return [pl_triton.elementwise_inline_asm(
+            _plane_asm(bits, j), args=[words], constraints="=r,r", pack=2,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, jnp.float16)])[0] for j in range(16 // bits)]
     mask, magic = np.int16((1 << bits) - 1), np.float16(1024 + (1 << (bits - 1)))
     planes = [words if j == 0 else words >> np.int16(bits * j) for j in range(16 // bits)]  # int16 ops only
     return [jax.lax.bitcast_convert_type((p & mask) | np.int16(0x6400), jnp.float16) - magic for p in planes]

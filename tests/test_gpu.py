@@ -198,6 +198,30 @@ def test_attention_kernel_over_kv_shadow(rng, dtype, heads, kv, d, bits):
         np.testing.assert_array_equal(np.asarray(att(q[:, :t], pos[:, :t])), full[:, :t], err_msg=f"T={t}")
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_kv_planes_ptx_unpacking_is_exact(rng, bits):
+    """The shadow's codes as float16 by PTX on pairs of words (the kernel's GPU path), bitwise
+    against the codes read off the words with numpy bit operations."""
+    from jax.experimental import pallas as pl
+
+    from pallas_kernels.launch import call_kernel
+
+    planes, dk = 16 // bits, 64
+    words = jnp.asarray(rng.integers(-2**15, 2**15, (64, dk)), jnp.int16)
+
+    def kernel(w_ref, *out_refs):
+        for o, p in zip(out_refs, gpu_attention.kv_planes_f16(w_ref[...], bits, interpret=False)):
+            o[...] = p
+
+    spec = pl.BlockSpec((64, dk), lambda i: (0, 0))
+    got = call_kernel(kernel, [jax.ShapeDtypeStruct((64, dk), jnp.float16)] * planes, (1,), [spec],
+                      [spec] * planes, False, 4, 1, words)
+    u = np.asarray(words).view(np.uint16).astype(np.int64)
+    for j, g in enumerate(got):
+        want = ((u >> (bits * j)) & ((1 << bits) - 1)) - (1 << (bits - 1))
+        np.testing.assert_array_equal(np.asarray(g, np.float64), want, err_msg=f"plane {j}")
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("h", [1536, 28672])
 def test_activation_prologue_kernels(rng, dtype, h):
