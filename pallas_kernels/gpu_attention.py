@@ -34,7 +34,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_kernels import reference
-from pallas_kernels.launch import LAYER_SPEC, at_layer, call_kernel, pl_triton, stacked_input
+from pallas_kernels.launch import LAYER_SPEC, at_layer, call_kernel, pl_triton, stacked_input, x2
 
 ROW_TILE = 16  # query rows per MMA tile (the MMA's M side)
 BLOCK_S = 64  # cache slots per KV block
@@ -129,20 +129,19 @@ def _attention_kernel(layer_ref, q_ref, pos_ref, k_ref, v_ref, *refs, tiles: int
 
 
 _F16_1024 = 0x6400  # float16 bits of 1024.0: (0x6400 | u) is 1024 + u for a code u < 1024
-_F16_X2 = lambda v: f"{v << 16 | v:#010x}"  # noqa: E731  (a float16 constant in both halves)
 
 
 def _plane_asm(bits: int, j: int) -> str:
     """PTX (pack=2) for code plane ``j`` of two adjacent int16 words (one 32-bit register): put the
     code under 1024's exponent (INT8: one ``prmt`` that also interleaves the 0x64 bytes; INT4: a
     shift and a ``lop3``), then one ``sub.f16x2`` of ``1024 + 2**(bits-1)`` leaves the exact codes."""
-    offset = _F16_X2(_F16_1024 + (1 << (bits - 1)))
+    offset = x2(_F16_1024 + (1 << (bits - 1)))
     if bits == 8:  # bytes j and 2 + j of the register, each under a 0x64 byte
-        place = f"prmt.b32 m, $1, {_F16_X2(0x6464)}, {0x4240 + 0x101 * j:#06x};\n"
+        place = f"prmt.b32 m, $1, {x2(0x6464)}, {0x4240 + 0x101 * j:#06x};\n"
     else:
         src = "$1" if j == 0 else "m"
         place = ((f"shr.u32 m, $1, {bits * j};\n" if j else "")
-                 + f"lop3.b32 m, {src}, {_F16_X2((1 << bits) - 1)}, {_F16_X2(_F16_1024)}, 0xEA;\n")
+                 + f"lop3.b32 m, {src}, {x2((1 << bits) - 1)}, {x2(_F16_1024)}, 0xEA;\n")
     return "{\n.reg .b32 m, c;\n" + place + f"mov.b32 c, {offset};\nsub.rn.f16x2 $0, m, c;\n}}"
 
 

@@ -55,7 +55,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.layout import PACK_BLOCK, SYMMETRIC_OFFSET, QuantizedWeight
 from pallas_kernels.launch import (LAYER_SPEC, at_layer, call_kernel, int32_offsets_wrap, pl_triton, stacked_input,
-                                   stacked_spec)
+                                   stacked_spec, x2)
 from pallas_kernels.gpu_activations import quantize_rows
 
 # (rows per row tile, pipeline stages), smallest first, by activation operand; a call takes the first
@@ -278,7 +278,6 @@ def _k_range(units: int, split_k: int) -> tuple[jax.Array | int, jax.Array | int
 # ----------------------------------------------------------------------------------------- W4A16
 
 _BF16_128 = 0x4300  # bfloat16 bits of 128.0: (0x4300 | u) is 128 + u for a nibble u
-_BF16_X2 = lambda v: f"{v << 16 | v:#010x}"  # noqa: E731  (a bf16 constant in both halves)
 
 
 def _nibble_asm(t: int, symmetric: bool) -> str:
@@ -289,10 +288,10 @@ def _nibble_asm(t: int, symmetric: bool) -> str:
     shift = ""
     if t:
         shift, src = f"shr.u32 m, $1, {4 * t};\n", "m"
-    offset = _BF16_X2(0x4308 if symmetric else _BF16_128)  # 136 = 128 + 8, or 128
+    offset = x2(0x4308 if symmetric else _BF16_128)  # 136 = 128 + 8, or 128
     scale = "mul.rn.bf16x2 $0, m, $2;" if symmetric else "fma.rn.bf16x2 $0, m, $2, $3;"
     return ("{\n.reg .b32 m, c;\n" + shift +
-            f"lop3.b32 m, {src}, 0x000F000F, {_BF16_X2(_BF16_128)}, 0xEA;\n"
+            f"lop3.b32 m, {src}, 0x000F000F, {x2(_BF16_128)}, 0xEA;\n"
             f"mov.b32 c, {offset};\nsub.rn.bf16x2 m, m, c;\n{scale}\n}}")
 
 
