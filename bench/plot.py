@@ -35,7 +35,7 @@ def series(results: list[dict], context: int, gamma: int) -> dict[str, dict[str,
             if name in AR:
                 label = name
             elif name.endswith(f" g={gamma}"):
-                label = f"{name.split()[0]} {name.split()[1]} draft, γ={gamma} (replayed acceptance)"
+                label = f"{name.split()[0]} {name.split()[1]} draft, γ={gamma} ({r.get('acceptance', 'replayed')} acceptance)"
             else:
                 continue
             per.setdefault(label, []).append((r["batch"], e["tokens_per_s"]))

@@ -91,6 +91,10 @@ def test_plot_series_and_file(tmp_path):
     assert data["a"]["w4a16"] == [(8, 100.0), (16, 180.0)]
     (qspec,) = [k for k in data["a"] if k.startswith("qspec")]
     assert "g=1" not in qspec and data["a"][qspec] == [(8, 90.0), (16, 162.0)]
+    assert "replayed acceptance" in qspec  # a record without the field is a replayed (older) one
+    real = {**entry("c", 8, 512, 40.0), "acceptance": "measured"}
+    assert [k for k in plot.series([real], 512, 3)["c"] if k.startswith("qspec")] == [
+        "qspec w4a8 draft, γ=3 (measured acceptance)"]
     run = tmp_path / "run.json"
     run.write_text(json.dumps({"results": results}))
     plot.main([str(run), "--out", str(tmp_path / "p.svg")])
