@@ -156,7 +156,8 @@ def check_params(params: dict[str, Any], config: LlamaConfig) -> None:
 
 
 def load_checkpoint(path: str | Path) -> Checkpoint:
-    """Load and verify a converted checkpoint (existence, checksums, format, shapes)."""
+    """Load and verify a converted checkpoint (existence, checksums, format, shapes); its weights are
+    placed on the default device once, so a jitted call does not copy them from the host each time."""
     from safetensors.numpy import load_file
 
     path = Path(path)
@@ -180,4 +181,4 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     config = LlamaConfig.from_hf(manifest["config"])
     params = unflatten_params(load_file(str(path / WEIGHTS)), manifest["packed_weights"])
     check_params(params, config)
-    return Checkpoint(path, config, params, manifest)
+    return Checkpoint(path, config, jax.device_put(params), manifest)

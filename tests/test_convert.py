@@ -110,6 +110,8 @@ def test_checkpoint_roundtrip_is_bitwise(tmp_path, rng, rotate):
     a, ta = jax.tree.flatten(params, is_leaf=is_q)
     b, tb = jax.tree.flatten(ck.params, is_leaf=is_q)
     assert ta == tb
+    # on the device already: a jitted call must not copy the weights from the host on every call
+    assert all(isinstance(y, jax.Array) and y.devices() == {jax.devices()[0]} for y in jax.tree.leaves(b))
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         x, y = np.asarray(x), np.asarray(y)
         assert x.dtype == y.dtype and x.shape == y.shape
