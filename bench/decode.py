@@ -608,10 +608,9 @@ def main(argv: list[str] | None = None) -> None:
         run["command"] = f"{old['command']}; then {command}"
     contexts = [int(c) for c in args.contexts.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
-    if args.rerun:
-        named = {(n, c, b) for n in args.models.split(",") for c in contexts for b in batches}
-        run["results"] = [r for r in run["results"] if (r["model"], r["context"], r["batch"]) not in named]
-    done = {(r["model"], r["context"], r["batch"]) for r in run["results"]}
+    done = {_key(r) for r in run["results"]}
+    if args.rerun:  # measured again; each old section stays until its new one replaces it (record)
+        done -= {(n, c, b) for n in args.models.split(",") for c in contexts for b in batches}
     log(f"copy bandwidth {bw / 1e12:.2f} TB/s; dense matmul {rates['bf16'] / 1e12:.0f} TFLOP/s bf16, "
         f"{rates['int8'] / 1e12:.0f} TOP/s int8")
     with ThreadPoolExecutor(1) as ahead_pool:  # the next configuration's Pallas programs compile meanwhile
@@ -640,8 +639,8 @@ def _bench_model(name: str, todo: list[tuple[int, int]], args, trace: dict, bw: 
         need = weight_bytes(params) * (3 if fparams else 1) + 1.5 * kv + (kv * (shadow + 1 / 32) if shadow else 0)
         if need > MEM_LIMIT:
             log(f"{name} B={batch} ctx={context}: skipped, needs ~{need / 1e9:.0f} GB")
-            run["results"].append({"model": name, "batch": batch, "context": context, "new": args.new,
-                                   "skipped": f"needs ~{need / 1e9:.0f} GB"})
+            record(run, {"model": name, "batch": batch, "context": context, "new": args.new,
+                         "skipped": f"needs ~{need / 1e9:.0f} GB"})
         else:
             configs.append((context, batch))
 
@@ -673,8 +672,25 @@ def _bench_model(name: str, todo: list[tuple[int, int]], args, trace: dict, bw: 
             res = {**c.res, "skipped": "out of GPU memory while timing"}
         del compiled  # its executables and buffers, before the next configuration's states
         res["bench_s"] = {"compile_wait": waited, "timing": time.perf_counter() - t1}  # the benchmark's own cost
-        run["results"].append({**res, "label": args.label} if args.label else res)
+        record(run, {**res, "label": args.label} if args.label else res)
         save(run, args.out)
+
+
+def _key(r: dict) -> tuple[str, int, int]:
+    return r["model"], r["context"], r["batch"]
+
+
+def record(run: dict, res: dict) -> None:
+    """Add ``res`` to ``run``'s results: a measured section replaces an earlier one of the same (model,
+    context, batch) in its place; a skipped one never replaces a measured one (a ``--rerun`` that
+    could not run, for memory, keeps what was measured before)."""
+    at = [i for i, r in enumerate(run["results"]) if _key(r) == _key(res)]
+    if not at:
+        run["results"].append(res)
+    elif "skipped" in res:
+        log(f"  kept the earlier {res['model']} B={res['batch']} ctx={res['context']} section")
+    else:
+        run["results"][at[0]] = res
 
 
 def save(run: dict, out: Path) -> None:

@@ -161,7 +161,7 @@ def test_decode_bench_out_of_memory_skips_the_configuration(tmp_path, monkeypatc
         decode.main([*common, "--batches", "2", "--out", str(tmp_path / "b")])
 
 
-def test_decode_bench_resume_and_budget(tmp_path):
+def test_decode_bench_resume_and_budget(tmp_path, monkeypatch):
     """A second call with --resume keeps the first call's configuration and runs only the new one;
     a spent --budget-s starts nothing; --rerun measures a resumed configuration again."""
     trace = tmp_path / "trace.json"
@@ -176,12 +176,21 @@ def test_decode_bench_resume_and_budget(tmp_path):
     assert [r["batch"] for r in res] == [2, 3] and res[0] == old  # batch 2 kept as measured, not re-run
     decode.main([*common, "--batches", "4", "--budget-s", "0", "--out", str(third)])
     assert json.loads((third / "decode.json").read_text())["results"] == []
-    # --rerun: batch 2 measured again and replacing its old section; batch 3 kept
+    # --rerun: batch 2 measured again, replacing its old section in place; batch 3 kept
     fourth = tmp_path / "d"
     decode.main([*common, "--batches", "2", "--resume", str(second / "decode.json"), "--rerun", "--label", "again",
                  "--out", str(fourth)])
     res = json.loads((fourth / "decode.json").read_text())["results"]
-    assert [(r["batch"], r.get("label")) for r in res] == [(3, None), (2, "again")]
+    assert [(r["batch"], r.get("label")) for r in res] == [(2, "again"), (3, None)]
+    # a --rerun that cannot run (budget spent; too large for the memory limit) keeps the old sections
+    fifth, sixth = tmp_path / "e", tmp_path / "f"
+    decode.main([*common, "--batches", "2,3", "--resume", str(fourth / "decode.json"), "--rerun", "--budget-s", "0",
+                 "--label", "lost", "--out", str(fifth)])
+    assert json.loads((fifth / "decode.json").read_text())["results"] == res
+    monkeypatch.setattr(decode, "MEM_LIMIT", 0.0)
+    decode.main([*common, "--batches", "3", "--resume", str(fourth / "decode.json"), "--rerun", "--label", "lost",
+                 "--out", str(sixth)])
+    assert json.loads((sixth / "decode.json").read_text())["results"] == res
 
 
 def test_decode_bench_real_model(tmp_path):
