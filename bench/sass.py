@@ -8,7 +8,9 @@ The kernel is lowered for CUDA on this machine (jax's Triton lowering, with an H
 target), each Pallas kernel's Triton module is taken as text, compiled for sm_90 by a local
 ``triton`` (the version on the GPU machine, 3.6: ``pip install triton==3.6.0``; not a dependency of
 the project) and disassembled with the ``cuobjdump`` that comes with it. For each loop of the SASS
-(a backward branch) the table gives its instructions per iteration and thread, by opcode. XLA
+(a backward branch) the table gives its instructions per iteration and thread, by opcode. The
+module first goes through Triton's TTIR passes, as in XLA's pipeline (before session 12 it did not:
+the counts then missed the combine pass's folding of ``acc + dot`` into the dot). XLA
 compiles the same module with its own bundled Triton and ptxas, so the counts are indicative, not
 the instructions that run; they tell which parts of a loop body cost issue slots, and how a kernel
 change moves them, before any device time is spent (bench/results/kv_shadow.md).
@@ -78,11 +80,24 @@ def compile_sass(module: str, num_warps: int, num_stages: int) -> dict[str, str]
         from triton.backends.compiler import GPUTarget
     except ImportError:
         raise SystemExit("bench.sass needs a local triton to compile with: pip install triton==3.6.0") from None
+    from triton._C.libtriton import ir
+    from triton.compiler.compiler import make_backend
+
+    target, options = GPUTarget("cuda", 90, 32), dict(num_warps=num_warps, num_stages=num_stages)
+    backend = make_backend(target)
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "kernel.ttir"
         src.write_text(module)
-        k = triton.compile(str(src), target=GPUTarget("cuda", 90, 32),
-                           options=dict(num_warps=num_warps, num_stages=num_stages))
+        # triton.compile starts an IR source at the stage after it: the TTIR passes (canonicalize,
+        # combine: dot(a, b, 0) + c -> dot(a, b, c), ...) run here first, as XLA's pipeline runs them
+        context = ir.context()
+        ir.load_dialects(context)
+        backend.load_dialects(context)
+        mod = ir.parse_mlir_module(str(src), context)
+        mod.context = context
+        backend.make_ttir(mod, {}, backend.parse_options(options), target.arch)
+        src.write_text(str(mod))
+        k = triton.compile(str(src), target=target, options=options)
         cubin = Path(tmp) / "kernel.cubin"
         cubin.write_bytes(k.asm["cubin"])
         cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
