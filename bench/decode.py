@@ -4,7 +4,7 @@
     PYTHONPATH=. python3 -m bench.decode --trace bench/results/acceptance_trace.json \
         [--models llama3-8b,llama2-7b,llama2-13b] [--batches 1,8,16,32,64] [--contexts 512]
         [--new 512] [--gammas 1,3,5] [--drafts w4a8,w4a4,w4a8/kv8] [--out DIR] [--resume OLD.json] [--budget-s 480]
-        [--threads 8] [--reps 1] [--no-ahead] [--label TEXT] [--rerun]
+        [--threads 8] [--reps 1] [--no-ahead] [--label TEXT] [--rerun] [--shard I/N]
     python -m bench.decode --record-trace bench/results/acceptance_trace.json \
         --gsm8k ../shared/data/gsm8k_test_dev.jsonl      # the trace, on SmolLM2's real weights
 
@@ -45,7 +45,8 @@ every configuration. ``--resume OLD.json`` continues an earlier run: its configu
 not run again (so a matrix larger than one device call is measured over several calls), except with
 ``--rerun``, where the configurations this call names are measured again and replace the old ones;
 ``--budget-s``: no configuration starts after that many seconds; ``--label``: a note on the code
-measured, kept with each new section.
+measured, kept with each new section; ``--shard I/N``: only share I of N of the configurations left
+to measure, split by estimated cost (one GPU's share; ``bench.decode_gpus`` runs all N and merges).
 """
 
 from __future__ import annotations
@@ -143,6 +144,39 @@ def matmul_flops_per_token(cfg: LlamaConfig) -> int:
 
 def kv_bytes(cfg: LlamaConfig, batch: int, slots: int) -> int:
     return 2 * cfg.num_layers * batch * slots * cfg.num_kv_heads * cfg.head_dim * 2
+
+
+def config_cost_s(name: str, context: int, batch: int, args) -> float:
+    """A rough estimate of one configuration's seconds (its compiles, then every decode loop at the
+    bytes-floor step time): only to balance ``--shard``'s split."""
+    loops = len(args.ar) + len(args.drafts) * len(args.gammas)
+    if name == REAL_MODEL:  # a 135M model: launch-bound steps of a few ms
+        step_s = 2e-3
+    else:
+        cfg = MODELS[name]
+        step_s = (matmul_flops_per_token(cfg) / 4 + kv_bytes(cfg, batch, context + args.new // 2)) / 4e12
+    return 20.0 + loops * args.new * step_s
+
+
+def split_by_cost(items: list, cost, parts: int) -> list[list]:
+    """``items`` in ``parts`` lists of near-equal total ``cost``: the costliest first, each to the
+    least loaded list (longest processing time first); deterministic, so every shard computes the
+    same split."""
+    out: list[list] = [[] for _ in range(parts)]
+    loads = [0.0] * parts
+    for item in sorted(items, key=cost, reverse=True):
+        i = loads.index(min(loads))
+        out[i].append(item)
+        loads[i] += cost(item)
+    return out
+
+
+def parse_shard(spec: str) -> tuple[int, int]:
+    """``--shard I/N``: ``(I, N)`` with 0 <= I < N."""
+    i, slash, n = spec.partition("/")
+    if not (slash and i.isdigit() and n.isdigit() and int(i) < int(n)):
+        raise argparse.ArgumentTypeError(f"--shard takes I/N with 0 <= I < N, got {spec!r}")
+    return int(i), int(n)
 
 
 def parse_draft(spec: str, modes: tuple[str, ...] = DRAFTS) -> tuple[str, int | None]:
@@ -568,6 +602,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="compile the next configuration while one is timed (--no-ahead: one after the other)")
     ap.add_argument("--reps", type=int, default=1,
                     help="timed runs of each decode loop after its short warm-up (the best is kept)")
+    ap.add_argument("--shard", type=parse_shard, default=None,
+                    help="I/N: measure only share I of N of the configurations left to measure (one GPU's "
+                         "share: bench.decode_gpus)")
     args = ap.parse_args(argv)
     if args.reps < 1:
         ap.error("--reps must be at least 1")
@@ -610,11 +647,15 @@ def main(argv: list[str] | None = None) -> None:
     batches = [int(b) for b in args.batches.split(",")]
     done = {_key(r) for r in run["results"]}
     if args.rerun:  # measured again; each old section stays until its new one replaces it (record)
-        done -= {(n, c, b) for n in args.models.split(",") for c in contexts for b in batches}
+        done -= {(n, c, b) for n in names for c in contexts for b in batches}
+    if args.shard:  # the other shards' configurations count as done here
+        wanted = [(n, c, b) for n in names for c in contexts for b in batches if (n, c, b) not in done]
+        i, parts = args.shard
+        done |= set(wanted) - set(split_by_cost(wanted, lambda t: config_cost_s(*t, args), parts)[i])
     log(f"copy bandwidth {bw / 1e12:.2f} TB/s; dense matmul {rates['bf16'] / 1e12:.0f} TFLOP/s bf16, "
         f"{rates['int8'] / 1e12:.0f} TOP/s int8")
     with ThreadPoolExecutor(1) as ahead_pool:  # the next configuration's Pallas programs compile meanwhile
-        for name in args.models.split(","):
+        for name in names:
             todo = [(c, b) for c in contexts for b in batches if (name, c, b) not in done]
             if todo:
                 _bench_model(name, todo, args, trace, bw, rates, run, deadline, ahead_pool)

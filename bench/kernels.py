@@ -17,7 +17,10 @@ line(s) that made it and the copy bandwidth each measured. Prints a short summar
   alone is timed) vs XLA's ``reference.attention`` (jitted, ``k_pos = arange(S)``), Llama-3-8B
   heads (H 32, KV 8, d 128), bf16, batch 8-64, context 1k-8k (the cache holds exactly the context,
   every slot visible), T = 1 or 4 new queries. Floor = (K + V cache + q + output bytes) / copy
-  bandwidth. Also the kernel's max |difference| to XLA's output over max |XLA output|.
+  bandwidth. Also the kernel's max |difference| to XLA's output over max |XLA output|. The same
+  kernel over the draft's INT8 and INT4 KV shadow of that cache (``scales=``, the codes of
+  ``reference.quantize_kv`` and head-major float32 scales), each against its own floor (codes +
+  scales + q + output bytes); its difference to XLA's output includes the quantization.
 * ``table``: for each model of ``--models``, its layer shapes (fused qkv, o, fused gate/up, down,
   lm_head) x M in ``--ms``: the W4A16 kernel, the W4A4 kernel (activation quantization included),
   XLA's bf16 ``dot`` on dense bf16 weights, and XLA on ``jnp.int4`` weights with bf16 scales
@@ -76,7 +79,7 @@ MS = (1, 4, 8, 16, 32, 64, 128, 256)
 KINDS = ("w4a16", "w4a4", "xla_bf16", "xla_int4")
 WEIGHT_OF = {"w4a16": "packed", "w4a4": "packed", "xla_bf16": "bf16", "xla_int4": "int4"}
 ATTN = {"heads": (32, 8, 128), "batches": (8, 16, 32, 64), "contexts": (1024, 2048, 4096, 8192),
-        "ts": (1, 4)}
+        "ts": (1, 4), "shadow_bits": (8, 4)}
 ATTN_MAX_BYTES = 40e9  # skip attention configurations whose buffers would exceed this
 CHECK_CASES = [("o g128 sym", 4096, 4096, 128, True), ("o g32 asym", 4096, 4096, 32, False),
                ("down per-channel sym", 4096, 14336, 14336, True)]
@@ -416,51 +419,63 @@ def _attention_kernel() -> tuple[Callable | None, str | None]:
     except ImportError as e:
         log(f"attn: no kernel ({e}); XLA alone is timed")
         return None, _reason(e)
-    return (lambda q, k, v, q_pos: gpu_attention.decode_attention(q, k, v, q_pos, **KW)), None
+    return (lambda q, k, v, q_pos, *scales: gpu_attention.decode_attention(
+        q, k, v, q_pos, scales=tuple(scales) or None, **KW)), None
 
 
-def _kv_bytes(b: int, ctx: int) -> int:
-    """K + V cache bytes of one layer (bf16)."""
+def _kv_bytes(b: int, ctx: int, bits: int = 16) -> int:
+    """K + V cache bytes of one layer: bf16 (``bits`` 16), or the draft's shadow (codes and a float32
+    scale per key / value vector)."""
     _, kvh, d = ATTN["heads"]
-    return 2 * b * ctx * kvh * d * 2
+    return 2 * b * ctx * kvh * (d * bits // 8 + (4 if bits < 16 else 0))
 
 
-def _attn_bytes(b: int, ctx: int, t: int) -> tuple[int, int]:
-    """(bytes a call must move: K + V + q + output, bf16; device bytes of the configuration: its
-    cache copies plus XLA's float32 score-sized intermediates, ~4 of them)."""
+def _attn_bytes(b: int, ctx: int, t: int, bits: int = 16) -> tuple[int, int]:
+    """(bytes a call must move: the cache of ``bits`` + q + output, bf16; device bytes of the
+    configuration: its bf16 and shadow cache copies plus XLA's float32 score-sized intermediates,
+    ~4 of them)."""
     h, _, d = ATTN["heads"]
     kv = _kv_bytes(b, ctx)
-    return kv + 2 * b * t * h * d * 2, _copies(kv) * kv + 4 * b * h * t * ctx * 4
+    held = _copies(kv) * (kv + sum(_kv_bytes(b, ctx, s) for s in ATTN["shadow_bits"]))
+    return _kv_bytes(b, ctx, bits) + 2 * b * t * h * d * 2, held + 4 * b * h * t * ctx * 4
 
 
-def _attn_inputs(b: int, ctx: int, ts) -> dict[int, list[tuple]]:
-    """Per T: argument sets ``(q, k, v, q_pos)`` of one (batch, context), the bf16 caches rotated over
-    copies, the T queries at the cache's last positions."""
+def _attn_inputs(b: int, ctx: int, ts) -> dict[tuple[int, int], list[tuple]]:
+    """Per (T, cache bits): argument sets ``(q, k, v, q_pos)`` of one (batch, context) over the bf16
+    cache (bits 16), ``(q, k_words, v_words, q_pos, k_scales, v_scales)`` over its INT8 / INT4 shadow;
+    the caches rotated over copies, the T queries at the cache's last positions."""
     h, kvh, d = ATTN["heads"]
     kv_shape = (b, ctx, kvh, d)
-    caches = [(jax.random.normal(jax.random.key(2 * c), kv_shape, jnp.bfloat16),
-               jax.random.normal(jax.random.key(2 * c + 1), kv_shape, jnp.bfloat16))
-              for c in range(_copies(_kv_bytes(b, ctx)))]
-    calls = max(CALLS, len(caches))
+    caches = {16: [(jax.random.normal(jax.random.key(2 * c), kv_shape, jnp.bfloat16),
+                    jax.random.normal(jax.random.key(2 * c + 1), kv_shape, jnp.bfloat16))
+                   for c in range(_copies(_kv_bytes(b, ctx)))]}
+    for bits in ATTN["shadow_bits"]:
+        shadows = [(ref.quantize_kv(k, bits), ref.quantize_kv(v, bits)) for k, v in caches[16]]
+        caches[bits] = [(kw, vw, jnp.swapaxes(ks, -1, -2), jnp.swapaxes(vs, -1, -2))  # scales [B, KV, S]
+                        for (kw, ks), (vw, vs) in shadows]
+    calls = max(CALLS, len(caches[16]))
     out = {}
     for t in ts:
         q = jax.random.normal(jax.random.key(99), (b, t, h, d), jnp.bfloat16)
         q_pos = jnp.broadcast_to(ctx - t + jnp.arange(t, dtype=jnp.int32), (b, t))
-        out[t] = [(q, *caches[i % len(caches)], q_pos) for i in range(calls)]
+        for bits, copies in caches.items():
+            out[t, bits] = [(q, *c[:2], q_pos, *c[2:]) for c in (copies[i % len(copies)] for i in range(calls))]
     return out
 
 
 def _attn_jobs(b: int, kernel: Callable | None) -> dict[tuple[int, int, str], Job]:
-    """Jobs ``(context, T, "kernel" | "xla")`` for one batch size; caches rotated over copies."""
+    """Jobs ``(context, T, "xla" | "kernel" | "kv8" | "kv4")`` for one batch size (the last two: the
+    kernel over the shadow); caches rotated over copies."""
     jobs = {}
     for ctx in ATTN["contexts"]:
         if max(_attn_bytes(b, ctx, t)[1] for t in ATTN["ts"]) > ATTN_MAX_BYTES:
             log(f"attn B={b} context {ctx}: over {ATTN_MAX_BYTES / 1e9:.0f} GB, skipped")
             continue
-        for t, sets in _attn_inputs(b, ctx, ATTN["ts"]).items():
-            jobs[ctx, t, "xla"] = Job(xla_attention, sets, pallas=False)
+        for (t, bits), sets in _attn_inputs(b, ctx, ATTN["ts"]).items():
+            if bits == 16:
+                jobs[ctx, t, "xla"] = Job(xla_attention, sets, pallas=False)
             if kernel is not None:
-                jobs[ctx, t, "kernel"] = Job(kernel, sets, pallas=True)
+                jobs[ctx, t, "kernel" if bits == 16 else f"kv{bits}"] = Job(kernel, sets, pallas=True)
     return jobs
 
 
@@ -489,10 +504,15 @@ def attention_table(res: dict, run_id: int, tmp: Path, threads: int, deadline: f
             row = {"B": b, "context": ctx, "T": t, "run": run_id, "floor_us": nbytes / bw * 1e6,
                    "kernel": _result(kern, nbytes, bw) if kern else {"error": missing},
                    "xla": _result(xla, nbytes, bw),
-                   "max_rel_diff": _max_rel_diff(kern, xla) if kern else None}
+                   "max_rel_diff": _max_rel_diff(kern, xla) if kern else None, "shadow": {}}
+            for bits in ATTN["shadow_bits"] if kern else ():
+                job, sbytes = jobs[ctx, t, f"kv{bits}"], _attn_bytes(b, ctx, t, bits)[0]
+                row["shadow"][str(bits)] = {"floor_us": sbytes / bw * 1e6, **_result(job, sbytes, bw),
+                                            "max_rel_diff": _max_rel_diff(job, xla)}
             res["attn"][f"{b}/{ctx}/{t}"] = row
             log(f"attn B={b} context {ctx} T={t}: kernel {_us(row['kernel'])} us, XLA {_us(row['xla'])} us, "
-                f"floor {row['floor_us']:.1f} us, max rel diff {row['max_rel_diff']}")
+                f"floor {row['floor_us']:.1f} us, max rel diff {row['max_rel_diff']}; "
+                + ", ".join(f"INT{bits} shadow {_shadow(e)}" for bits, e in row["shadow"].items()))
         del jobs
         save()
 
@@ -534,18 +554,27 @@ def _model_table(rows: list[dict]) -> list[str]:
     return lines + ([""] + notes_md if notes_md else [])
 
 
+def _shadow(e: dict | None) -> str:
+    """A shadow cell: µs (× its own floor), or why not; "–" for rows measured before shadows were."""
+    if e is None:
+        return "–"
+    return _us(e) if "error" in e else f"{e['us']:.1f} ({e['us'] / e['floor_us']:.2f}×)"
+
+
 def _attn_row(r: dict) -> str:
     k, x = r["kernel"], r["xla"]
     gbps = "n/a" if "error" in k else f"{k['GBps']:.0f}"
     floor = "n/a" if "error" in k else f"{k['us'] / r['floor_us']:.2f}×"
     diff = "–" if r["max_rel_diff"] is None else f"{r['max_rel_diff']:.1e}"
+    shadows = " | ".join(_shadow(r.get("shadow", {}).get(str(bits))) for bits in ATTN["shadow_bits"])
     return (f"| {r['B']} | {r['context']} | {r['T']} | {_us(k)} | {gbps} | {r['floor_us']:.1f} | {floor} | "
-            f"{_us(x)} | {_ratio(x, k)} | {diff} |")
+            f"{_us(x)} | {_ratio(x, k)} | {diff} | {shadows} |")
 
 
 def _attn_table(rows: list[dict]) -> list[str]:
+    shadows = "".join(f" INT{bits} shadow µs (× its floor) |" for bits in ATTN["shadow_bits"])
     lines = ["| batch | context | T | kernel µs | kernel GB/s | floor µs | kernel / floor | XLA µs | "
-             "XLA / kernel | max rel diff |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "XLA / kernel | max rel diff |" + shadows, "|" + "---|" * (10 + len(ATTN["shadow_bits"]))]
     lines += [_attn_row(r) for r in rows]
     errors = sorted({r["kernel"]["error"] for r in rows if "error" in r["kernel"]})
     return lines + ([""] + [f"- kernel n/a: {e}" for e in errors] if errors else [])
@@ -580,7 +609,9 @@ def markdown(res: dict) -> str:
         h, kvh, d = ATTN["heads"]
         lines += ["## Decode attention", "", f"H {h}, KV {kvh}, d {d}, bf16; the cache holds the context, "
                   "all visible. Floor: (K + V + q + output bytes) / copy bandwidth. Max rel diff: "
-                  f"max |kernel - XLA| / max |XLA|. Measured by run {runs_of(res['attn'].values())}.", ""] + _attn_table(list(res["attn"].values())) + [""]
+                  "max |kernel - XLA| / max |XLA|. INT8 / INT4 shadow: the same kernel over the draft's "
+                  "quantized copy of that cache, against its own floor (codes + float32 scales + q + output). "
+                  f"Measured by run {runs_of(res['attn'].values())}.", ""] + _attn_table(list(res["attn"].values())) + [""]
     if "check_ok" in res:
         lines.append(f"GPU correctness checks (`check`, {len(res['check'])} rows in kernels.json): "
                      f"{'PASSED' if res['check_ok'] else 'FAILED'}")
@@ -597,12 +628,14 @@ def summary(res: dict) -> str:
             lines.append(fmt.format(r["model"], r["shape"], r["M"], _us(r["w4a16"]), _pct(r["w4a16"]),
                                     _us(r["w4a4"]), _us(r["xla_bf16"]), _us(r["xla_int4"]),
                                     _ratio(r["xla_bf16"], r["w4a16"]), _ratio(r["xla_int4"], r["w4a16"])))
-    afmt = "attn B={:<3} ctx={:<5} T=1: kernel {:>7} us, {:>6} x floor, XLA {:>7} us ({} vs kernel)"
+    afmt = "attn B={:<3} ctx={:<5} T=1: kernel {:>7} us, {:>6} x floor, XLA {:>7} us ({} vs kernel); shadows {}"
     for r in res["attn"].values():
         if r["T"] == 1:
             k = r["kernel"]
             floor = "n/a" if "error" in k else f"{k['us'] / r['floor_us']:.2f}"
-            lines.append(afmt.format(r["B"], r["context"], _us(k), floor, _us(r["xla"]), _ratio(r["xla"], k)))
+            shadows = ", ".join(f"INT{b} {_shadow(e)}" for b, e in r.get("shadow", {}).items()) or "–"
+            lines.append(afmt.format(r["B"], r["context"], _us(k), floor, _us(r["xla"]), _ratio(r["xla"], k),
+                                     shadows))
     if "check_ok" in res:
         lines.append(f"GPU correctness checks: {'PASSED' if res['check_ok'] else 'FAILED'}")
     return "\n".join(lines)
@@ -616,7 +649,7 @@ def _smoke() -> None:
     MODELS = {"tiny": {"a": (32, 256), "odd": (40, 256)}}
     MS = (1, 16)
     CHECK_CASES = [("tiny g32 asym", 32, 256, 32, False), ("tiny per-channel", 32, 256, 256, True)]
-    ATTN = {"heads": (4, 2, 64), "batches": (2,), "contexts": (128,), "ts": (1, 4)}
+    ATTN = {"heads": (4, 2, 64), "batches": (2,), "contexts": (128,), "ts": (1, 4), "shadow_bits": (8, 4)}
     L2_BYTES, CALLS, COPY_ELEMS = 1e3, 2, 1 << 20
     KW["interpret"] = True
 

@@ -4,7 +4,8 @@
         [--hf bench/results/hf_baseline.json] [--out bench/results/decode.svg]
 
 Methods: the autoregressive ones (W16A16, W4A16, W4A8, W4A4) and QSPEC with each draft at one
-gamma (default 3, the paper's); QSPEC's acceptance is the replayed trace the runs name. ``--hf``
+gamma (default 3, the paper's), labelled with its acceptance: replayed from the trace the runs name
+on the Llama shapes, measured on a real model (smollm2). ``--hf``
 adds Hugging Face transformers' bf16 decode rate (``bench/hf_baseline.py``) at the same context. Run it where
 the project's venv is (matplotlib is in requirements.lock; the lent GPU machine has none), on the
 ``decode.json`` files the GPU runs wrote.
@@ -35,7 +36,8 @@ def series(results: list[dict], context: int, gamma: int) -> dict[str, dict[str,
             if name in AR:
                 label = name
             elif name.endswith(f" g={gamma}"):
-                label = f"{name.split()[0]} {name.split()[1]} draft, γ={gamma} ({r.get('acceptance', 'replayed')} acceptance)"
+                acceptance = r.get("acceptance", "replayed")  # sections from before session 12: replayed
+                label = f"{name.split()[0]} {name.split()[1]} draft, γ={gamma} ({acceptance} acceptance)"
             else:
                 continue
             per.setdefault(label, []).append((r["batch"], e["tokens_per_s"]))

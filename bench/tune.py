@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 -m bench.tune [--shapes qkv,o,gate_up,down,lm_head] [--kinds w4a16,w4a8,dense]
         [--models llama3-8b,llama2-7b,llama2-13b] [--ms 16,32,64,128,256] [--attn 8,16:1024,2048]
-        [--prologue 1,16,64] [--only rows_first] [--out DIR] [--budget-s 400]
+        [--attn-kv 16,8,4] [--prologue 1,16,64] [--only rows_first] [--out DIR] [--budget-s 400]
 
 Layer shapes of ``--models`` (default Llama-3-8B; :data:`bench.kernels.MODELS`). For each (shape, kind,
 M) the kernel with its default tiles and a set of variants (:func:`variants`: warps, pipeline stages,
@@ -13,7 +13,8 @@ variant's output on the first input is compared with the default's: ``same bits`
 else the max relative difference (a K chunk, split or weight tile other than the default changes the
 summation order; rows per tile, warps and stages must not change a bit). Writes ``tune.json`` / ``tune.md``
 under ``--out`` (default ``$OUT``, else bench/results) after every shape. ``--attn`` also sweeps
-the decode attention kernel's KV block and cache splits (``--shapes ''`` for attention alone);
+the decode attention kernel's KV block and cache splits (``--shapes ''`` for attention alone), over
+the bf16 cache or (``--attn-kv``) the draft's INT8 / INT4 shadow of it, where pipeline stages are swept too;
 ``--prologue`` the activation-prologue kernels' tile width (:mod:`pallas_kernels.gpu_activations`)
 at the hidden and intermediate widths of all three model shapes.
 """
@@ -199,35 +200,41 @@ def sweep_prologue(ms: list[int], tmp: Path, threads: int) -> list[dict]:
     return rows
 
 
-def attention_variants(context: int) -> list[dict]:
-    """The attention configurations tried at one context; the first, ``{}``, is the default."""
-    return [{}] + [{"block_s": bs, "splits": sp} for bs in (64, 128, 256) for sp in (2, 4, 8, 16, 32)
-                   if context // bs >= sp]
+def attention_variants(context: int, bits: int) -> list[dict]:
+    """The attention configurations tried at one context over a cache of ``bits`` (16: bf16; 8 / 4:
+    the draft's shadow, whose pipeline depth is swept too); the first, ``{}``, is the default."""
+    tiles = [{"block_s": bs, "splits": sp} for bs in (64, 128, 256) for sp in (2, 4, 8, 16, 32) if context // bs >= sp]
+    return [{}] + tiles + ([{"num_stages": n} for n in (2, 4)] if bits < 16 else [])
 
 
-def sweep_attention(batches: list[int], contexts: list[int], tmp: Path, threads: int, bw: float) -> list[dict]:
-    """Decode attention (Llama-3-8B heads, bf16): the default KV block and cache splits against
-    others, per (batch, context, T); ``vs_default`` is the max relative output difference (a split
-    count other than the default merges the partial softmaxes in another grouping)."""
+def sweep_attention(batches: list[int], contexts: list[int], kv_bits: list[int], tmp: Path, threads: int,
+                    bw: float) -> list[dict]:
+    """Decode attention (Llama-3-8B heads) over the caches of ``kv_bits`` (16: bf16, 8 / 4: the
+    shadow): the default KV block and cache splits against others, per (batch, context, T);
+    ``vs_default`` is the max relative output difference (a split count other than the default merges
+    the partial softmaxes in another grouping)."""
     rows = []
     for b in batches:
         for ctx in contexts:
             jobs, meta = [], []
-            for t, sets in _attn_inputs(b, ctx, (1, 4)).items():
-                for kw in attention_variants(ctx):
-                    jobs.append(Job(lambda q, k, v, p, kw=kw: gpu_attention.decode_attention(q, k, v, p, **kw), sets,
-                                    pallas=True))
-                    meta.append((t, kw))
+            for (t, bits), sets in _attn_inputs(b, ctx, (1, 4)).items():
+                if bits not in kv_bits:
+                    continue
+                for kw in attention_variants(ctx, bits):
+                    jobs.append(Job(lambda q, k, v, p, *sc, kw=kw: gpu_attention.decode_attention(
+                        q, k, v, p, scales=tuple(sc) or None, **kw), sets, pallas=True))
+                    meta.append((t, bits, kw))
             measure(jobs, tmp, threads)
-            base = {t: job for job, (t, kw) in zip(jobs, meta) if not kw}
-            floor = {t: (_attn_bytes(b, ctx, t)[0]) / bw * 1e6 for t in (1, 4)}
-            for job, (t, kw) in zip(jobs, meta):
-                diff = "" if not kw else _max_rel_diff(job, base[t])
-                rows.append({"shape": f"attention B={b} ctx={ctx}", "kind": "attention", "M": t, "config": kw,
-                             "us": job.us, "error": job.error, "floor_us": floor[t],
+            base = {(t, bits): job for job, (t, bits, kw) in zip(jobs, meta) if not kw}
+            for job, (t, bits, kw) in zip(jobs, meta):
+                diff = "" if not kw else _max_rel_diff(job, base[t, bits])
+                floor = _attn_bytes(b, ctx, t, bits)[0] / bw * 1e6
+                cache = "" if bits == 16 else f" INT{bits} shadow"
+                rows.append({"shape": f"attention B={b} ctx={ctx}{cache}", "kind": "attention", "M": t, "config": kw,
+                             "us": job.us, "error": job.error, "floor_us": floor,
                              "vs_default": "" if not kw else ("-" if diff is None else f"rel {diff:.1e}")})
-                log(f"attention B={b} ctx={ctx} T={t} {kw or 'default'}: "
-                    + (f"{job.us:.1f} us ({job.us / floor[t]:.2f}x floor)" if job.us else f"error {job.error}"))
+                log(f"attention B={b} ctx={ctx}{cache} T={t} {kw or 'default'}: "
+                    + (f"{job.us:.1f} us ({job.us / floor:.2f}x floor)" if job.us else f"error {job.error}"))
     return rows
 
 
@@ -261,6 +268,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--budget-s", type=float, default=400.0, help="start no shape after this")
     ap.add_argument("--attn", default=None, metavar="BATCHES:CONTEXTS",
                     help="also sweep decode attention, e.g. 8,16:1024,2048 (KV block x cache splits)")
+    ap.add_argument("--attn-kv", default="16", metavar="BITS",
+                    help="with --attn: the caches, of 16 (bf16) and the shadow's 8 and 4, e.g. 16,8,4")
     ap.add_argument("--prologue", default=None, metavar="MS",
                     help="also sweep the activation-prologue kernels' tile width at these row counts, e.g. 1,16,64")
     ap.add_argument("--only", default=None, metavar="KEYS",
@@ -276,6 +285,9 @@ def main(argv: list[str] | None = None) -> None:
                + [s for s in args.shapes.split(",") if s and s not in MODELS[DEFAULT_MODEL]])
     if unknown:
         raise SystemExit(f"unknown kinds/models/shapes: {unknown}")
+    kv_bits = [int(v) if v.isdigit() else -1 for v in args.attn_kv.split(",")]
+    if set(kv_bits) - {16, 8, 4}:
+        raise SystemExit(f"--attn-kv: caches of 16 (bf16), 8 or 4 bits, got {args.attn_kv!r}")
     if jax.default_backend() != "gpu":
         raise SystemExit("bench.tune times GPU kernels: run it on the GPU machine")
     ms = [int(m) for m in args.ms.split(",")]
@@ -287,7 +299,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.attn:
             batches, contexts = ([int(v) for v in part.split(",")] for part in args.attn.split(":"))
             copy_bandwidth(run, Path(tmp), args.threads)
-            run["rows"] += sweep_attention(batches, contexts, Path(tmp), args.threads, run["copy_bw"])
+            run["rows"] += sweep_attention(batches, contexts, kv_bits, Path(tmp), args.threads, run["copy_bw"])
         if args.prologue:
             run["rows"] += sweep_prologue([int(m) for m in args.prologue.split(",")], Path(tmp), args.threads)
         for model in models:

@@ -97,7 +97,7 @@ def _attention_kernel(layer_ref, q_ref, pos_ref, k_ref, v_ref, *refs, tiles: int
             blk = (pl.ds(j * block_s, block_s),)
             score_scale = score_scale * pl_triton.load(at_layer(k_scale_ref, layer, blk, interpret))[None, :]
             v_scale = pl_triton.load(at_layer(v_scale_ref, layer, blk, interpret))[None, :]
-            ks, vs = kv_planes_f16(k, kv_bits, interpret), kv_planes_f16(v, kv_bits, interpret)
+            ks, vs = kv_planes_f16(k, kv_bits, interpret=interpret), kv_planes_f16(v, kv_bits, interpret=interpret)
         else:
             ks, vs = [k], [v]
         slot = j * block_s + jax.lax.broadcasted_iota(jnp.int32, (1, block_s), 1)
@@ -145,7 +145,7 @@ def _plane_asm(bits: int, j: int) -> str:
     return "{\n.reg .b32 m, c;\n" + place + f"mov.b32 c, {offset};\nsub.rn.f16x2 $0, m, c;\n}}"
 
 
-def kv_planes_f16(words: jax.Array, bits: int, interpret: bool = True) -> list[jax.Array]:
+def kv_planes_f16(words: jax.Array, bits: int, *, interpret: bool) -> list[jax.Array]:
     """:func:`pallas_kernels.reference.kv_planes` as float16, exactly, by bit operations instead of a
     (quarter-rate) int-to-float conversion: an offset code ``u < 1024`` ORed into the bits of 1024.0
     is ``1024 + u``; subtracting ``1024 + 2**(bits-1)`` leaves the code. On the GPU as PTX on pairs of

@@ -78,4 +78,6 @@ LAYER_SPEC = pl.BlockSpec((1,), lambda *g: (0,))  # the int32[1] layer index
 def x2(bits16: int) -> str:
     """A PTX 32-bit immediate holding the 16-bit pattern ``bits16`` in both halves (an f16x2 /
     bf16x2 constant, or a mask for two packed 16-bit words)."""
+    if not 0 <= bits16 < 1 << 16:
+        raise ValueError(f"not a 16-bit pattern: {bits16:#x}")
     return f"{bits16 << 16 | bits16:#010x}"

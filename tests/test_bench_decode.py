@@ -1,9 +1,11 @@
 """bench/decode.py end to end on a tiny random model (CPU): every method runs, QSPEC's accept
 decisions follow the replayed trace (so its round count is known in advance), the report is written;
-bench/plot.py draws that report; bench/hf_baseline.py's arguments and report (its runs need a GPU)."""
+its shards and bench/decode_gpus.py's merge; bench/plot.py draws that report; bench/hf_baseline.py's
+arguments and report (its runs need a GPU)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import jax
@@ -262,3 +264,58 @@ def test_time_loop_warms_up_on_a_nearly_finished_state():
     secs, out = decode.time_loop(fake_loop, None, make, 16, reps=2)
     assert seen == [16 - decode.WARM_TOKENS, 0, 0]
     assert secs > 0 and int((out.lengths - out.prompt_lengths)[0]) == 0
+
+
+def test_shards_split_every_configuration_once_and_balance_cost():
+    """--shard's split: each configuration in exactly one share, the shares' estimated costs within
+    one configuration of each other, the same split on every call."""
+    rng = np.random.default_rng()
+    items = [(f"m{i}", int(rng.integers(1, 9)), int(rng.integers(1, 99))) for i in range(int(rng.integers(5, 40)))]
+    cost = lambda t: float(t[1] * t[2])  # noqa: E731
+    parts = int(rng.integers(1, 6))
+    split = decode.split_by_cost(items, cost, parts)
+    assert sorted(x for part in split for x in part) == sorted(items)
+    loads = [sum(map(cost, part)) for part in split]
+    assert max(loads) - min(loads) <= max(map(cost, items))
+    assert decode.split_by_cost(list(items), cost, parts) == split
+    for bad in ("2/2", "1", "a/3", "-1/2"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            decode.parse_shard(bad)
+
+
+def test_decode_gpus_merge_keeps_resumed_and_adds_shards():
+    """bench.decode_gpus' merge: --resume's sections kept (a shard's copy of one is not new), a shard's
+    re-measured section replaces the old one in place, a skipped one does not, new ones are added."""
+    from bench import decode_gpus
+
+    def sec(batch, label, **kw):
+        return {"model": "a", "context": 64, "batch": batch, "label": label, **kw}
+
+    old = {"command": "first", "results": [sec(1, "old"), sec(2, "old"), sec(3, "old")]}
+    shard0 = {"device": "gpu0", "copy_bw": 1.0, "command": "x", "results": [sec(1, "old"), sec(2, "new")]}
+    shard1 = {"device": "gpu1", "copy_bw": 2.0, "command": "y",
+              "results": [sec(3, "old"), sec(3, "new", skipped="needs ~200 GB"), sec(4, "new")]}
+    run = decode_gpus.merge(old, [shard0, shard1], "python3 -m bench.decode_gpus --gpus 2")
+    assert [(r["batch"], r["label"]) for r in run["results"]] == [(1, "old"), (2, "new"), (3, "old"), (4, "new")]
+    assert run["device"] == "gpu0" and run["command"] == "first; then python3 -m bench.decode_gpus --gpus 2"
+    assert decode_gpus.merge(None, [shard1], "c")["results"][0] == sec(3, "old")
+
+
+def test_decode_gpus_runs_one_process_per_shard(tmp_path):
+    """Two shards (processes) on the CPU: each measures one of the two configurations, the merged
+    decode.json holds both; a bad flag is refused before any process starts."""
+    from bench import decode_gpus
+
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"source": "constant test trace", "w4a8": {"1": [[0, 1]]}}))
+    common = ["--models", "smoke", "--contexts", "64", "--new", "8", "--gammas", "1", "--drafts", "w4a8",
+              "--ar", "w4a16", "--kernels", "reference", "--trace", str(trace), "--threads", "1"]
+    decode_gpus.main(["--gpus", "2", *common, "--batches", "2,3", "--out", str(tmp_path)])
+    shards = [{r["batch"] for r in json.loads((tmp_path / f"shard{i}" / "decode.json").read_text())["results"]}
+              for i in range(2)]
+    assert sorted(shards, key=min) == [{2}, {3}]
+    merged = json.loads((tmp_path / "decode.json").read_text())["results"]
+    assert sorted(r["batch"] for r in merged) == [2, 3] and all("skipped" not in r for r in merged)
+    with pytest.raises(SystemExit):
+        decode_gpus.main(["--gpus", "2", *common, "--shard", "0/2", "--out", str(tmp_path / "bad")])
+    assert not (tmp_path / "bad").exists()

@@ -49,23 +49,35 @@ def test_select_keeps_the_default_and_the_named_keys():
                for kw in tune.variants(kind, m, 64, 512))
     with pytest.raises(SystemExit, match="unknown keys"):
         tune.main(["--only", "row_first"])
+    for bad in ("12", "8,x", ""):
+        with pytest.raises(SystemExit, match="--attn-kv"):
+            tune.main(["--attn", "8:1024", "--attn-kv", bad])
 
 
-def test_attention_variants_agree(rng):
-    """Every KV block / split configuration the sweep tries runs and matches the default to float
-    tolerance (only the grouping of the partial-softmax merge differs)."""
-    from pallas_kernels import gpu_attention
+@pytest.mark.parametrize("bits", [16, 8])
+def test_attention_variants_agree(rng, bits):
+    """Every KV block / split (and, over the draft's shadow, pipeline-depth) configuration the sweep
+    tries runs and matches the default to float tolerance (only the grouping of the partial-softmax
+    merge differs)."""
+    from pallas_kernels import gpu_attention, reference
 
     b, ctx, h, kvh, d = 2, 512, 4, 2, 32
     k, v = (jnp.asarray(rng.standard_normal((b, ctx, kvh, d)), jnp.float32) for _ in range(2))
     q = jnp.asarray(rng.standard_normal((b, 3, h, d)), jnp.float32)
     q_pos = jnp.asarray([[100, 101, 102], [509, 510, 511]], jnp.int32)
-    configs = tune.attention_variants(ctx)
+    extra = {}
+    if bits < 16:  # the shadow: codes, and head-major scales [B, KV, S]
+        (k, ks), (v, vs) = reference.quantize_kv(k, bits), reference.quantize_kv(v, bits)
+        extra = {"scales": (jnp.swapaxes(ks, -1, -2), jnp.swapaxes(vs, -1, -2))}
+    configs = tune.attention_variants(ctx, bits)
     assert configs[0] == {} and len(configs) > 5
-    base = np.asarray(gpu_attention.decode_attention(q, k, v, q_pos, interpret=True))
+    assert any("num_stages" in kw for kw in configs) == (bits < 16)
+    base = np.asarray(gpu_attention.decode_attention(q, k, v, q_pos, interpret=True, **extra))
     for kw in configs[1:]:
-        out = np.asarray(gpu_attention.decode_attention(q, k, v, q_pos, interpret=True, **kw))
-        np.testing.assert_allclose(out, base, rtol=1e-5, atol=1e-5, err_msg=str(kw))
+        out = np.asarray(gpu_attention.decode_attention(q, k, v, q_pos, interpret=True, **extra, **kw))
+        # over the shadow, the probabilities are rounded to float16 against each split's own maximum
+        tol = 1e-5 if bits == 16 else 1e-3
+        np.testing.assert_allclose(out, base, rtol=tol, atol=tol, err_msg=str(kw))
 
 
 @pytest.mark.parametrize("kind", sorted(tune.PROLOGUES))

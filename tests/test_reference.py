@@ -85,7 +85,7 @@ def test_kv_shadow_packing_matches_numpy(rng, bits):
     codes = np.concatenate(nib, axis=-1) - (1 << (bits - 1))  # stored offset, unsigned
     assert np.array_equal(codes, q.astype(np.int64))
     assert np.array_equal(np.asarray(scale), s[..., 0])
-    f16 = np.concatenate([np.asarray(p, np.float64) for p in gpu_attention.kv_planes_f16(words, bits)], axis=-1)
+    f16 = np.concatenate([np.asarray(p, np.float64) for p in gpu_attention.kv_planes_f16(words, bits, interpret=True)], axis=-1)
     assert np.array_equal(f16, codes)
     back = np.asarray(reference.dequantize_kv(words, scale, bits), np.float64)
     assert np.all(np.abs(back - x) <= 0.5 * s.astype(np.float64) * (1 + 1e-5))  # x * f32(1/s) rounds

@@ -1,0 +1,32 @@
+"""bench/kernels.py end to end in its ``--smoke`` mode (tiny shapes, kernels in interpret mode, host
+timing): every part runs and reports, the attention rows include the draft's INT8 / INT4 shadow, and
+the kernels agree with XLA's attention (exactly up to float rounding over the bf16 cache, up to the
+quantization over the shadow)."""
+
+from __future__ import annotations
+
+import json
+
+from bench import kernels
+
+
+def test_kernels_smoke_reports_every_part(tmp_path, monkeypatch):
+    for name in ("MODELS", "MS", "CHECK_CASES", "ATTN", "L2_BYTES", "CALLS", "COPY_ELEMS"):
+        monkeypatch.setattr(kernels, name, getattr(kernels, name))  # --smoke rebinds them: restored after
+    monkeypatch.setattr(kernels, "KW", {})
+    kernels.main(["--smoke", "--out", str(tmp_path)])
+    res = json.loads((tmp_path / "kernels.json").read_text())
+    assert res["check_ok"] is True
+    assert {r["shape"] for r in res["table"].values()} == {"a", "odd"}
+    odd = [r for r in res["table"].values() if r["shape"] == "odd"]  # N = 40: the kernels reject it, XLA runs
+    assert all("error" in r["w4a16"] and "us" in r["xla_bf16"] for r in odd)
+    rows = list(res["attn"].values())
+    assert sorted(r["T"] for r in rows) == [1, 4]
+    for r in rows:
+        assert r["kernel"]["us"] > 0 and r["max_rel_diff"] < 1e-2
+        assert set(r["shadow"]) == {"8", "4"}
+        for bits, e in r["shadow"].items():
+            assert e["us"] > 0 and e["floor_us"] < r["floor_us"]  # a shadow moves fewer bytes
+            assert e["max_rel_diff"] < {"8": 0.05, "4": 0.5}[bits]  # the codes' rounding, not a wrong kernel
+    md = (tmp_path / "kernels.md").read_text()
+    assert "INT8 shadow µs (× its floor)" in md and "GPU correctness checks" in md
