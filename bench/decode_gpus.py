@@ -6,10 +6,10 @@ GPUs of one host it is about 1/N of that, each configuration still timed alone o
     PYTHONPATH=. python3 -m bench.decode_gpus --gpus 4 [--out DIR] [--resume OLD.json] \\
         [every other bench.decode argument, passed on to each shard]
 
-Each shard runs with ``CUDA_VISIBLE_DEVICES`` set to its GPU and writes ``DIR/shardI/`` (its
-decode.json, decode.md and log.txt); the merge keeps ``--resume``'s sections and adds each shard's
-new ones (:func:`bench.decode.record`: a re-measured section replaces the old one in place, a
-skipped one never replaces a measured one).
+Each shard runs with ``CUDA_VISIBLE_DEVICES`` set to its GPU and writes its decode.json to a
+temporary folder; the merge keeps ``--resume``'s sections and adds each shard's new ones
+(:func:`bench.decode.record`: a re-measured section replaces the old one in place, a skipped one
+never replaces a measured one). A failed shard's log is kept as ``DIR/decode_shardI.log``.
 """
 
 from __future__ import annotations
@@ -17,8 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from bench.decode import markdown, record, save
@@ -52,17 +54,23 @@ def main(argv: list[str] | None = None) -> None:
             ap.error(f"{flag} is bench.decode's own; bench.decode_gpus sets the shards")
     old = json.loads(args.resume.read_text()) if args.resume else None
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    dirs = [args.out / f"shard{i}" for i in range(args.gpus)]
-    procs = []
-    for i, d in enumerate(dirs):
-        d.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "bench.decode", *rest, *(["--resume", str(args.resume)] if old else []),
-               "--shard", f"{i}/{args.gpus}", "--out", str(d)]
-        with open(d / "log.txt", "w") as log:
-            procs.append(subprocess.Popen(cmd, env={**env, "CUDA_VISIBLE_DEVICES": str(i)}, stdout=log,
-                                          stderr=subprocess.STDOUT, cwd=ROOT))
-    failed = [str(d / "log.txt") for d, p in zip(dirs, procs) if p.wait() != 0]
-    runs = [json.loads((d / "decode.json").read_text()) for d in dirs if (d / "decode.json").is_file()]
+    with tempfile.TemporaryDirectory() as tmp:
+        dirs = [Path(tmp) / f"shard{i}" for i in range(args.gpus)]
+        procs = []
+        for i, d in enumerate(dirs):
+            d.mkdir()
+            cmd = [sys.executable, "-m", "bench.decode", *rest, *(["--resume", str(args.resume)] if old else []),
+                   "--shard", f"{i}/{args.gpus}", "--out", str(d)]
+            with open(d / "log.txt", "w") as log:
+                procs.append(subprocess.Popen(cmd, env={**env, "CUDA_VISIBLE_DEVICES": str(i)}, stdout=log,
+                                              stderr=subprocess.STDOUT, cwd=ROOT))
+        codes = [p.wait() for p in procs]
+        runs = [json.loads((d / "decode.json").read_text()) for d in dirs if (d / "decode.json").is_file()]
+        args.out.mkdir(parents=True, exist_ok=True)
+        failed = []
+        for i, (d, code) in enumerate(zip(dirs, codes)):
+            if code:
+                failed.append(str(shutil.copy(d / "log.txt", args.out / f"decode_shard{i}.log")))
     if runs:
         command = " ".join(["python3 -m bench.decode_gpus", *(argv if argv is not None else sys.argv[1:])])
         run = merge(old, runs, command)

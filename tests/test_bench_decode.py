@@ -301,21 +301,33 @@ def test_decode_gpus_merge_keeps_resumed_and_adds_shards():
     assert decode_gpus.merge(None, [shard1], "c")["results"][0] == sec(3, "old")
 
 
-def test_decode_gpus_runs_one_process_per_shard(tmp_path):
-    """Two shards (processes) on the CPU: each measures one of the two configurations, the merged
-    decode.json holds both; a bad flag is refused before any process starts."""
+def test_decode_gpus_runs_one_process_per_shard(tmp_path, monkeypatch):
+    """Two shards on the CPU: two processes, each with its own GPU and share, measure the two
+    configurations between them and the merged decode.json holds both; a failing shard's log is kept
+    and named; a flag that is the launcher's own is refused before any process starts."""
+    import subprocess
+
     from bench import decode_gpus
 
+    launched = []
+    real_popen = subprocess.Popen
+
+    def popen(cmd, env, **kw):
+        launched.append((cmd[cmd.index("--shard") + 1], env["CUDA_VISIBLE_DEVICES"]))
+        return real_popen(cmd, env=env, **kw)
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
     trace = tmp_path / "trace.json"
     trace.write_text(json.dumps({"source": "constant test trace", "w4a8": {"1": [[0, 1]]}}))
-    common = ["--models", "smoke", "--contexts", "64", "--new", "8", "--gammas", "1", "--drafts", "w4a8",
+    common = ["--contexts", "64", "--new", "8", "--gammas", "1", "--drafts", "w4a8",
               "--ar", "w4a16", "--kernels", "reference", "--trace", str(trace), "--threads", "1"]
-    decode_gpus.main(["--gpus", "2", *common, "--batches", "2,3", "--out", str(tmp_path)])
-    shards = [{r["batch"] for r in json.loads((tmp_path / f"shard{i}" / "decode.json").read_text())["results"]}
-              for i in range(2)]
-    assert sorted(shards, key=min) == [{2}, {3}]
+    decode_gpus.main(["--gpus", "2", "--models", "smoke", *common, "--batches", "2,3", "--out", str(tmp_path)])
+    assert sorted(launched) == [("0/2", "0"), ("1/2", "1")]
     merged = json.loads((tmp_path / "decode.json").read_text())["results"]
     assert sorted(r["batch"] for r in merged) == [2, 3] and all("skipped" not in r for r in merged)
+    with pytest.raises(SystemExit, match="decode_shard0.log"):
+        decode_gpus.main(["--gpus", "1", "--models", "nosuch", *common, "--out", str(tmp_path / "bad")])
+    assert "unknown models" in (tmp_path / "bad" / "decode_shard0.log").read_text()
     with pytest.raises(SystemExit):
-        decode_gpus.main(["--gpus", "2", *common, "--shard", "0/2", "--out", str(tmp_path / "bad")])
-    assert not (tmp_path / "bad").exists()
+        decode_gpus.main(["--gpus", "2", "--models", "smoke", *common, "--shard", "0/2", "--out", str(tmp_path / "x")])
+    assert not (tmp_path / "x").exists()
