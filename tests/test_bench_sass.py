@@ -74,3 +74,30 @@ def test_compile_counts_the_kernel_loop():
     # a 64-slot block, 16 query rows, 4 warps side by side on the MMA's N: per warp, q k^T is
     # 16 x 16 x 128 (2 n8 tiles x 8 k16 steps) and p v 16 x 32 x 64 (4 n8 tiles x 4 k16 steps)
     assert loop["opcodes"]["HMMA"] == 2 * 8 + 4 * 4
+
+
+def test_compile_runs_the_ttir_passes_as_xla_does():
+    """With a local triton: the module goes through Triton's TTIR passes before compiling, as XLA's
+    pipeline runs them, so the combine pass folds the Pallas ``acc + dot(a, b)`` (a dot with a zero
+    accumulator and an add) into one dot accumulating into ``acc``: no add of a dot result is left."""
+    pytest.importorskip("triton")
+    from jax.experimental import pallas as pl
+
+    from pallas_kernels.launch import call_kernel
+
+    def kernel(x_ref, y_ref, o_ref):
+        def body(i, acc):
+            return acc + jnp.dot(x_ref[:, pl.ds(i * 32, 32)], y_ref[pl.ds(i * 32, 32), :],
+                                 preferred_element_type=jnp.float32)
+
+        o_ref[...] = jax.lax.fori_loop(0, 4, body, jnp.zeros((64, 64), jnp.float32))
+
+    x = jax.ShapeDtypeStruct((64, 128), jnp.bfloat16)
+    y = jax.ShapeDtypeStruct((128, 64), jnp.bfloat16)
+    spec = lambda shape: pl.BlockSpec(shape, lambda: (0, 0))  # noqa: E731
+    (m,) = sass.triton_modules(lambda x, y: call_kernel(kernel, jax.ShapeDtypeStruct((64, 64), jnp.float32), (),
+                                                        [spec((64, 128)), spec((128, 64))], spec((64, 64)), False,
+                                                        4, 2, x, y), x, y)
+    assert "arith.addf" in m["module"]  # what the Pallas lowering hands over
+    ttgir = sass.compile_sass(m["module"], m["num_warps"], m["num_stages"])["ttgir"]
+    assert "dot" in ttgir and "arith.addf" not in ttgir
