@@ -148,14 +148,24 @@ def kv_bytes(cfg: LlamaConfig, batch: int, slots: int) -> int:
 
 def config_cost_s(name: str, context: int, batch: int, args) -> float:
     """A rough estimate of one configuration's seconds (its compiles, then every decode loop at the
-    bytes-floor step time): only to balance ``--shard``'s split."""
+    bytes-floor step time; about 0 for one too large for :data:`MEM_LIMIT`, which is skipped): only
+    to balance ``--shard``'s split."""
     loops = len(args.ar) + len(args.drafts) * len(args.gammas)
-    if name == REAL_MODEL:  # a 135M model: launch-bound steps of a few ms
-        step_s = 2e-3
-    else:
-        cfg = MODELS[name]
-        step_s = (matmul_flops_per_token(cfg) / 4 + kv_bytes(cfg, batch, context + args.new // 2)) / 4e12
-    return 20.0 + loops * args.new * step_s
+    if name == REAL_MODEL:  # a 135M model: launch-bound steps of a few ms, ~1 min in session 12
+        return 20.0 + loops * args.new * 4e-3
+    cfg = MODELS[name]
+    packed = matmul_flops_per_token(cfg) / 4  # ~ the INT4 weights' bytes (half a byte per weight)
+    if memory_need(packed, cfg, context, batch, args) > MEM_LIMIT:  # _bench_model's test, on estimated bytes
+        return 0.0
+    return 20.0 + loops * args.new * (packed + kv_bytes(cfg, batch, context + args.new // 2)) / 4e12
+
+
+def memory_need(weight_bytes: float, cfg: LlamaConfig, context: int, batch: int, args) -> float:
+    """Device bytes one configuration needs, estimated: the weights (three times with the W16A16
+    baseline's bf16 copy), 1.5 x the KV cache (a state and a loop's copy), and the draft's shadow."""
+    kv = kv_bytes(cfg, batch, context + args.new + 64)
+    shadow = max([parse_draft(d)[1] or 0 for d in args.drafts] + [0]) / 16  # a shadow's bytes per cache byte
+    return weight_bytes * (3 if "w16a16" in args.ar else 1) + 1.5 * kv + (kv * (shadow + 1 / 32) if shadow else 0)
 
 
 def split_by_cost(items: list, cost, parts: int) -> list[list]:
@@ -674,10 +684,8 @@ def _bench_model(name: str, todo: list[tuple[int, int]], args, trace: dict, bw: 
     params = random_params(cfg, jax.random.key(1)) if model is None else model.checkpoint.params
     fparams = float_params(params) if "w16a16" in args.ar else None
     configs = []
-    shadow = max([parse_draft(d)[1] or 0 for d in args.drafts] + [0]) / 16  # a shadow's bytes per cache byte
     for context, batch in todo:
-        kv = kv_bytes(cfg, batch, context + args.new + 64)
-        need = weight_bytes(params) * (3 if fparams else 1) + 1.5 * kv + (kv * (shadow + 1 / 32) if shadow else 0)
+        need = memory_need(weight_bytes(params), cfg, context, batch, args)
         if need > MEM_LIMIT:
             log(f"{name} B={batch} ctx={context}: skipped, needs ~{need / 1e9:.0f} GB")
             record(run, {"model": name, "batch": batch, "context": context, "new": args.new,

@@ -217,9 +217,7 @@ def sweep_attention(batches: list[int], contexts: list[int], kv_bits: list[int],
     for b in batches:
         for ctx in contexts:
             jobs, meta = [], []
-            for (t, bits), sets in _attn_inputs(b, ctx, (1, 4)).items():
-                if bits not in kv_bits:
-                    continue
+            for (t, bits), sets in _attn_inputs(b, ctx, (1, 4), kv_bits).items():
                 for kw in attention_variants(ctx, bits):
                     jobs.append(Job(lambda q, k, v, p, *sc, kw=kw: gpu_attention.decode_attention(
                         q, k, v, p, scales=tuple(sc) or None, **kw), sets, pallas=True))

@@ -266,18 +266,16 @@ def test_time_loop_warms_up_on_a_nearly_finished_state():
     assert secs > 0 and int((out.lengths - out.prompt_lengths)[0]) == 0
 
 
-def test_shards_split_every_configuration_once_and_balance_cost():
+def test_shards_split_every_configuration_once_and_balance_cost(rng):
     """--shard's split: each configuration in exactly one share, the shares' estimated costs within
-    one configuration of each other, the same split on every call."""
-    rng = np.random.default_rng()
+    one configuration of each other; bad --shard values are refused."""
     items = [(f"m{i}", int(rng.integers(1, 9)), int(rng.integers(1, 99))) for i in range(int(rng.integers(5, 40)))]
     cost = lambda t: float(t[1] * t[2])  # noqa: E731
     parts = int(rng.integers(1, 6))
     split = decode.split_by_cost(items, cost, parts)
-    assert sorted(x for part in split for x in part) == sorted(items)
+    assert len(split) == parts and sorted(x for part in split for x in part) == sorted(items)
     loads = [sum(map(cost, part)) for part in split]
     assert max(loads) - min(loads) <= max(map(cost, items))
-    assert decode.split_by_cost(list(items), cost, parts) == split
     for bad in ("2/2", "1", "a/3", "-1/2"):
         with pytest.raises(argparse.ArgumentTypeError):
             decode.parse_shard(bad)
@@ -302,9 +300,10 @@ def test_decode_gpus_merge_keeps_resumed_and_adds_shards():
 
 
 def test_decode_gpus_runs_one_process_per_shard(tmp_path, monkeypatch):
-    """Two shards on the CPU: two processes, each with its own GPU and share, measure the two
-    configurations between them and the merged decode.json holds both; a failing shard's log is kept
-    and named; a flag that is the launcher's own is refused before any process starts."""
+    """Two shards on the CPU: two processes, each with its own GPU index and share, measure disjoint
+    shares covering both configurations, kept in DIR/decode_shards and merged into DIR/decode.json
+    (again by --merge-only); a failing shard's log is named; a flag that is the launcher's own, or
+    more GPUs than visible, is refused before any process starts."""
     import subprocess
 
     from bench import decode_gpus
@@ -317,17 +316,29 @@ def test_decode_gpus_runs_one_process_per_shard(tmp_path, monkeypatch):
         return real_popen(cmd, env=env, **kw)
 
     monkeypatch.setattr(subprocess, "Popen", popen)
+    monkeypatch.setattr(decode_gpus, "visible_gpus", lambda: None)  # a CPU machine: no GPUs to count
     trace = tmp_path / "trace.json"
     trace.write_text(json.dumps({"source": "constant test trace", "w4a8": {"1": [[0, 1]]}}))
     common = ["--contexts", "64", "--new", "8", "--gammas", "1", "--drafts", "w4a8",
               "--ar", "w4a16", "--kernels", "reference", "--trace", str(trace), "--threads", "1"]
-    decode_gpus.main(["--gpus", "2", "--models", "smoke", *common, "--batches", "2,3", "--out", str(tmp_path)])
+    out = tmp_path / "out"
+    decode_gpus.main(["--gpus", "2", "--models", "smoke", *common, "--batches", "2,3", "--out", str(out)])
     assert sorted(launched) == [("0/2", "0"), ("1/2", "1")]
-    merged = json.loads((tmp_path / "decode.json").read_text())["results"]
-    assert sorted(r["batch"] for r in merged) == [2, 3] and all("skipped" not in r for r in merged)
-    with pytest.raises(SystemExit, match="decode_shard0.log"):
+    shares = [{r["batch"] for r in json.loads((out / "decode_shards" / f"shard{i}" / "decode.json").read_text())[
+        "results"]} for i in range(2)]
+    assert shares[0] | shares[1] == {2, 3} and not shares[0] & shares[1]
+    merged = json.loads((out / "decode.json").read_text())
+    assert sorted(r["batch"] for r in merged["results"]) == [2, 3] and all("skipped" not in r for r in merged["results"])
+    (out / "decode.json").unlink()
+    decode_gpus.main(["--gpus", "2", "--merge-only", "--out", str(out)])
+    assert json.loads((out / "decode.json").read_text())["results"] == merged["results"]
+    with pytest.raises(SystemExit, match="shard0/log.txt"):
         decode_gpus.main(["--gpus", "1", "--models", "nosuch", *common, "--out", str(tmp_path / "bad")])
-    assert "unknown models" in (tmp_path / "bad" / "decode_shard0.log").read_text()
+    assert "unknown models" in (tmp_path / "bad" / "decode_shards" / "shard0" / "log.txt").read_text()
+    n = len(launched)
     with pytest.raises(SystemExit):
         decode_gpus.main(["--gpus", "2", "--models", "smoke", *common, "--shard", "0/2", "--out", str(tmp_path / "x")])
-    assert not (tmp_path / "x").exists()
+    monkeypatch.setattr(decode_gpus, "visible_gpus", lambda: ["0"])
+    with pytest.raises(SystemExit):
+        decode_gpus.main(["--gpus", "2", "--models", "smoke", *common, "--out", str(tmp_path / "x")])
+    assert len(launched) == n and not (tmp_path / "x").exists()

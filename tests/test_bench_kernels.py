@@ -1,7 +1,7 @@
 """bench/kernels.py end to end in its ``--smoke`` mode (tiny shapes, kernels in interpret mode, host
 timing): every part runs and reports, the attention rows include the draft's INT8 / INT4 shadow, and
-the kernels agree with XLA's attention (exactly up to float rounding over the bf16 cache, up to the
-quantization over the shadow)."""
+the kernels agree with XLA's attention to float rounding (over the shadow: XLA attending over the
+dequantized shadow, so swapped scales or planes would show)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,6 @@ def test_kernels_smoke_reports_every_part(tmp_path, monkeypatch):
         assert set(r["shadow"]) == {"8", "4"}
         for bits, e in r["shadow"].items():
             assert e["us"] > 0 and e["floor_us"] < r["floor_us"]  # a shadow moves fewer bytes
-            assert e["max_rel_diff"] < {"8": 0.05, "4": 0.5}[bits]  # the codes' rounding, not a wrong kernel
+            assert e["max_rel_diff"] < 1e-2  # against XLA over the dequantized shadow: float16 rounding only
     md = (tmp_path / "kernels.md").read_text()
     assert "INT8 shadow µs (× its floor)" in md and "GPU correctness checks" in md
