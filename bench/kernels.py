@@ -419,8 +419,15 @@ def _attention_kernel() -> tuple[Callable | None, str | None]:
     except ImportError as e:
         log(f"attn: no kernel ({e}); XLA alone is timed")
         return None, _reason(e)
-    return (lambda q, k, v, q_pos, *scales: gpu_attention.decode_attention(
-        q, k, v, q_pos, scales=tuple(scales) or None, **KW)), None
+    return (lambda *args: attention_call(*args, **KW)), None
+
+
+def attention_call(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, *scales: jax.Array, **kw) -> jax.Array:
+    """The decode attention kernel on one of :func:`_attn_inputs`' argument sets: ``(q, k, v, q_pos)``
+    over the bf16 cache, the key and value scales appended over a shadow; ``kw`` its tiles."""
+    from pallas_kernels import gpu_attention
+
+    return gpu_attention.decode_attention(q, k, v, q_pos, scales=tuple(scales) or None, **kw)
 
 
 def _kv_bytes(b: int, ctx: int, bits: int = 16) -> int:
@@ -497,16 +504,19 @@ def _shadow_rel_diff(job: Job, bits: int) -> float | None:
         return None
     q, kw, vw, q_pos, ks, vs = job.arg_sets[0]
     deq = lambda w, s: ref.dequantize_kv(w, jnp.swapaxes(s, -1, -2), bits)  # noqa: E731
-    r = np.asarray(jax.jit(xla_attention)(q.astype(jnp.float32), deq(kw, ks), deq(vw, vs), q_pos), np.float32)
-    y = np.asarray(job.compiled(*job.arg_sets[0]), np.float32)
-    return float(np.abs(y - r).max() / np.abs(r).max())
+    r = jax.jit(xla_attention)(q.astype(jnp.float32), deq(kw, ks), deq(vw, vs), q_pos)
+    return _rel_diff(job, r)
 
 
 def _max_rel_diff(job: Job, base: Job) -> float | None:
     if job.error is not None or base.error is not None:
         return None
-    y = np.asarray(job.compiled(*job.arg_sets[0]), np.float32)
-    r = np.asarray(base.compiled(*base.arg_sets[0]), np.float32)
+    return _rel_diff(job, base.compiled(*base.arg_sets[0]))
+
+
+def _rel_diff(job: Job, r) -> float:
+    """max |job's output - r| / max |r| on the job's first argument set."""
+    y, r = np.asarray(job.compiled(*job.arg_sets[0]), np.float32), np.asarray(r, np.float32)
     return float(np.abs(y - r).max() / np.abs(r).max())
 
 

@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.kernels import (CALLS, GROUP, MODELS, Job, _attn_bytes, _attn_inputs, _copies, _max_rel_diff, _weight,
-                           _weight_bytes, copy_bandwidth, log, measure)
-from pallas_kernels import gpu_activations, gpu_attention, gpu_matmul as gm
+                           _weight_bytes, attention_call, copy_bandwidth, log, measure)
+from pallas_kernels import gpu_activations, gpu_matmul as gm
 
 KINDS = {
     "w4a16": lambda x, w, kw: gm.w4a16_matmul(x, w, **kw),
@@ -219,8 +219,7 @@ def sweep_attention(batches: list[int], contexts: list[int], kv_bits: list[int],
             jobs, meta = [], []
             for (t, bits), sets in _attn_inputs(b, ctx, (1, 4), kv_bits).items():
                 for kw in attention_variants(ctx, bits):
-                    jobs.append(Job(lambda q, k, v, p, *sc, kw=kw: gpu_attention.decode_attention(
-                        q, k, v, p, scales=tuple(sc) or None, **kw), sets, pallas=True))
+                    jobs.append(Job(lambda *args, kw=kw: attention_call(*args, **kw), sets, pallas=True))
                     meta.append((t, bits, kw))
             measure(jobs, tmp, threads)
             base = {(t, bits): job for job, (t, bits, kw) in zip(jobs, meta) if not kw}
