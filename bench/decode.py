@@ -4,7 +4,7 @@
     PYTHONPATH=. python3 -m bench.decode --trace bench/results/acceptance_trace.json \
         [--models llama3-8b,llama2-7b,llama2-13b] [--batches 1,8,16,32,64] [--contexts 512]
         [--new 512] [--gammas 1,3,5] [--drafts w4a8,w4a4,w4a8/kv8] [--out DIR] [--resume OLD.json] [--budget-s 480]
-        [--threads 8] [--reps 1] [--no-ahead] [--label TEXT] [--rerun] [--shard I/N]
+        [--threads 8] [--reps 1] [--label TEXT] [--rerun] [--shard I/N]
     python -m bench.decode --record-trace bench/results/acceptance_trace.json \
         --gsm8k ../shared/data/gsm8k_test_dev.jsonl      # the trace, on SmolLM2's real weights
 
@@ -15,8 +15,9 @@ in the context, chat template, prefilled), QSPEC with its own accept decisions.
 Per (model, context P, batch B): a decode state holding P committed tokens per sequence is made
 directly (random tokens, a zeroed KV cache: decode time does not depend on the values), then each
 method generates ``--new`` tokens in its jitted ``while_loop`` (a configuration's loops are all
-compiled ahead, ``--threads`` at once, the Pallas ones while the previous configuration is timed;
-each is timed on a fresh state after a warm-up run of a few tokens): tokens/s, ms per step (AR) or
+compiled first, ``--threads`` at once, and nothing compiles while anything is timed: session 13's
+runs that compiled the next configuration meanwhile timed phases up to 2x too slow; each loop is
+timed on a fresh state after a warm-up run of a few tokens): tokens/s, ms per step (AR) or
 per round (QSPEC), and the ratio to W4A16 AR measured in the same run. QSPEC's accept decisions are
 **replayed** from a per-round accepted-draft trace recorded on SmolLM2's real weights
 (``--record-trace``; every draft step and verify pass still runs, only the accept decision is
@@ -44,7 +45,9 @@ Writes ``decode.json`` / ``decode.md`` under ``--out`` (default ``$OUT``, else b
 every configuration. ``--resume OLD.json`` continues an earlier run: its configurations are kept and
 not run again (so a matrix larger than one device call is measured over several calls), except with
 ``--rerun``, where the configurations this call names are measured again and replace the old ones;
-``--budget-s``: no configuration starts after that many seconds; ``--label``: a note on the code
+``--budget-s``: no configuration starts that would not end within that many seconds (its
+:func:`config_cost_s` estimate times the slowest measured / estimated ratio of the call so far,
+:data:`PACE` before the first); ``--label``: a note on the code
 measured, kept with each new section; ``--shard I/N``: only share I of N of the configurations left
 to measure, split by estimated cost (one GPU's share; ``bench.decode_gpus`` runs all N and merges).
 """
@@ -89,6 +92,9 @@ REAL_MODEL = "smollm2"  # the embedded model (or --checkpoint) with real prompts
 MEM_LIMIT = 125e9  # skip a configuration whose weights + 1.5 x its KV cache (a state and a loop's copy) exceed this
 FORWARD_REPS = 16  # forwards per timed phase loop
 WARM_TOKENS = 4  # tokens per sequence a decode loop's warm-up run generates
+# a configuration's seconds / its config_cost_s before one is measured: 1.0-3.5 in sessions 10-13, the
+# most where its compile is a large share (Llama-3-8B, batch 1)
+PACE = 3.5
 
 
 def log(*a: Any) -> None:
@@ -148,8 +154,8 @@ def kv_bytes(cfg: LlamaConfig, batch: int, slots: int) -> int:
 
 def config_cost_s(name: str, context: int, batch: int, args) -> float:
     """A rough estimate of one configuration's seconds (its compiles, then every decode loop at the
-    bytes-floor step time; about 0 for one too large for :data:`MEM_LIMIT`, which is skipped): only
-    to balance ``--shard``'s split."""
+    bytes-floor step time; about 0 for one too large for :data:`MEM_LIMIT`, which is skipped): to
+    balance ``--shard``'s split, and scaled by the measured pace, for ``--budget-s`` (:class:`Budget`)."""
     loops = len(args.ar) + len(args.drafts) * len(args.gammas)
     if name == REAL_MODEL:  # a 135M model: launch-bound steps of a few ms, ~1 min in session 12
         return 20.0 + loops * args.new * 4e-3
@@ -431,10 +437,30 @@ def _ar_methods(args, fparams: dict | None) -> list[str]:
     return [m for m in args.ar if m != "w16a16" or fparams is not None]
 
 
-def compile_config(c: Config, threads: int, xla: bool) -> dict:
-    """``c``'s programs compiled, ``threads`` at once: the Pallas ones, or (``xla``) the plain-XLA
-    baseline alone (its autotuning times kernels on the GPU, so nothing else may run meanwhile)."""
-    return compile_all({k: v for k, v in c.jobs.items() if (k == XLA_JOB) == xla}, 1 if xla else threads)
+def compile_config(c: Config, threads: int) -> dict:
+    """``c``'s programs compiled: the Pallas ones ``threads`` at once, then the plain-XLA baseline
+    alone (its autotuning times kernels on the GPU, so nothing else may run meanwhile)."""
+    compiled = compile_all({k: v for k, v in c.jobs.items() if k != XLA_JOB}, threads)
+    return compiled | compile_all({k: v for k, v in c.jobs.items() if k == XLA_JOB}, 1)
+
+
+@dataclasses.dataclass
+class Budget:
+    """``--budget-s``: a configuration starts only if its estimated seconds (:func:`config_cost_s`
+    times ``pace``, the slowest measured / estimated ratio of this call so far) end before ``deadline``."""
+
+    deadline: float
+    pace: float = PACE
+
+    def left(self) -> float:
+        return self.deadline - time.perf_counter()
+
+    def fits(self, estimate_s: float) -> bool:
+        return self.pace * estimate_s <= self.left()
+
+    def measured(self, estimate_s: float, seconds: float) -> None:
+        if estimate_s > 0:
+            self.pace = max(self.pace, seconds / estimate_s)
 
 
 def run_config(c: Config, compiled: dict, params: dict, fparams: dict | None, args, rates: dict[str, float]) -> dict:
@@ -606,10 +632,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--label", default="", help="a note on the code measured (e.g. a commit), kept with each new section")
     ap.add_argument("--rerun", action="store_true",
                     help="with --resume: measure the configurations named here again, replacing the old ones")
-    ap.add_argument("--budget-s", type=float, default=float("inf"), help="start no configuration after this")
+    ap.add_argument("--budget-s", type=float, default=float("inf"),
+                    help="start no configuration estimated to end after this many seconds")
     ap.add_argument("--threads", type=int, default=min(8, os.cpu_count() or 1), help="compiles at once")
-    ap.add_argument("--ahead", action=argparse.BooleanOptionalAction, default=True,
-                    help="compile the next configuration while one is timed (--no-ahead: one after the other)")
     ap.add_argument("--reps", type=int, default=1,
                     help="timed runs of each decode loop after its short warm-up (the best is kept)")
     ap.add_argument("--shard", type=parse_shard, default=None,
@@ -644,7 +669,7 @@ def main(argv: list[str] | None = None) -> None:
         missing = [g for g in args.gammas if str(g) not in trace.get(d, {})]
         if missing:
             raise SystemExit(f"the trace has no {d} rounds for gamma {missing}")
-    deadline = time.perf_counter() + args.budget_s
+    budget = Budget(time.perf_counter() + args.budget_s)
     bw, rates = copy_bandwidth(), matmul_rates()
     command = " ".join(["python3 -m bench.decode", *(argv if argv is not None else sys.argv[1:])])
     run = {"command": command, "device": jax.devices()[0].device_kind, "copy_bw": bw, "matmul_rates": rates,
@@ -664,53 +689,40 @@ def main(argv: list[str] | None = None) -> None:
         done |= set(wanted) - set(split_by_cost(wanted, lambda t: config_cost_s(*t, args), parts)[i])
     log(f"copy bandwidth {bw / 1e12:.2f} TB/s; dense matmul {rates['bf16'] / 1e12:.0f} TFLOP/s bf16, "
         f"{rates['int8'] / 1e12:.0f} TOP/s int8")
-    with ThreadPoolExecutor(1) as ahead_pool:  # the next configuration's Pallas programs compile meanwhile
-        for name in names:
-            todo = [(c, b) for c in contexts for b in batches if (name, c, b) not in done]
-            if todo:
-                _bench_model(name, todo, args, trace, bw, rates, run, deadline, ahead_pool)
+    for name in names:
+        todo = [(c, b) for c in contexts for b in batches if (name, c, b) not in done]
+        if todo:
+            _bench_model(name, todo, args, trace, bw, rates, run, budget)
     save(run, args.out)
     print(markdown({**run, "results": [r for r in run["results"] if "skipped" not in r]}))
 
 
 def _bench_model(name: str, todo: list[tuple[int, int]], args, trace: dict, bw: float, rates: dict[str, float],
-                 run: dict, deadline: float, ahead_pool: ThreadPoolExecutor) -> None:
-    """Every (context, batch) of ``todo`` for one model, appended to ``run`` and saved after each. While
-    one configuration is timed, ``ahead_pool`` compiles the next one's Pallas programs (CPU work:
-    the GPU timings are not disturbed; the plain-XLA baseline, which autotunes on the GPU, compiles
-    in the foreground)."""
+                 run: dict, budget: Budget) -> None:
+    """Every (context, batch) of ``todo`` for one model that ``budget`` lets start, each compiled and
+    then timed (never both at once), appended to ``run`` and saved after each."""
     model = load(args.checkpoint) if name == REAL_MODEL else None
     cfg = MODELS[name] if model is None else model.config
     params = random_params(cfg, jax.random.key(1)) if model is None else model.checkpoint.params
     fparams = float_params(params) if "w16a16" in args.ar else None
-    configs = []
     for context, batch in todo:
         need = memory_need(weight_bytes(params), cfg, context, batch, args)
         if need > MEM_LIMIT:
             log(f"{name} B={batch} ctx={context}: skipped, needs ~{need / 1e9:.0f} GB")
             record(run, {"model": name, "batch": batch, "context": context, "new": args.new,
                          "skipped": f"needs ~{need / 1e9:.0f} GB"})
-        else:
-            configs.append((context, batch))
-
-    def plan_and_compile(context: int, batch: int) -> tuple[Config, dict]:
-        c = plan_config(name, cfg, params, fparams, batch, context, args, trace if model is None else None, bw, model)
-        return c, compile_config(c, args.threads, xla=False)
-
-    ahead = None
-    for i, (context, batch) in enumerate(configs):
-        if time.perf_counter() > deadline:
-            log(f"{name} B={batch} ctx={context}: time budget spent, not run")
+            continue
+        estimate = config_cost_s(name, context, batch, args)
+        if not budget.fits(estimate):
+            log(f"{name} B={batch} ctx={context}: not started, ~{budget.pace * estimate:.0f} s estimated, "
+                f"{max(budget.left(), 0):.0f} s of the budget left")
             continue
         log(f"{name} B={batch} ctx={context}")
         t0 = time.perf_counter()
-        c, compiled = ahead.result() if ahead is not None else plan_and_compile(context, batch)
-        ahead = None
-        compiled |= compile_config(c, args.threads, xla=True)
+        c = plan_config(name, cfg, params, fparams, batch, context, args, trace if model is None else None, bw, model)
+        compiled = compile_config(c, args.threads)
         waited = time.perf_counter() - t0
         log(f"  {len(compiled)} programs ready after {waited:.0f} s")
-        if args.ahead and i + 1 < len(configs) and time.perf_counter() < deadline:
-            ahead = ahead_pool.submit(plan_and_compile, *configs[i + 1])
         t1 = time.perf_counter()
         try:
             res = run_config(c, compiled, params, fparams, args, rates)
@@ -721,6 +733,7 @@ def _bench_model(name: str, todo: list[tuple[int, int]], args, trace: dict, bw: 
             res = {**c.res, "skipped": "out of GPU memory while timing"}
         del compiled  # its executables and buffers, before the next configuration's states
         res["bench_s"] = {"compile_wait": waited, "timing": time.perf_counter() - t1}  # the benchmark's own cost
+        budget.measured(estimate, time.perf_counter() - t0)
         record(run, {**res, "label": args.label} if args.label else res)
         save(run, args.out)
 

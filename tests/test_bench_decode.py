@@ -112,9 +112,9 @@ def test_plot_series_and_file(tmp_path):
     assert plot.HF_LABEL in (tmp_path / "q.svg").read_text()
 
 
-def test_decode_bench_compiles_the_next_configuration_ahead(tmp_path):
-    """Two configurations in one call: the second's programs compile while the first is timed, and
-    each is measured with its own shapes (batch, context) and its own replayed accept decisions."""
+def test_decode_bench_two_configurations_in_one_call(tmp_path):
+    """Two configurations in one call: each is measured with its own shapes (batch, context) and its
+    own replayed accept decisions."""
     trace = tmp_path / "trace.json"
     trace.write_text(json.dumps({"source": "constant test trace", "w4a8": {"1": [[1, 0, 1]]}}))
     decode.main(["--models", "smoke", "--contexts", "32,64", "--batches", "3", "--new", "8", "--gammas", "1",
@@ -193,6 +193,39 @@ def test_decode_bench_resume_and_budget(tmp_path, monkeypatch):
     decode.main([*common, "--batches", "3", "--resume", str(fourth / "decode.json"), "--rerun", "--label", "lost",
                  "--out", str(sixth)])
     assert json.loads((sixth / "decode.json").read_text())["results"] == res
+
+
+def test_budget_scales_the_estimate_by_the_slowest_measured_pace(monkeypatch):
+    """--budget-s: a configuration starts only if its estimate times the pace ends in time; the pace
+    only grows, to the slowest measured / estimated ratio."""
+    now = [100.0]
+    monkeypatch.setattr(decode.time, "perf_counter", lambda: now[0])
+    b = decode.Budget(deadline=110.0)
+    assert b.pace == decode.PACE and b.left() == 10.0
+    fits = 10.0 / decode.PACE
+    assert b.fits(fits * 0.99) and not b.fits(fits * 1.01)
+    b.measured(1.0, 5.0)  # a configuration took 5x its estimate
+    assert b.pace == 5.0 and b.fits(2.0) and not b.fits(2.01)
+    b.measured(1.0, 0.5)  # a fast one does not lower it
+    assert b.pace == 5.0
+    b.measured(0.0, 3.0)  # nor does one with no estimate (too large for memory) change it
+    assert b.pace == 5.0
+    now[0] = 108.0
+    assert b.left() == 2.0 and not b.fits(0.5)
+
+
+def test_decode_bench_budget_does_not_start_what_would_not_end(tmp_path, monkeypatch):
+    """A configuration whose scaled estimate exceeds what is left of --budget-s is not started (and
+    leaves no section); with a larger budget it runs."""
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"source": "constant test trace", "w4a8": {"1": [[0, 1]]}}))
+    monkeypatch.setattr(decode, "config_cost_s", lambda *a: 1000.0)
+    common = ["--models", "smoke", "--contexts", "64", "--batches", "2", "--new", "8", "--gammas", "1",
+              "--drafts", "w4a8", "--ar", "w4a16", "--kernels", "reference", "--trace", str(trace)]
+    decode.main([*common, "--budget-s", str(900 * decode.PACE), "--out", str(tmp_path / "a")])
+    assert json.loads((tmp_path / "a" / "decode.json").read_text())["results"] == []
+    decode.main([*common, "--budget-s", str(1100 * decode.PACE), "--out", str(tmp_path / "b")])
+    assert [r["batch"] for r in json.loads((tmp_path / "b" / "decode.json").read_text())["results"]] == [2]
 
 
 def test_decode_bench_real_model(tmp_path):
