@@ -2,7 +2,8 @@
 
     python -m bench.sass attention --kv-bits 8 [--batch 16 --heads 32 --kv-heads 32 --head-dim 128
         --slots 4096] [--out FILE]
-    python -m bench.sass w4a16 --m 16 --n 28672 --k 4096 [--out FILE]
+    python -m bench.sass w4a16 --m 16 --n 28672 --k 4096 [--block-m 32 --num-warps 4 --num-stages 3
+        --rows-first] [--out FILE]
 
 The kernel is lowered for CUDA on this machine (jax's Triton lowering, with an H200 as the assumed
 target), each Pallas kernel's Triton module is taken as text, compiled for sm_90 by a local
@@ -13,7 +14,10 @@ module first goes through Triton's TTIR passes, as in XLA's pipeline (before ses
 the counts then missed the combine pass's folding of ``acc + dot`` into the dot). XLA
 compiles the same module with its own bundled Triton and ptxas, so the counts are indicative, not
 the instructions that run; they tell which parts of a loop body cost issue slots, and how a kernel
-change moves them, before any device time is spent (bench/results/kv_shadow.md).
+change moves them, before any device time is spent (bench/results/kv_shadow.md). Each kernel's
+registers per thread and shared memory per CTA give its CTAs per SM (:func:`occupancy`); for the
+W4A16 kernel they match Nsight Compute's on the H200 (session 13: 92 / 239 registers, 66,560 /
+230,400 bytes at M = 16 / 64, against 95 / 240 and the same bytes here).
 """
 
 from __future__ import annotations
@@ -30,6 +34,12 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 from jax._src.pallas.triton import gpu_info, pallas_call_registration
+
+# sm_90 (H100 / H200) per-SM limits, CUDA occupancy rules
+SM_SHARED = 233472  # shared memory per SM (228 KiB), of which at most 227 KiB per CTA
+CTA_RESERVED_SHARED = 1024  # the driver's shared memory per CTA
+SM_REGISTERS, REGISTER_UNIT = 65536, 256  # registers per SM, allocated per warp in units of 256
+SM_WARPS, SM_CTAS = 64, 32
 
 _SASS_LINE = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[0-9T] )?([A-Z][A-Z0-9_]*)(\.[A-Z0-9_.]*)?\s*(.*?);")
 
@@ -73,8 +83,19 @@ def triton_modules(fn, *args) -> list[dict]:
     return out
 
 
-def compile_sass(module: str, num_warps: int, num_stages: int) -> dict[str, str]:
-    """``{ttgir, ptx, sass}`` of a Triton module (text) compiled for sm_90 by the local triton."""
+def occupancy(registers: int, shared: int, warps: int) -> tuple[int, str]:
+    """``(CTAs per SM, the limiting resource)`` on sm_90 for a kernel of ``registers`` per thread,
+    ``shared`` bytes of shared memory per CTA and ``warps`` per CTA."""
+    per_warp = -(-registers * 32 // REGISTER_UNIT) * REGISTER_UNIT
+    limits = {"shared memory": SM_SHARED // (shared + CTA_RESERVED_SHARED),
+              "registers": SM_REGISTERS // (per_warp * warps), "warps": SM_WARPS // warps, "CTAs": SM_CTAS}
+    name = min(limits, key=limits.get)
+    return limits[name], name
+
+
+def compile_sass(module: str, num_warps: int, num_stages: int) -> dict:
+    """``{ttgir, ptx, sass, registers, shared}`` of a Triton module (text) compiled for sm_90 by the
+    local triton: the code, registers per thread and shared memory bytes per CTA."""
     try:
         import triton
         from triton.backends.compiler import GPUTarget
@@ -101,9 +122,11 @@ def compile_sass(module: str, num_warps: int, num_stages: int) -> dict[str, str]
         cubin = Path(tmp) / "kernel.cubin"
         cubin.write_bytes(k.asm["cubin"])
         cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-        sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True,
-                              check=True).stdout
-    return {"ttgir": k.asm["ttgir"], "ptx": k.asm["ptx"], "sass": sass}
+        sass, usage = (subprocess.run([str(cuobjdump), flag, str(cubin)], capture_output=True, text=True,
+                                      check=True).stdout for flag in ("-sass", "--dump-resource-usage"))
+    registers = int(re.search(r"\bREG:(\d+)", usage).group(1))
+    return {"ttgir": k.asm["ttgir"], "ptx": k.asm["ptx"], "sass": sass, "registers": registers,
+            "shared": k.metadata.shared}
 
 
 def loops(sass: str) -> list[dict]:
@@ -124,7 +147,10 @@ def markdown(title: str, command: str, kernels: list[dict]) -> str:
     lines = [f"# SASS per loop iteration: {title}", "", f"`{command}`", "",
              "Compiled for sm_90 by a local triton (indicative: XLA compiles with its own); per thread.", ""]
     for k in kernels:
-        lines += [f"## `{k['name']}` ({k['num_warps']} warps, {k['num_stages']} stages)", ""]
+        ctas, limit = occupancy(k["registers"], k["shared"], k["num_warps"])
+        lines += [f"## `{k['name']}` ({k['num_warps']} warps, {k['num_stages']} stages)", "",
+                  f"{k['registers']} registers per thread, {k['shared']:,} bytes of shared memory per CTA: "
+                  f"{ctas} CTAs per SM ({limit} bound), {ctas * k['num_warps']} warps", ""]
         if not k["loops"]:
             lines += ["No loop.", ""]
         for lp in k["loops"]:
@@ -155,7 +181,9 @@ def _w4a16(args):
 
     w = jax.eval_shape(lambda: make_weight(jax.random.key(0), args.n, args.k, 128, True))
     x = jax.ShapeDtypeStruct((args.m, args.k), jnp.bfloat16)
-    return (lambda x, w: gpu_matmul.w4a16_matmul(x, w)), (x, w)
+    tiles = {"block_m": args.block_m, "num_warps": args.num_warps, "num_stages": args.num_stages,
+             "rows_first": args.rows_first}  # None: the kernel's defaults for this M
+    return (lambda x, w: gpu_matmul.w4a16_matmul(x, w, **tiles)), (x, w)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -168,15 +196,19 @@ def main(argv: list[str] | None = None) -> None:
     for name, default in (("batch", 16), ("heads", 32), ("kv-heads", 32), ("head-dim", 128), ("slots", 4096)):
         att.add_argument(f"--{name}", type=int, default=default)
     mm = sub.add_parser("w4a16", parents=[common], help="the W4A16 matmul")
-    for name, default in (("m", 16), ("n", 28672), ("k", 4096)):
+    for name, default in (("m", 16), ("n", 28672), ("k", 4096), ("block-m", None), ("num-warps", None),
+                          ("num-stages", None)):
         mm.add_argument(f"--{name}", type=int, default=default)
+    mm.add_argument("--rows-first", action=argparse.BooleanOptionalAction, default=None,
+                    help="the tokens on the MMA's M side (default: the kernel's choice for the row tile)")
     args = ap.parse_args(argv)
     fn, fn_args = (_attention if args.kernel == "attention" else _w4a16)(args)
     kernels = triton_modules(fn, *fn_args)
     if not kernels:
         raise SystemExit("no Pallas kernel in this call (a shape the kernels do not take falls back to XLA)")
     for k in kernels:
-        k["loops"] = loops(compile_sass(k["module"], k["num_warps"], k["num_stages"])["sass"])
+        built = compile_sass(k["module"], k["num_warps"], k["num_stages"])
+        k.update(loops=loops(built["sass"]), registers=built["registers"], shared=built["shared"])
     text = markdown(args.kernel, " ".join(["python -m bench.sass", *(argv if argv is not None else sys.argv[1:])]),
                     kernels)
     print(text)

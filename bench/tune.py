@@ -85,6 +85,9 @@ def variants(kind: str, m: int, n: int, k: int) -> list[dict]:
         out += [{"block_n": 2 * bn, "split_k": split}, {"block_n": 2 * bn, "split_k": split, "num_warps": 8}]
     if m > 32:
         out += [{"block_m": 64, "num_warps": w, "num_stages": s} for w in (4, 8) for s in (2, 3)]
+        # 32-row tiles: the weight tile dequantized once per 32 rows, but two CTAs per SM where a 64-row
+        # W4A16 tile's 230 KB of shared memory allow one (bench.sass; Nsight Compute, session 13)
+        out += [{"block_m": 32}]
     if m > 64:
         out += [{"block_m": 128, "num_warps": w, "num_stages": 2} for w in (4, 8)] + [
             {"block_m": 128, "num_warps": 8, "num_stages": 1}]

@@ -76,6 +76,33 @@ def test_compile_counts_the_kernel_loop():
     assert loop["opcodes"]["HMMA"] == 2 * 8 + 4 * 4
 
 
+def test_occupancy_matches_nsight_compute_on_the_h200():
+    """CTAs per SM from registers, shared memory and warps, against Nsight Compute's block limits for
+    the W4A16 kernel on the H200 (session 13: 92 registers, 66,560 bytes at M = 16 -> shared memory 3,
+    registers 5, warps 16; 239 registers, 230,400 bytes at M = 64 -> 1 CTA, 1 warp per scheduler)."""
+    assert sass.occupancy(92, 66560, 4) == (3, "shared memory")
+    assert sass.occupancy(92, 0, 4) == (5, "registers") and sass.occupancy(8, 0, 4) == (16, "warps")
+    assert sass.occupancy(239, 230400, 4) == (1, "shared memory")
+    # registers bound: 255 per thread x 8 warps = 65,280 of 65,536 -> 1 CTA; none fits past the file
+    assert sass.occupancy(255, 0, 8) == (1, "registers") and sass.occupancy(255, 0, 16)[0] == 0
+    assert sass.occupancy(32, 0, 1) == (32, "CTAs") and sass.occupancy(16, 0, 32) == (2, "warps")
+
+
+def test_compile_reports_registers_and_shared_memory():
+    """With a local triton: the W4A16 kernel at M = 16 and 64 as Nsight Compute saw it on the H200
+    (the shared memory to the byte; registers within the compilers' difference, XLA's being 92 / 239)."""
+    pytest.importorskip("triton")
+    from bench.kernels import make_weight
+    from pallas_kernels import gpu_matmul
+
+    w = jax.eval_shape(lambda: make_weight(jax.random.key(0), 22016, 4096, 128, True))
+    for m, shared, registers in ((16, 66560, 92), (64, 230400, 239)):
+        (k,) = sass.triton_modules(lambda x, w: gpu_matmul.w4a16_matmul(x, w),
+                                   jax.ShapeDtypeStruct((m, 4096), jnp.bfloat16), w)
+        built = sass.compile_sass(k["module"], k["num_warps"], k["num_stages"])
+        assert built["shared"] == shared and abs(built["registers"] - registers) <= 8
+
+
 def test_compile_runs_the_ttir_passes_as_xla_does():
     """With a local triton: the module goes through Triton's TTIR passes before compiling, as XLA's
     pipeline runs them, so the combine pass folds the Pallas ``acc + dot(a, b)`` (a dot with a zero
