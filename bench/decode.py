@@ -590,6 +590,7 @@ def markdown(run: dict) -> str:
                   + (f"{r['phase_context']} (the loops' mean)" if "phase_context" in r else "= the prompt's end")
                   + (f"; measuring it took {r['bench_s']['compile_wait']:.0f} s waiting for compiles and "
                      f"{r['bench_s']['timing']:.0f} s of runs" if "bench_s" in r else ""), "",
+                  *([f"**Not a valid measurement:** {r['disturbed']}", ""] if r.get("disturbed") else []),
                   "| method | tok/s | ms/step or round | tokens/round | α | batch tail | draft / verify / overhead ms | "
                   "draft / verify x floor | vs W4A16 | model | model (α) | memory GB |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -26,10 +26,11 @@ AR = ("w16a16", "w4a16", "w4a8", "w4a4")
 
 
 def series(results: list[dict], context: int, gamma: int) -> dict[str, dict[str, list[tuple[int, float]]]]:
-    """``{model: {method label: [(batch, tokens/s), ...]}}`` for one context length."""
+    """``{model: {method label: [(batch, tokens/s), ...]}}`` for one context length (sections skipped or
+    marked ``disturbed`` left out)."""
     out: dict[str, dict[str, list[tuple[int, float]]]] = {}
     for r in results:
-        if r.get("skipped") or r["context"] != context:
+        if r.get("skipped") or r.get("disturbed") or r["context"] != context:
             continue
         per = out.setdefault(r["model"], {})
         for name, e in r["methods"].items():

@@ -87,7 +87,8 @@ def test_plot_series_and_file(tmp_path):
             "qspec w4a8 g=1": {"tokens_per_s": 1.0}}}
 
     results = [entry("a", 8, 512, 100.0), entry("a", 16, 512, 180.0), entry("a", 8, 4096, 7.0),
-               entry("b", 8, 512, 50.0), {"model": "b", "batch": 64, "context": 512, "skipped": "memory"}]
+               entry("b", 8, 512, 50.0), {"model": "b", "batch": 64, "context": 512, "skipped": "memory"},
+               {**entry("a", 32, 512, 999.0), "disturbed": "timed beside a compile"}]
     data = plot.series(results, 512, 3)
     assert set(data) == {"a", "b"}
     assert data["a"]["w4a16"] == [(8, 100.0), (16, 180.0)]
@@ -120,8 +121,12 @@ def test_decode_bench_two_configurations_in_one_call(tmp_path):
     decode.main(["--models", "smoke", "--contexts", "32,64", "--batches", "3", "--new", "8", "--gammas", "1",
                  "--drafts", "w4a8", "--ar", "w4a16", "--kernels", "reference", "--trace", str(trace),
                  "--out", str(tmp_path)])
-    res = json.loads((tmp_path / "decode.json").read_text())["results"]
+    run = json.loads((tmp_path / "decode.json").read_text())
+    res = run["results"]
     assert [(r["context"], r["batch"]) for r in res] == [(32, 3), (64, 3)]
+    assert "Not a valid measurement" not in (tmp_path / "decode.md").read_text()
+    text = decode.markdown({**run, "results": [{**res[0], "disturbed": "timed beside a compile"}, res[1]]})
+    assert text.count("**Not a valid measurement:** timed beside a compile") == 1
     for r in res:
         assert r["phase_context"] == r["context"] + 4
         assert set(r["methods"]) == {"w4a16", "qspec w4a8 g=1"}
