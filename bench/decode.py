@@ -15,9 +15,10 @@ in the context, chat template, prefilled), QSPEC with its own accept decisions.
 Per (model, context P, batch B): a decode state holding P committed tokens per sequence is made
 directly (random tokens, a zeroed KV cache: decode time does not depend on the values), then each
 method generates ``--new`` tokens in its jitted ``while_loop`` (a configuration's loops are all
-compiled first, ``--threads`` at once, and nothing compiles while anything is timed: session 13's
-runs that compiled the next configuration meanwhile timed phases up to 2x too slow; each loop is
-timed on a fresh state after a warm-up run of a few tokens): tokens/s, ms per step (AR) or
+compiled first, the Pallas ones ``--threads`` at once, then the plain-XLA baseline alone, and nothing
+compiles while anything is timed: session 13's runs that compiled the next configuration meanwhile
+timed phases up to 1.8x too slow; each loop is timed on a fresh state after a warm-up run of a few
+tokens): tokens/s, ms per step (AR) or
 per round (QSPEC), and the ratio to W4A16 AR measured in the same run. QSPEC's accept decisions are
 **replayed** from a per-round accepted-draft trace recorded on SmolLM2's real weights
 (``--record-trace``; every draft step and verify pass still runs, only the accept decision is
@@ -47,7 +48,9 @@ not run again (so a matrix larger than one device call is measured over several 
 ``--rerun``, where the configurations this call names are measured again and replace the old ones;
 ``--budget-s``: no configuration starts that would not end within that many seconds (its
 :func:`config_cost_s` estimate times the slowest measured / estimated ratio of the call so far,
-:data:`PACE` before the first); ``--label``: a note on the code
+:data:`PACE` before the first). A section whose QSPEC rounds come out more than
+:data:`PHASE_SLACK` shorter than their timed phases is marked ``disturbed`` (:func:`phase_check`: not a
+valid measurement; decode.md says so, bench.plot leaves it out, ``--resume`` measures it again); ``--label``: a note on the code
 measured, kept with each new section; ``--shard I/N``: only share I of N of the configurations left
 to measure, split by estimated cost (one GPU's share; ``bench.decode_gpus`` runs all N and merges).
 """
@@ -95,6 +98,10 @@ WARM_TOKENS = 4  # tokens per sequence a decode loop's warm-up run generates
 # a configuration's seconds / its config_cost_s before one is measured: 1.0-3.5 in sessions 10-13, the
 # most where its compile is a large share (Llama-3-8B, batch 1)
 PACE = 3.5
+# a round (one loop iteration) cannot be shorter than its gamma draft steps and its verify, each timed
+# alone; sections timed alone came within 3% of that, those timed beside a compile up to -112%
+# (bench/results/decode_timing_check.md)
+PHASE_SLACK = 0.05
 
 
 def log(*a: Any) -> None:
@@ -447,20 +454,36 @@ def compile_config(c: Config, threads: int) -> dict:
 @dataclasses.dataclass
 class Budget:
     """``--budget-s``: a configuration starts only if its estimated seconds (:func:`config_cost_s`
-    times ``pace``, the slowest measured / estimated ratio of this call so far) end before ``deadline``."""
+    times :meth:`pace`) end before ``deadline``."""
 
     deadline: float
-    pace: float = PACE
+    slowest: float | None = None  # the largest measured / estimated ratio of this call so far
+
+    def pace(self) -> float:
+        """The slowest measured / estimated ratio so far, :data:`PACE` before the first."""
+        return PACE if self.slowest is None else self.slowest
 
     def left(self) -> float:
         return self.deadline - time.perf_counter()
 
     def fits(self, estimate_s: float) -> bool:
-        return self.pace * estimate_s <= self.left()
+        return self.pace() * estimate_s <= self.left()
 
     def measured(self, estimate_s: float, seconds: float) -> None:
         if estimate_s > 0:
-            self.pace = max(self.pace, seconds / estimate_s)
+            self.slowest = max(self.slowest or 0.0, seconds / estimate_s)
+
+
+def phase_check(res: dict) -> str | None:
+    """Why ``res`` is not a valid measurement, or None: a QSPEC round more than :data:`PHASE_SLACK`
+    shorter than the gamma draft steps and the verify it is made of, each timed alone (they were
+    slowed, e.g. by a compile beside them)."""
+    worst = min(((e["overhead_ms"] / e["ms_per_round"], m) for m, e in res.get("methods", {}).items()
+                 if "overhead_ms" in e), default=None)
+    if worst is None or worst[0] >= -PHASE_SLACK:
+        return None
+    return (f"a QSPEC round came out {-100 * worst[0]:.0f}% shorter than its phases timed alone ({worst[1]}): "
+            "the phases were slowed while they were timed")
 
 
 def run_config(c: Config, compiled: dict, params: dict, fparams: dict | None, args, rates: dict[str, float]) -> dict:
@@ -681,7 +704,7 @@ def main(argv: list[str] | None = None) -> None:
         run["command"] = f"{old['command']}; then {command}"
     contexts = [int(c) for c in args.contexts.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
-    done = {_key(r) for r in run["results"]}
+    done = {_key(r) for r in run["results"] if not r.get("disturbed")}  # a disturbed section is measured again
     if args.rerun:  # measured again; each old section stays until its new one replaces it (record)
         done -= {(n, c, b) for n in names for c in contexts for b in batches}
     if args.shard:  # the other shards' configurations count as done here
@@ -702,6 +725,9 @@ def _bench_model(name: str, todo: list[tuple[int, int]], args, trace: dict, bw: 
                  run: dict, budget: Budget) -> None:
     """Every (context, batch) of ``todo`` for one model that ``budget`` lets start, each compiled and
     then timed (never both at once), appended to ``run`` and saved after each."""
+    if not any(budget.fits(config_cost_s(name, context, batch, args)) for context, batch in todo):
+        log(f"{name}: no configuration fits the {max(budget.left(), 0):.0f} s left of the budget, not loaded")
+        return
     model = load(args.checkpoint) if name == REAL_MODEL else None
     cfg = MODELS[name] if model is None else model.config
     params = random_params(cfg, jax.random.key(1)) if model is None else model.checkpoint.params
@@ -715,7 +741,7 @@ def _bench_model(name: str, todo: list[tuple[int, int]], args, trace: dict, bw: 
             continue
         estimate = config_cost_s(name, context, batch, args)
         if not budget.fits(estimate):
-            log(f"{name} B={batch} ctx={context}: not started, ~{budget.pace * estimate:.0f} s estimated, "
+            log(f"{name} B={batch} ctx={context}: not started, ~{budget.pace() * estimate:.0f} s estimated, "
                 f"{max(budget.left(), 0):.0f} s of the budget left")
             continue
         log(f"{name} B={batch} ctx={context}")
@@ -732,6 +758,10 @@ def _bench_model(name: str, todo: list[tuple[int, int]], args, trace: dict, bw: 
                 raise
             log(f"  out of GPU memory: {str(e).splitlines()[0][:200]}")
             res = {**c.res, "skipped": "out of GPU memory while timing"}
+        reason = phase_check(res)
+        if reason:
+            log(f"  not a valid measurement: {reason}")
+            res["disturbed"] = reason
         del compiled  # its executables and buffers, before the next configuration's states
         res["bench_s"] = {"compile_wait": waited, "timing": time.perf_counter() - t1}  # the benchmark's own cost
         budget.measured(estimate, time.perf_counter() - t0)

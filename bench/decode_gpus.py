@@ -1,7 +1,10 @@
 """bench.decode over the GPUs of one host: one process per GPU, each measuring its share of the
 (model, context, batch) configurations (``bench.decode --shard I/N``, split by estimated cost), all
 merged into one decode.json / decode.md. Issue 5's whole matrix is 40-60 minutes on one H200; on N
-GPUs of one host it is about 1/N of that, each configuration still timed alone on its own GPU.
+GPUs of one host it is about 1/N of that, each configuration on its own GPU. One shard may compile
+while another times, on the same host's CPUs: in one process a compile beside the timings slowed them
+up to 1.8x (bench/results/decode_timing_check.md); whether another process's compile does is not yet
+measured. Each shard's :func:`bench.decode.phase_check` marks a section so slowed as ``disturbed``.
 
     PYTHONPATH=. python3 -m bench.decode_gpus --gpus 4 [--out DIR] [--resume OLD.json] \\
         [every other bench.decode argument, passed on to each shard]

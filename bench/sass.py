@@ -36,9 +36,10 @@ import jax.numpy as jnp
 from jax._src.pallas.triton import gpu_info, pallas_call_registration
 
 # sm_90 (H100 / H200) per-SM limits, CUDA occupancy rules
-SM_SHARED = 233472  # shared memory per SM (228 KiB), of which at most 227 KiB per CTA
+SM_SHARED, SHARED_UNIT = 233472, 128  # shared memory per SM (228 KiB, at most 227 KiB per CTA), allocated in 128 B
 CTA_RESERVED_SHARED = 1024  # the driver's shared memory per CTA
-SM_REGISTERS, REGISTER_UNIT = 65536, 256  # registers per SM, allocated per warp in units of 256
+# registers: 4 sub-partitions of 16384, each holding whole warps, allocated per warp in units of 256
+SM_PARTITIONS, PARTITION_REGISTERS, REGISTER_UNIT = 4, 16384, 256
 SM_WARPS, SM_CTAS = 64, 32
 
 _SASS_LINE = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[0-9T] )?([A-Z][A-Z0-9_]*)(\.[A-Z0-9_.]*)?\s*(.*?);")
@@ -87,8 +88,10 @@ def occupancy(registers: int, shared: int, warps: int) -> tuple[int, str]:
     """``(CTAs per SM, the limiting resource)`` on sm_90 for a kernel of ``registers`` per thread,
     ``shared`` bytes of shared memory per CTA and ``warps`` per CTA."""
     per_warp = -(-registers * 32 // REGISTER_UNIT) * REGISTER_UNIT
-    limits = {"shared memory": SM_SHARED // (shared + CTA_RESERVED_SHARED),
-              "registers": SM_REGISTERS // (per_warp * warps), "warps": SM_WARPS // warps, "CTAs": SM_CTAS}
+    per_cta = -(-shared // SHARED_UNIT) * SHARED_UNIT + CTA_RESERVED_SHARED
+    limits = {"shared memory": SM_SHARED // per_cta,
+              "registers": PARTITION_REGISTERS // per_warp * SM_PARTITIONS // warps,
+              "warps": SM_WARPS // warps, "CTAs": SM_CTAS}
     name = min(limits, key=limits.get)
     return limits[name], name
 

@@ -86,8 +86,10 @@ def variants(kind: str, m: int, n: int, k: int) -> list[dict]:
     if m > 32:
         out += [{"block_m": 64, "num_warps": w, "num_stages": s} for w in (4, 8) for s in (2, 3)]
         # 32-row tiles: the weight tile dequantized once per 32 rows, but two CTAs per SM where a 64-row
-        # W4A16 tile's 230 KB of shared memory allow one (bench.sass; Nsight Compute, session 13)
-        out += [{"block_m": 32}]
+        # W4A16 tile's 230 KB of shared memory allow one (bench.sass; Nsight Compute, session 13); for
+        # W4A16 also with the weights on the MMA's M side, as at 64 rows (32-row tiles default to tokens
+        # first). The other kernels try the taller grid too.
+        out += [{"block_m": 32}] + ([{"block_m": 32, "rows_first": False}] if kind == "w4a16" else [])
     if m > 64:
         out += [{"block_m": 128, "num_warps": w, "num_stages": 2} for w in (4, 8)] + [
             {"block_m": 128, "num_warps": 8, "num_stages": 1}]

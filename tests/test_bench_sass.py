@@ -86,6 +86,12 @@ def test_occupancy_matches_nsight_compute_on_the_h200():
     # registers bound: 255 per thread x 8 warps = 65,280 of 65,536 -> 1 CTA; none fits past the file
     assert sass.occupancy(255, 0, 8) == (1, "registers") and sass.occupancy(255, 0, 16)[0] == 0
     assert sass.occupancy(32, 0, 1) == (32, "CTAs") and sass.occupancy(16, 0, 32) == (2, "warps")
+    # registers by sub-partition: 200 per thread -> 6400 per warp, 2 warps in each 16384 -> 8 per SM:
+    # 4 CTAs of 2 warps (dividing the SM's 65536 by 12800 would say 5)
+    assert sass.occupancy(200, 0, 2) == (4, "registers")
+    # shared memory in 128 B units: 45,600 B takes 45,696 + 1,024 -> 4 CTAs in 233,472 B, where
+    # 45,600 + 1,024 would fit 5
+    assert sass.occupancy(32, 45600, 4) == (4, "shared memory") and sass.occupancy(32, 45568, 4)[0] == 5
 
 
 def test_compile_reports_registers_and_shared_memory():
