@@ -152,6 +152,7 @@ def test_decode_bench_two_configurations_in_one_call(tmp_path):
 def test_decode_bench_out_of_memory_skips_the_configuration(tmp_path, monkeypatch):
     """A configuration that runs out of GPU memory is recorded as skipped and the next one still
     runs; another runtime error still stops the run."""
+    _fake_timing(monkeypatch)
     trace = tmp_path / "trace.json"
     trace.write_text(json.dumps({"source": "constant test trace", "w4a8": {"1": [[0, 1]]}}))
     real = decode.run_config
@@ -177,6 +178,7 @@ def test_decode_bench_out_of_memory_skips_the_configuration(tmp_path, monkeypatc
 def test_decode_bench_resume_and_budget(tmp_path, monkeypatch):
     """A second call with --resume keeps the first call's configuration and runs only the new one;
     a spent --budget-s starts nothing; --rerun measures a resumed configuration again."""
+    _fake_timing(monkeypatch)
     trace = tmp_path / "trace.json"
     trace.write_text(json.dumps({"source": "constant test trace", "w4a8": {"1": [[0, 1]]}}))
     common = ["--models", "smoke", "--contexts", "64", "--new", "8", "--gammas", "1", "--drafts", "w4a8",
@@ -242,14 +244,45 @@ def test_phase_check_flags_rounds_shorter_than_their_phases(monkeypatch):
     assert reason and "20%" in reason and "qspec w4a8 g=2" in reason
 
 
+def _fake_timing(monkeypatch, events: list | None = None) -> None:
+    """bench.decode's compile and timing steps replaced by stand-ins that record their order (whether
+    a compile starts while a configuration is timed) and return a section with one AR row: for tests of
+    the orchestration (budget, order, resume), which need no real kernels or timings."""
+    events = [] if events is None else events
+    timing = [False]
+
+    def compile_config(c, threads):
+        events.append(("compile", c.res["batch"], timing[0]))
+        return {}
+
+    def run_config(c, compiled, *args):
+        timing[0] = True
+        try:
+            events.append(("run", c.res["batch"], True))
+            return {**c.res, "methods": {"w4a16": {"tokens_per_s": 1.0, "ms_per_step": 1.0}}}
+        finally:
+            timing[0] = False
+
+    monkeypatch.setattr(decode, "compile_config", compile_config)
+    monkeypatch.setattr(decode, "run_config", run_config)
+
+
+SMOKE = ["--models", "smoke", "--contexts", "64", "--new", "8", "--gammas", "1", "--drafts", "w4a8",
+         "--ar", "w4a16", "--kernels", "reference"]
+
+
+def _trace(tmp_path) -> list[str]:
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"source": "constant test trace", "w4a8": {"1": [[0, 1]]}}))
+    return ["--trace", str(trace)]
+
+
 def test_decode_bench_budget_does_not_start_what_would_not_end(tmp_path, monkeypatch):
     """A configuration whose scaled estimate exceeds what is left of --budget-s is not started (and
     leaves no section); with a larger budget it runs."""
-    trace = tmp_path / "trace.json"
-    trace.write_text(json.dumps({"source": "constant test trace", "w4a8": {"1": [[0, 1]]}}))
+    _fake_timing(monkeypatch)
     monkeypatch.setattr(decode, "config_cost_s", lambda *a: 1000.0)
-    common = ["--models", "smoke", "--contexts", "64", "--batches", "2", "--new", "8", "--gammas", "1",
-              "--drafts", "w4a8", "--ar", "w4a16", "--kernels", "reference", "--trace", str(trace)]
+    common = [*SMOKE, *_trace(tmp_path), "--batches", "2"]
     decode.main([*common, "--budget-s", str(900 * decode.PACE), "--out", str(tmp_path / "a")])
     assert json.loads((tmp_path / "a" / "decode.json").read_text())["results"] == []
     decode.main([*common, "--budget-s", str(1100 * decode.PACE), "--out", str(tmp_path / "b")])
@@ -258,54 +291,30 @@ def test_decode_bench_budget_does_not_start_what_would_not_end(tmp_path, monkeyp
 
 def test_decode_bench_cheaper_configuration_after_one_that_does_not_fit(tmp_path, monkeypatch):
     """The budget skips a configuration that would not end in time and still runs a cheaper one after it."""
-    trace = tmp_path / "trace.json"
-    trace.write_text(json.dumps({"source": "constant test trace", "w4a8": {"1": [[0, 1]]}}))
+    _fake_timing(monkeypatch)
     monkeypatch.setattr(decode, "config_cost_s", lambda name, context, batch, args: 1e6 if batch == 2 else 1e-3)
-    decode.main(["--models", "smoke", "--contexts", "64", "--batches", "2,3", "--new", "8", "--gammas", "1",
-                 "--drafts", "w4a8", "--ar", "w4a16", "--kernels", "reference", "--trace", str(trace),
-                 "--budget-s", "1000", "--out", str(tmp_path)])
+    decode.main([*SMOKE, *_trace(tmp_path), "--batches", "2,3", "--budget-s", "1000", "--out", str(tmp_path)])
     assert [r["batch"] for r in json.loads((tmp_path / "decode.json").read_text())["results"]] == [3]
 
 
 def test_decode_bench_never_compiles_while_timing(tmp_path, monkeypatch):
     """Each configuration is compiled, then timed: no compile starts while a configuration is timed
     (session 13: a compile beside the timings slowed them up to 1.8x)."""
-    trace = tmp_path / "trace.json"
-    trace.write_text(json.dumps({"source": "constant test trace", "w4a8": {"1": [[0, 1]]}}))
-    events, timing = [], [False]
-    real_compile, real_run = decode.compile_config, decode.run_config
-
-    def compile_config(c, *a, **k):
-        events.append(("compile", c.res["batch"], timing[0]))
-        return real_compile(c, *a, **k)
-
-    def run_config(c, *a, **k):
-        timing[0] = True
-        try:
-            events.append(("run", c.res["batch"], True))
-            return real_run(c, *a, **k)
-        finally:
-            timing[0] = False
-
-    monkeypatch.setattr(decode, "compile_config", compile_config)
-    monkeypatch.setattr(decode, "run_config", run_config)
-    decode.main(["--models", "smoke", "--contexts", "64", "--batches", "2,3", "--new", "8", "--gammas", "1",
-                 "--drafts", "w4a8", "--ar", "w4a16", "--kernels", "reference", "--trace", str(trace),
-                 "--out", str(tmp_path)])
+    events = []
+    _fake_timing(monkeypatch, events)
+    decode.main([*SMOKE, *_trace(tmp_path), "--batches", "2,3", "--out", str(tmp_path)])
     assert events == [("compile", 2, False), ("run", 2, True), ("compile", 3, False), ("run", 3, True)]
 
 
-def test_decode_bench_resume_measures_a_disturbed_section_again(tmp_path):
+def test_decode_bench_resume_measures_a_disturbed_section_again(tmp_path, monkeypatch):
     """--resume keeps a measured section but measures one marked disturbed again (no --rerun needed)."""
-    trace = tmp_path / "trace.json"
-    trace.write_text(json.dumps({"source": "constant test trace", "w4a8": {"1": [[0, 1]]}}))
-    common = ["--models", "smoke", "--contexts", "64", "--new", "8", "--gammas", "1", "--drafts", "w4a8",
-              "--ar", "w4a16", "--kernels", "reference", "--trace", str(trace)]
-    decode.main([*common, "--batches", "2,3", "--out", str(tmp_path / "a")])
+    _fake_timing(monkeypatch)
+    common = [*SMOKE, *_trace(tmp_path), "--batches", "2,3"]
+    decode.main([*common, "--out", str(tmp_path / "a")])
     first = json.loads((tmp_path / "a" / "decode.json").read_text())
     first["results"][0]["disturbed"] = "timed beside a compile"
     (tmp_path / "a" / "decode.json").write_text(json.dumps(first))
-    decode.main([*common, "--batches", "2,3", "--resume", str(tmp_path / "a" / "decode.json"), "--label", "again",
+    decode.main([*common, "--resume", str(tmp_path / "a" / "decode.json"), "--label", "again",
                  "--out", str(tmp_path / "b")])
     res = json.loads((tmp_path / "b" / "decode.json").read_text())["results"]
     assert [(r["batch"], r.get("label"), r.get("disturbed")) for r in res] == [(2, "again", None), (3, None, None)]
