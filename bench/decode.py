@@ -45,7 +45,8 @@ constants inside the executable left out).
 Writes ``decode.json`` / ``decode.md`` under ``--out`` (default ``$OUT``, else bench/results), after
 every configuration. ``--resume OLD.json`` continues an earlier run: its configurations are kept and
 not run again (so a matrix larger than one device call is measured over several calls), except with
-``--rerun``, where the configurations this call names are measured again and replace the old ones;
+``--rerun``, where the configurations this call names are measured again and replace the old ones
+(unless the new one comes out disturbed and the old one is valid);
 ``--budget-s``: no configuration starts that would not end within that many seconds (its
 :func:`config_cost_s` estimate times the slowest measured / estimated ratio of the call so far,
 :data:`PACE` before the first). A section whose QSPEC rounds come out more than
@@ -778,11 +779,12 @@ def _key(r: dict) -> tuple[str, int, int]:
 def record(run: dict, res: dict) -> None:
     """Add ``res`` to ``run``'s results: a measured section replaces an earlier one of the same (model,
     context, batch) in its place; a skipped one never replaces a measured one (a ``--rerun`` that
-    could not run, for memory, keeps what was measured before)."""
+    could not run, for memory, keeps what was measured before), nor a disturbed one a valid one."""
     at = [i for i, r in enumerate(run["results"]) if _key(r) == _key(res)]
-    if not at:
+    old = run["results"][at[0]] if at else None
+    if old is None:
         run["results"].append(res)
-    elif "skipped" in res:
+    elif "skipped" in res or (res.get("disturbed") and "skipped" not in old and not old.get("disturbed")):
         log(f"  kept the earlier {res['model']} B={res['batch']} ctx={res['context']} section")
     else:
         run["results"][at[0]] = res

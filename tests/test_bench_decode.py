@@ -321,6 +321,24 @@ def test_decode_bench_resume_measures_a_disturbed_section_again(tmp_path, monkey
     assert res[1] == first["results"][1]
 
 
+def test_record_keeps_a_valid_section_over_a_skipped_or_disturbed_one():
+    """A re-measured section replaces the old one in place, unless it was skipped, or disturbed while
+    the old one is valid; a disturbed old one gives way to anything measured."""
+    def sec(batch, **kw):
+        return {"model": "m", "context": 64, "batch": batch, **kw}
+
+    run = {"results": [sec(1, v=1), sec(2, v=1, disturbed="x")]}
+    decode.record(run, sec(1, skipped="memory"))
+    decode.record(run, sec(1, v=2, disturbed="y"))
+    assert run["results"][0] == sec(1, v=1)
+    decode.record(run, sec(2, v=2, disturbed="z"))  # disturbed over disturbed: the newer
+    assert run["results"][1] == sec(2, v=2, disturbed="z")
+    decode.record(run, sec(2, v=3))
+    decode.record(run, sec(1, v=3))
+    decode.record(run, sec(3, v=1, disturbed="w"))  # a new key is added whatever it is
+    assert run["results"] == [sec(1, v=3), sec(2, v=3), sec(3, v=1, disturbed="w")]
+
+
 def test_decode_bench_real_model(tmp_path):
     """The embedded SmolLM2 on few-shot prompts that fill the context, QSPEC with its own accept
     decisions (not replayed): each prompt fits the context and holds few-shot examples, the round
