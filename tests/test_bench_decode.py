@@ -22,6 +22,39 @@ def _no_phase_check(monkeypatch):
     monkeypatch.setattr(decode, "PHASE_SLACK", float("inf"))
 
 
+def _fake_timing(monkeypatch, events: list | None = None) -> None:
+    """bench.decode's compile and timing steps replaced by stand-ins that record their order (whether
+    a compile starts while a configuration is timed) and return a section with one AR row: for tests of
+    the orchestration (budget, order, resume), which need no real kernels or timings."""
+    events = [] if events is None else events
+    timing = [False]
+
+    def compile_config(c, threads):
+        events.append(("compile", c.res["batch"], timing[0]))
+        return {}
+
+    def run_config(c, compiled, *args):
+        timing[0] = True
+        try:
+            events.append(("run", c.res["batch"], True))
+            return {**c.res, "methods": {"w4a16": {"tokens_per_s": 1.0, "ms_per_step": 1.0}}}
+        finally:
+            timing[0] = False
+
+    monkeypatch.setattr(decode, "compile_config", compile_config)
+    monkeypatch.setattr(decode, "run_config", run_config)
+
+
+SMOKE = ["--models", "smoke", "--contexts", "64", "--new", "8", "--gammas", "1", "--drafts", "w4a8",
+         "--ar", "w4a16", "--kernels", "reference"]
+
+
+def _trace(tmp_path) -> list[str]:
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"source": "constant test trace", "w4a8": {"1": [[0, 1]]}}))
+    return ["--trace", str(trace)]
+
+
 def test_decode_bench_smoke(tmp_path):
     trace = tmp_path / "trace.json"
     trace.write_text(json.dumps({"source": "constant test trace", "w4a8": {"3": [[2, 2], [2, 2]]},
@@ -153,8 +186,6 @@ def test_decode_bench_out_of_memory_skips_the_configuration(tmp_path, monkeypatc
     """A configuration that runs out of GPU memory is recorded as skipped and the next one still
     runs; another runtime error still stops the run."""
     _fake_timing(monkeypatch)
-    trace = tmp_path / "trace.json"
-    trace.write_text(json.dumps({"source": "constant test trace", "w4a8": {"1": [[0, 1]]}}))
     real = decode.run_config
 
     def oom_at_batch_2(c, *a, **k):
@@ -163,8 +194,7 @@ def test_decode_bench_out_of_memory_skips_the_configuration(tmp_path, monkeypatc
         return real(c, *a, **k)
 
     monkeypatch.setattr(decode, "run_config", oom_at_batch_2)
-    common = ["--models", "smoke", "--contexts", "64", "--new", "8", "--gammas", "1", "--drafts", "w4a8",
-              "--ar", "w4a16", "--kernels", "reference", "--trace", str(trace)]
+    common = [*SMOKE, *_trace(tmp_path)]
     decode.main([*common, "--batches", "2,3", "--out", str(tmp_path / "a")])
     res = json.loads((tmp_path / "a" / "decode.json").read_text())["results"]
     assert [(r["batch"], r.get("skipped")) for r in res] == [(2, "out of GPU memory while timing"), (3, None)]
@@ -179,10 +209,7 @@ def test_decode_bench_resume_and_budget(tmp_path, monkeypatch):
     """A second call with --resume keeps the first call's configuration and runs only the new one;
     a spent --budget-s starts nothing; --rerun measures a resumed configuration again."""
     _fake_timing(monkeypatch)
-    trace = tmp_path / "trace.json"
-    trace.write_text(json.dumps({"source": "constant test trace", "w4a8": {"1": [[0, 1]]}}))
-    common = ["--models", "smoke", "--contexts", "64", "--new", "8", "--gammas", "1", "--drafts", "w4a8",
-              "--ar", "w4a16", "--kernels", "reference", "--trace", str(trace)]
+    common = [*SMOKE, *_trace(tmp_path)]
     first, second, third = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     decode.main([*common, "--batches", "2", "--out", str(first)])
     decode.main([*common, "--batches", "2,3", "--resume", str(first / "decode.json"), "--out", str(second)])
@@ -242,39 +269,6 @@ def test_phase_check_flags_rounds_shorter_than_their_phases(monkeypatch):
     assert decode.phase_check({"methods": {"w4a16": {"ms_per_step": 1.0}}}) is None
     reason = decode.phase_check(res(0.3, -0.6, -2.0))
     assert reason and "20%" in reason and "qspec w4a8 g=2" in reason
-
-
-def _fake_timing(monkeypatch, events: list | None = None) -> None:
-    """bench.decode's compile and timing steps replaced by stand-ins that record their order (whether
-    a compile starts while a configuration is timed) and return a section with one AR row: for tests of
-    the orchestration (budget, order, resume), which need no real kernels or timings."""
-    events = [] if events is None else events
-    timing = [False]
-
-    def compile_config(c, threads):
-        events.append(("compile", c.res["batch"], timing[0]))
-        return {}
-
-    def run_config(c, compiled, *args):
-        timing[0] = True
-        try:
-            events.append(("run", c.res["batch"], True))
-            return {**c.res, "methods": {"w4a16": {"tokens_per_s": 1.0, "ms_per_step": 1.0}}}
-        finally:
-            timing[0] = False
-
-    monkeypatch.setattr(decode, "compile_config", compile_config)
-    monkeypatch.setattr(decode, "run_config", run_config)
-
-
-SMOKE = ["--models", "smoke", "--contexts", "64", "--new", "8", "--gammas", "1", "--drafts", "w4a8",
-         "--ar", "w4a16", "--kernels", "reference"]
-
-
-def _trace(tmp_path) -> list[str]:
-    trace = tmp_path / "trace.json"
-    trace.write_text(json.dumps({"source": "constant test trace", "w4a8": {"1": [[0, 1]]}}))
-    return ["--trace", str(trace)]
 
 
 def test_decode_bench_budget_does_not_start_what_would_not_end(tmp_path, monkeypatch):
@@ -461,10 +455,8 @@ def test_decode_gpus_runs_one_process_per_shard(tmp_path, monkeypatch):
 
     monkeypatch.setattr(subprocess, "Popen", popen)
     monkeypatch.setattr(decode_gpus, "visible_gpus", lambda: None)  # a CPU machine: no GPUs to count
-    trace = tmp_path / "trace.json"
-    trace.write_text(json.dumps({"source": "constant test trace", "w4a8": {"1": [[0, 1]]}}))
     common = ["--contexts", "64", "--new", "8", "--gammas", "1", "--drafts", "w4a8",
-              "--ar", "w4a16", "--kernels", "reference", "--trace", str(trace), "--threads", "1"]
+              "--ar", "w4a16", "--kernels", "reference", *_trace(tmp_path), "--threads", "1"]
     out = tmp_path / "out"
     decode_gpus.main(["--gpus", "2", "--models", "smoke", *common, "--batches", "2,3", "--out", str(out)])
     assert sorted(launched) == [("0/2", "0"), ("1/2", "1")]
