@@ -153,7 +153,7 @@ def markdown(title: str, command: str, kernels: list[dict]) -> str:
         ctas, limit = occupancy(k["registers"], k["shared"], k["num_warps"])
         lines += [f"## `{k['name']}` ({k['num_warps']} warps, {k['num_stages']} stages)", "",
                   f"{k['registers']} registers per thread, {k['shared']:,} bytes of shared memory per CTA: "
-                  f"{ctas} CTAs per SM ({limit} bound), {ctas * k['num_warps']} warps", ""]
+                  f"{ctas} CTA{'' if ctas == 1 else 's'} per SM ({limit} bound), {ctas * k['num_warps']} warps", ""]
         if not k["loops"]:
             lines += ["No loop.", ""]
         for lp in k["loops"]:
