@@ -78,6 +78,8 @@ def variants(kind: str, m: int, n: int, k: int) -> list[dict]:
                     {"block_n": 2 * bn, "split_k": 2 * split}]
             if split > 1:  # fewer programs, each with more K chunks to pipeline (qkv / o: one chunk each by default)
                 out += [{"split_k": split // 2}, {"block_n": bn // 2, "split_k": split // 2}]
+            if kind == "w4a16":  # half-width K chunks with the shared memory they free spent on stages
+                out += [{"block_k": bk // 2, "num_stages": s} for s in (4, 5)]
         return out + _flip_sides(kind, m)
     out = [{}, {"num_warps": 8}]
     if kind != "dense":  # a taller weight tile at the default K split: x re-read by half the programs, same order
@@ -94,6 +96,11 @@ def variants(kind: str, m: int, n: int, k: int) -> list[dict]:
         out += [{"block_m": 128, "num_warps": w, "num_stages": 2} for w in (4, 8)] + [
             {"block_m": 128, "num_warps": 8, "num_stages": 1}]
     out += _flip_sides(kind, m)
+    if kind == "w4a16":  # half-width K chunks: half the shared memory per stage (more programs per SM),
+        # but another summation order, so a default only if no slower at small M either (shape-only tiles)
+        bk = gm.default_config(n, k, GROUP, "w4a16")[1]
+        out += [{"block_k": bk // 2}, {"block_k": bk // 2, "num_stages": 4}]
+        out += [{"block_k": bk // 2, "block_m": 32}] if m > 32 else []
     if kind == "w4a16" and m > gm.ROWS_FIRST_MAX:  # tokens on the MMA's M side: the dequantized weights
         out += [{"rows_first": True}, {"rows_first": True, "num_stages": 2},  # the shared-memory operand
                 {"rows_first": True, "num_warps": 8}, {"rows_first": True, "block_n": 128, "num_warps": 8},

@@ -102,7 +102,7 @@ def default_config(n: int, k: int, group: int, kind: str, block_n: int | None = 
     """``(block_n, block_k, split_k)`` for a weight shape; ``kind`` is "w4a16" or "w4ax".
 
     A function of ``(N, K, group)`` only, never of M (row-count invariance): 64-row weight tiles,
-    512-wide K chunks for W4A16 and 256-wide for W4AX (halved until they fit K and the group), K
+    256-wide K chunks (halved until they fit K and the group), K
     split in 2, 4 or 8 until there are :data:`MIN_PROGRAMS` programs, for W4A16 giving each split
     (but the last) at least 2 K chunks: one chunk leaves Triton's pipeline nothing to overlap (a
     4096 x 4096 weight ran 1.2x faster split in 4 than in 8, bench/results/tune_session6.md). Given
@@ -111,8 +111,10 @@ def default_config(n: int, k: int, group: int, kind: str, block_n: int | None = 
         raise ValueError(f"kind must be 'w4a16' or 'w4ax', got {kind!r}")
     if block_n is None:
         block_n = next((b for b in (64, 32, 16) if n % b == 0), 16)
-    if block_k is None:  # the int8 kernel: 256 was 1.04-1.24x faster at M = 16 on the H200 (tune.md)
-        block_k = 512 if kind == "w4a16" else 256
+    if block_k is None:  # 256 rather than 512: W4AX 1.04-1.24x faster at M = 16 (tune.md); W4A16 0.89-1.09x
+        # at M <= 16 but 1.07-1.42x at M = 64 and 128, where a 512-chunk's stage buffers left room for one
+        # 64-row program per SM (the verify pass: M = batch x (gamma + 1); kernels_history.md, session 14)
+        block_k = 256
         while block_k > PACK_BLOCK and (k % block_k or not (block_k % group == 0 or group % block_k == 0)
                                         or (split_k is not None and not _split_ok(k, group, block_k, split_k))):
             block_k //= 2
