@@ -17,7 +17,8 @@ the instructions that run; they tell which parts of a loop body cost issue slots
 change moves them, before any device time is spent (bench/results/kv_shadow.md). Each kernel's
 registers per thread and shared memory per CTA give its CTAs per SM (:func:`occupancy`); for the
 W4A16 kernel they match Nsight Compute's on the H200 (session 13: 92 / 239 registers, 66,560 /
-230,400 bytes at M = 16 / 64, against 95 / 240 and the same bytes here).
+230,400 bytes at M = 16 / 64 with the 512-wide K chunks of then, against 95 / 240 and the same bytes
+counted here).
 """
 
 from __future__ import annotations
