@@ -61,25 +61,32 @@ def _linestyle(label: str) -> str:
     return "--" if label.startswith("qspec") else ":" if label == HF_LABEL else "-"
 
 
+def colours(labels: list[str]) -> dict[str, tuple]:
+    """A distinct colour per label: tab10 up to 10 labels, tab20 up to 20 (a method per colour in the
+    legend), then repeating."""
+    cmap, n = ("tab10", 10) if len(labels) <= 10 else ("tab20", 20)
+    return {label: plt.get_cmap(cmap)(i % n) for i, label in enumerate(labels)}
+
+
 def plot(data: dict, context: int, out: Path) -> None:
     """One panel per model; log-2 batch axis; one colour per method across panels, one legend."""
     models = sorted(data)
     if not models:
         raise SystemExit(f"no results at context {context}")
     labels = sorted({label for lines in data.values() for label in lines})
-    colours = {label: plt.get_cmap("tab10")(i % 10) for i, label in enumerate(labels)}
+    palette = colours(labels)
     fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4.8), squeeze=False)
     for ax, model in zip(axes[0], models):
         for label, pts in sorted(data[model].items()):
             pts = sorted(pts)
-            ax.plot([b for b, _ in pts], [t for _, t in pts], marker="o", label=label, color=colours[label],
+            ax.plot([b for b, _ in pts], [t for _, t in pts], marker="o", label=label, color=palette[label],
                     linestyle=_linestyle(label))
         ax.set_xscale("log", base=2)
         ax.set_title(f"{model}, context {context}")
         ax.set_xlabel("batch size")
         ax.set_ylabel("generated tokens/s (whole batch)")
         ax.grid(alpha=0.3)
-    handles = [plt.Line2D([], [], color=colours[label], marker="o", label=label,
+    handles = [plt.Line2D([], [], color=palette[label], marker="o", label=label,
                           linestyle=_linestyle(label))
                for label in labels]
     fig.legend(handles=handles, loc="lower center", ncol=min(4, len(labels)), fontsize=8)

@@ -147,6 +147,9 @@ def test_plot_series_and_file(tmp_path):
                {"model": "a", "batch": 8, "context": 4096, "decode_tokens_per_s": 3.0},
                {"model": "a", "batch": 16, "context": 512, "skipped": "out of GPU memory"}]
     assert plot.hf_series(hf_rows, 512) == {"a": {plot.HF_LABEL: [(8, 30.0)]}}
+    for n in (3, 10, 11, 20):  # one colour per method in the legend, up to 20
+        names = [f"m{i}" for i in range(n)]
+        assert len(set(plot.colours(names).values())) == n
     hf = tmp_path / "hf.json"
     hf.write_text(json.dumps({"rows": hf_rows}))
     plot.main([str(run), "--hf", str(hf), "--out", str(tmp_path / "q.svg")])
