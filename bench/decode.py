@@ -779,7 +779,8 @@ def _key(r: dict) -> tuple[str, int, int]:
 def record(run: dict, res: dict) -> None:
     """Add ``res`` to ``run``'s results: a measured section replaces an earlier one of the same (model,
     context, batch) in its place; a skipped one never replaces a measured one (a ``--rerun`` that
-    could not run, for memory, keeps what was measured before), nor a disturbed one a valid one."""
+    could not run, for memory, keeps what was measured before), nor a disturbed one a valid one. A
+    replacement of fewer methods is logged with the methods it drops."""
     at = [i for i, r in enumerate(run["results"]) if _key(r) == _key(res)]
     old = run["results"][at[0]] if at else None
     if old is None:
@@ -787,6 +788,10 @@ def record(run: dict, res: dict) -> None:
     elif "skipped" in res or (res.get("disturbed") and "skipped" not in old and not old.get("disturbed")):
         log(f"  kept the earlier {res['model']} B={res['batch']} ctx={res['context']} section")
     else:
+        dropped = sorted(set(old.get("methods", {})) - set(res.get("methods", {})))
+        if dropped:  # a --rerun of fewer methods: say what the old section loses
+            log(f"  replaced the earlier {res['model']} B={res['batch']} ctx={res['context']} section; "
+                f"not measured again, so dropped: {', '.join(dropped)}")
         run["results"][at[0]] = res
 
 

@@ -336,6 +336,17 @@ def test_record_keeps_a_valid_section_over_a_skipped_or_disturbed_one():
     assert run["results"] == [sec(1, v=3), sec(2, v=3), sec(3, v=1, disturbed="w")]
 
 
+def test_record_names_the_methods_a_rerun_drops(capsys):
+    """A re-measured section of fewer methods replaces the old one whole, and the log says which."""
+    old = {"model": "m", "context": 64, "batch": 1, "methods": {"w4a16": 1, "w16a16": 2, "qspec w4a8 g=1": 3}}
+    run = {"results": [old]}
+    decode.record(run, {**old, "methods": {"w4a16": 4}})
+    assert run["results"][0]["methods"] == {"w4a16": 4}
+    assert "dropped: qspec w4a8 g=1, w16a16" in capsys.readouterr().out
+    decode.record(run, {**old, "methods": {"w4a16": 5, "w4a8": 6}})
+    assert "dropped" not in capsys.readouterr().out
+
+
 def test_decode_bench_real_model(tmp_path):
     """The embedded SmolLM2 on few-shot prompts that fill the context, QSPEC with its own accept
     decisions (not replayed): each prompt fits the context and holds few-shot examples, the round
