@@ -83,7 +83,7 @@ def variants(kind: str, m: int, n: int, k: int) -> list[dict]:
         return out + _flip_sides(kind, m)
     out = [{}, {"num_warps": 8}]
     if kind != "dense":  # a taller weight tile at the default K split: x re-read by half the programs, same order
-        bn, _, split = gm.default_config(n, k, GROUP, "w4a16" if kind == "w4a16" else "w4ax")
+        bn, bk, split = gm.default_config(n, k, GROUP, "w4a16" if kind == "w4a16" else "w4ax")
         out += [{"block_n": 2 * bn, "split_k": split}, {"block_n": 2 * bn, "split_k": split, "num_warps": 8}]
     if m > 32:
         out += [{"block_m": 64, "num_warps": w, "num_stages": s} for w in (4, 8) for s in (2, 3)]
@@ -98,7 +98,6 @@ def variants(kind: str, m: int, n: int, k: int) -> list[dict]:
     out += _flip_sides(kind, m)
     if kind == "w4a16":  # half-width K chunks: half the shared memory per stage (more programs per SM),
         # but another summation order, so a default only if no slower at small M either (shape-only tiles)
-        bk = gm.default_config(n, k, GROUP, "w4a16")[1]
         out += [{"block_k": bk // 2}, {"block_k": bk // 2, "num_stages": 4}]
         out += [{"block_k": bk // 2, "block_m": 32}] if m > 32 else []
     if kind == "w4a16" and m > gm.ROWS_FIRST_MAX:  # tokens on the MMA's M side: the dequantized weights
