@@ -142,6 +142,20 @@ def test_row_count_invariance(rng, kind, n, k, group, symmetric):
         np.testing.assert_array_equal(np.asarray(call(x[:m])), alone[:m], err_msg=f"M={m}")
 
 
+def test_w4a16_offset_kernel(rng):
+    """The offset W4A16 candidate on the GPU (Llama o, g128): within 1e-5 of the float64 product of the
+    exact codes and scales, and row-count invariant, bitwise."""
+    w = _weight(rng, 4096, 4096, 128, True)
+    fn = lambda a: gpu_matmul.w4a16_matmul(a, w, offset=True)  # noqa: E731
+    x = _x(rng, max(INVARIANCE_MS), 4096, jnp.bfloat16)
+    scales = np.repeat(np.asarray(w.scales, np.float64), 128, axis=1)
+    exact = np.asarray(reference.signed_codes(w), np.float64) * scales
+    alone = _rows_alone(fn, x)
+    assert _rel(alone, np.asarray(x, np.float64) @ exact.T) <= 1e-5
+    for m, call in zip(INVARIANCE_MS, _compile_all(fn, [(x[:m],) for m in INVARIANCE_MS]), strict=True):
+        np.testing.assert_array_equal(np.asarray(call(x[:m])), alone[:m], err_msg=f"M={m}")
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("heads,kv,d", [(9, 3, 64), (32, 8, 128), (16, 16, 64)])
 def test_attention_kernel(rng, dtype, heads, kv, d):
