@@ -364,7 +364,7 @@ def _w4a16_kernel(l_ref, x_ref, p_ref, s_ref, *rest, m: int, k: int, group: int,
     dims = (((1,), (1,)), ((), ()))
     if offset:
         tots = jax.lax.fori_loop(0, steps, functools.partial(
-            _offset_chunk, l_ref=l_ref, x_ref=x_ref, p_ref=p_ref, s_ref=s_ref, base=base, group=group,
+            _offset_chunk, layer=layer, x_ref=x_ref, p_ref=p_ref, s_ref=s_ref, base=base, group=group,
             block_k=block_k, masks=masks, rows_first=rows_first, interpret=interpret),
             tuple(jnp.zeros((bm, bn) if rows_first else (bn, bm), jnp.float32) for _ in range(tiles)))
         _store_tiles(o_ref, masks, tots, rows_first)
@@ -392,12 +392,11 @@ def _w4a16_kernel(l_ref, x_ref, p_ref, s_ref, *rest, m: int, k: int, group: int,
 OFFSET_CODE = 128 + SYMMETRIC_OFFSET  # sum((128 + u) x) - 136 sum(x) = sum((u - 8) x)
 
 
-def _offset_chunk(j, tots, *, l_ref, x_ref, p_ref, s_ref, base, group: int, block_k: int, masks, rows_first: bool,
+def _offset_chunk(j, tots, *, layer, x_ref, p_ref, s_ref, base, group: int, block_k: int, masks, rows_first: bool,
                   interpret: bool):
     """One K chunk of the offset W4A16 kernel, a group at a time: ``acc = sum_t (128 + u_t) . x_t +
     (-136) . x_t`` (bf16 MMAs into float32; the second against a constant tile of the weight tile's
     shape, so the correction has the main product's layout and k order), then ``tot += s_g * acc``."""
-    layer = l_ref[0]
     bn = p_ref.shape[1]
     gw = group // 4  # uint16 elements of a group per plane
     dims = (((1,), (1,)), ((), ()))
