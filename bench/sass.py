@@ -3,7 +3,7 @@
     python -m bench.sass attention --kv-bits 8 [--batch 16 --heads 32 --kv-heads 32 --head-dim 128
         --slots 4096] [--out FILE]
     python -m bench.sass w4a16 --m 16 --n 28672 --k 4096 [--block-m 32 --num-warps 4 --num-stages 3
-        --rows-first --offset] [--out FILE]
+        --rows-first] [--out FILE]
 
 The kernel is lowered for CUDA on this machine (jax's Triton lowering, with an H200 as the assumed
 target), each Pallas kernel's Triton module is taken as text, compiled for sm_90 by a local
@@ -186,7 +186,7 @@ def _w4a16(args):
     w = jax.eval_shape(lambda: make_weight(jax.random.key(0), args.n, args.k, 128, True))
     x = jax.ShapeDtypeStruct((args.m, args.k), jnp.bfloat16)
     tiles = {"block_m": args.block_m, "num_warps": args.num_warps, "num_stages": args.num_stages,
-             "rows_first": args.rows_first, "offset": args.offset}  # None: the kernel's defaults for this M
+             "rows_first": args.rows_first}  # None: the kernel's defaults for this M
     return (lambda x, w: gpu_matmul.w4a16_matmul(x, w, **tiles)), (x, w)
 
 
@@ -205,7 +205,6 @@ def main(argv: list[str] | None = None) -> None:
         mm.add_argument(f"--{name}", type=int, default=default)
     mm.add_argument("--rows-first", action=argparse.BooleanOptionalAction, default=None,
                     help="the tokens on the MMA's M side (default: the kernel's choice for the row tile)")
-    mm.add_argument("--offset", action="store_true", help="the offset dequantization (w4a16_matmul's offset)")
     args = ap.parse_args(argv)
     fn, fn_args = (_attention if args.kernel == "attention" else _w4a16)(args)
     kernels = triton_modules(fn, *fn_args)

@@ -53,12 +53,7 @@ PROLOGUES = {  # the activation-prologue kernels, on x [M, K] (SwiGLU: [M, 2K]) 
 PROLOGUE_DEFAULT_BLOCKS = {"swiglu_quantize": gpu_activations.SPREAD_BLOCKS}  # spread at the swept row counts
 PROLOGUE_PARTS = {"swiglu_quantize": 2, "swiglu_quantize_one": 2, "swiglu_planes": 2}  # input row widths in units of K (else 1)
 DEFAULT_MODEL = "llama3-8b"  # the shapes swept unless --models names others
-ORDER_KEYS = ("block_k", "split_k", "block_n", "offset")  # change the summation order (the default split
-# follows block_n) or, offset, the numerics
-
-
-# the offset dequantization (gpu_matmul.w4a16_matmul's offset: other numerics), alone and with 8 warps
-OFFSET_VARIANTS = [{"offset": True}, {"offset": True, "num_warps": 8}]
+ORDER_KEYS = ("block_k", "split_k", "block_n")  # change the summation order (the default split follows block_n)
 
 
 def _flip_sides(kind: str, m: int) -> list[dict]:
@@ -85,7 +80,6 @@ def variants(kind: str, m: int, n: int, k: int) -> list[dict]:
                 out += [{"split_k": split // 2}, {"block_n": bn // 2, "split_k": split // 2}]
             if kind == "w4a16":  # half-width K chunks with the shared memory they free spent on stages
                 out += [{"block_k": bk // 2, "num_stages": s} for s in (4, 5)]
-                out += OFFSET_VARIANTS
         return out + _flip_sides(kind, m)
     out = [{}, {"num_warps": 8}]
     if kind != "dense":  # a taller weight tile at the default K split: x re-read by half the programs, same order
@@ -106,7 +100,6 @@ def variants(kind: str, m: int, n: int, k: int) -> list[dict]:
         # but another summation order, so a default only if no slower at small M either (shape-only tiles)
         out += [{"block_k": bk // 2}, {"block_k": bk // 2, "num_stages": 4}]
         out += [{"block_k": bk // 2, "block_m": 32}] if m > 32 else []
-        out += OFFSET_VARIANTS
     if kind == "w4a16" and m > gm.ROWS_FIRST_MAX:  # tokens on the MMA's M side: the dequantized weights
         out += [{"rows_first": True}, {"rows_first": True, "num_stages": 2},  # the shared-memory operand
                 {"rows_first": True, "num_warps": 8}, {"rows_first": True, "block_n": 128, "num_warps": 8},
@@ -115,7 +108,7 @@ def variants(kind: str, m: int, n: int, k: int) -> list[dict]:
     return out
 
 
-MATMUL_KEYS = {"num_warps", "num_stages", "block_n", "block_k", "split_k", "block_m", "rows_first", "offset"}
+MATMUL_KEYS = {"num_warps", "num_stages", "block_n", "block_k", "split_k", "block_m", "rows_first"}
 
 
 def select(configs: list[dict], only: set[str] | None) -> list[dict]:

@@ -61,9 +61,15 @@ def supported(head_dim: int, slots: int, kv_bits: int | None = None) -> bool:
     return head_dim >= 16 * planes and head_dim & (head_dim - 1) == 0 and slots % 16 == 0
 
 
-def _attention_kernel(layer_ref, q_ref, pos_ref, k_ref, v_ref, *refs, tiles: int, block_s: int,
-                      blocks_per_split: int, scale: float, precision, kv_bits: int | None, interpret: bool):
+def _attention_kernel(layer_ref, q_ref, pos_ref, k_ref, v_ref, *refs, tiles: int, queries: int, group: int,
+                      block_s: int, blocks_per_split: int, scale: float, compute, precision, kv_bits: int | None,
+                      interpret: bool):
     """One (sequence, KV head, split): online softmax over the split's KV blocks for all row tiles.
+
+    The row tiles are gathered from the caller's ``q [B * T * H, d]`` and ``q_pos [B * T]`` as they
+    are (no padded, transposed copy is made first): row ``r = t * G + g`` is query head ``g`` of
+    this KV head at query ``t``; the rows past ``T * G`` that fill the last tile repeat query ``T - 1``
+    (their results are never read, and a row's result does not depend on the other rows).
 
     With ``kv_bits`` the cache is the draft's shadow (:func:`pallas_kernels.reference.quantize_kv`,
     ``refs`` starting with its key and value scales): each code plane becomes float16 codes
@@ -76,11 +82,15 @@ def _attention_kernel(layer_ref, q_ref, pos_ref, k_ref, v_ref, *refs, tiles: int
     planes = 1 if kv_bits is None else 16 // kv_bits
     d = q_ref.shape[-1]
     dp = d // planes  # the width of one code plane (all of d for a float cache)
-    split = pl.program_id(2)
+    seq, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
-    qs = [[q_ref[pl.ds(i * ROW_TILE, ROW_TILE), pl.ds(j * dp, dp)] for j in range(planes)] for i in range(tiles)]
-    ps = [pos_ref[pl.ds(i * ROW_TILE, ROW_TILE)] for i in range(tiles)]
-    needed = (jnp.max(pos_ref[...]) // block_s) + 1  # blocks any row of this sequence can see
+    heads = q_ref.shape[0] // pos_ref.shape[0]  # H: q holds H rows per query
+    row = [i * ROW_TILE + jax.lax.broadcasted_iota(jnp.int32, (ROW_TILE,), 0) for i in range(tiles)]
+    query = [seq * queries + jnp.minimum(r // group, queries - 1) for r in row]  # index into q_pos
+    qs = [[q_ref[qi * heads + head * group + r % group, pl.ds(j * dp, dp)].astype(compute) for j in range(planes)]
+          for qi, r in zip(query, row)]
+    ps = [pos_ref[qi] for qi in query]
+    needed = functools.reduce(jnp.maximum, [jnp.max(p) for p in ps]) // block_s + 1  # blocks any row can see
     first = split * blocks_per_split
     last = jnp.minimum(first + blocks_per_split, needed)
     dims_qk, dims_pv = (((1,), (1,)), ((), ())), (((1,), (0,)), ((), ()))
@@ -248,19 +258,16 @@ def attention_partials(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Arra
     g = h // kvh
     rows = t * g
     tiles = -(-rows // ROW_TILE)
-    rows_pad = _next_pow2(tiles * ROW_TILE)
+    rows_pad = _next_pow2(tiles * ROW_TILE)  # the partials' rows
     splits = num_splits(b, kvh, s, block_s) if splits is None else splits
     if num_stages is None:  # measured on the H200 (kv_shadow.md): 3 stages beat 2 for the shadow, not for bf16
         num_stages = SHADOW_STAGES if kv_bits else 2
     blocks_per_split = -(-(s // block_s) // splits)
 
     compute = jnp.float16 if kv_bits else k.dtype  # the shadow's codes are float16 (kv_planes_f16)
-    qr = q.reshape(b, t, kvh, g, d).transpose(0, 2, 1, 3, 4).reshape(b, kvh, rows, d)
-    qr = jnp.pad(qr.astype(compute), ((0, 0), (0, 0), (0, rows_pad - rows), (0, 0)))
-    pos = jnp.pad(jnp.repeat(q_pos.astype(jnp.int32), g, axis=1), ((0, 0), (0, rows_pad - rows)))
     precision = jax.lax.Precision.HIGHEST if compute == jnp.float32 else None
-    kernel = functools.partial(_attention_kernel, tiles=tiles, block_s=block_s,
-                               blocks_per_split=blocks_per_split, scale=1.0 / math.sqrt(d),
+    kernel = functools.partial(_attention_kernel, tiles=tiles, queries=t, group=g, block_s=block_s,
+                               blocks_per_split=blocks_per_split, scale=1.0 / math.sqrt(d), compute=compute,
                                precision=precision, kv_bits=kv_bits, interpret=interpret)
     kv_spec = pl.BlockSpec((nl, None, s, None, dk), lambda i, j, p: (0, i, 0, j, 0))
     scale_spec = pl.BlockSpec((nl, None, None, s), lambda i, j, p: (0, i, j, 0))
@@ -270,12 +277,13 @@ def attention_partials(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Arra
         (jax.ShapeDtypeStruct(part + (d,), jnp.float32), jax.ShapeDtypeStruct(part, jnp.float32),
          jax.ShapeDtypeStruct(part, jnp.float32)),
         (b, kvh, splits),
-        [LAYER_SPEC, pl.BlockSpec((None, None, rows_pad, d), lambda i, j, p: (i, j, 0, 0)),
-         pl.BlockSpec((None, rows_pad), lambda i, j, p: (i, 0)), kv_spec, kv_spec, *[scale_spec] * len(scales)],
+        [LAYER_SPEC, pl.BlockSpec((b * t * h, d), lambda i, j, p: (0, 0)),
+         pl.BlockSpec((b * t,), lambda i, j, p: (0,)), kv_spec, kv_spec, *[scale_spec] * len(scales)],
         (pl.BlockSpec((None, None, None, rows_pad, d), lambda i, j, p: (i, j, p, 0, 0)),
          pl.BlockSpec((None, None, None, rows_pad), lambda i, j, p: (i, j, p, 0)),
          pl.BlockSpec((None, None, None, rows_pad), lambda i, j, p: (i, j, p, 0))),
-        interpret, num_warps, num_stages, lidx, qr, pos, k, v, *scales)
+        interpret, num_warps, num_stages, lidx, q.reshape(b * t * h, d), q_pos.astype(jnp.int32).reshape(b * t),
+        k, v, *scales)
     return Partials(acc, m, l, (b, t, h, d), q.dtype)
 
 

@@ -10,8 +10,7 @@ the high nibbles k 32..63), in the modes of :mod:`pallas_kernels.reference`:
   ``mul.bf16x2`` or ``fma.bf16x2`` applying the bf16 scale (and minimum) with one rounding:
   :func:`pallas_kernels.layout.w4a16_weights`). The 4 nibble positions feed 4 bf16 MMAs against
   the matching activation columns (the wrapper permutes x into 4 planes ``[4, M, K/4]``); float32
-  accumulation. A candidate ``offset`` mode (symmetric weights) feeds the codes ``128 + u`` to the MMA
-  unscaled and applies ``-136 * sum(x)`` and the scale per group after it (other numerics; for timing).
+  accumulation.
 * :func:`w4ax_matmul` (``bits`` 8 or 4): activations quantized per row by a small kernel before
   the matmul (:mod:`pallas_kernels.gpu_activations`, fused with the RMSNorm where one comes first;
   int8 codes laid out as the weights' low/high planes ``[2, M, K/2]``, float32 row scales). In the
@@ -283,31 +282,19 @@ def _k_range(units: int, split_k: int) -> tuple[jax.Array | int, jax.Array | int
 _BF16_128 = 0x4300  # bfloat16 bits of 128.0: (0x4300 | u) is 128 + u for a nibble u
 
 
-def _code_asm(t: int, dst: str) -> str:
-    """PTX: nibble ``t`` of the two uint16 elements in ``$1`` as bf16x2 ``128 + u`` into ``dst`` (shift
-    it down, then ``lop3`` masks it under 128's exponent); ``dst`` must be a declared ``m``."""
-    shift, src = (f"shr.u32 m, $1, {4 * t};\n", "m") if t else ("", "$1")
-    return shift + f"lop3.b32 {dst}, {src}, 0x000F000F, {x2(_BF16_128)}, 0xEA;\n"
-
-
 def _nibble_asm(t: int, symmetric: bool) -> str:
-    """PTX (pack=2) for nibble ``t`` of two adjacent uint16 elements (one 32-bit register): the code
-    as bf16x2 ``128 + u`` (:func:`_code_asm`), the offset subtracted exactly, then the bf16 scale
-    applied: ``s*(u-8)`` (mul) or ``s*u + m`` (fma), one rounding."""
+    """PTX (pack=2) for nibble ``t`` of two adjacent uint16 elements (one 32-bit register): shift
+    nibble t down, mask it under 128's exponent (``lop3``: bf16x2 128 + u), subtract the offset
+    exactly, then apply the bf16 scale: ``s*(u-8)`` (mul) or ``s*u + m`` (fma), one rounding."""
+    src = "$1"
+    shift = ""
+    if t:
+        shift, src = f"shr.u32 m, $1, {4 * t};\n", "m"
     offset = x2(0x4308 if symmetric else _BF16_128)  # 136 = 128 + 8, or 128
     scale = "mul.rn.bf16x2 $0, m, $2;" if symmetric else "fma.rn.bf16x2 $0, m, $2, $3;"
-    return ("{\n.reg .b32 m, c;\n" + _code_asm(t, "m") +
+    return ("{\n.reg .b32 m, c;\n" + shift +
+            f"lop3.b32 m, {src}, 0x000F000F, {x2(_BF16_128)}, 0xEA;\n"
             f"mov.b32 c, {offset};\nsub.rn.bf16x2 m, m, c;\n{scale}\n}}")
-
-
-def _offset_codes(p, t, interpret):
-    """bf16 ``128 + u`` for nibble ``t`` of the uint16 tile ``p`` (exact): the operand of the offset
-    kernel, one ``lop3`` (and a shift) per two elements."""
-    if interpret:
-        return (((p >> np.uint16(4 * t)) & np.uint16(0xF)).astype(jnp.float32) + 128).astype(jnp.bfloat16)
-    return pl_triton.elementwise_inline_asm(
-        "{\n.reg .b32 m;\n" + _code_asm(t, "$0") + "}", args=[p], constraints="=r,r", pack=2,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(p.shape, jnp.bfloat16)])[0]
 
 
 def _w4a16_operand(p, t, s, mn, interpret):
@@ -348,12 +335,11 @@ def _plane_group_values(ref, layer, i, t, block_k, group, words, interpret):
 
 
 def _w4a16_kernel(l_ref, x_ref, p_ref, s_ref, *rest, m: int, k: int, group: int, block_k: int,
-                  split_k: int, bm: int, tiles: int, rows_first: bool, offset: bool, interpret: bool):
+                  split_k: int, bm: int, tiles: int, rows_first: bool, interpret: bool):
     """Weight rows ``[bn]`` x up to ``tiles`` row tiles: ``acc_r[bn, bm] += sum_t W_t @ x_t,r.T``
     over the 4 nibble planes ``t`` of the chunk's uint16 elements; with ``rows_first`` the tokens are
     the MMA's M side instead, ``acc_r[bm, bn] += sum_t x_t,r @ W_t.T`` (the dequantized weights its
-    shared-memory operand). With ``offset`` (symmetric weights, groups within a chunk), per group:
-    the codes ``128 + u`` into the MMA, then ``tot += s_g * (acc_g - 136 * sum_g(x))``."""
+    shared-memory operand)."""
     symmetric = len(rest) == 1
     m_ref, o_ref = (None, rest[0]) if symmetric else rest
     layer = l_ref[0]
@@ -362,13 +348,6 @@ def _w4a16_kernel(l_ref, x_ref, p_ref, s_ref, *rest, m: int, k: int, group: int,
     words = block_k // 4  # uint16 elements per weight row in a chunk
     base, steps = _k_range(k // block_k, split_k)
     dims = (((1,), (1,)), ((), ()))
-    if offset:
-        tots = jax.lax.fori_loop(0, steps, functools.partial(
-            _offset_chunk, layer=layer, x_ref=x_ref, p_ref=p_ref, s_ref=s_ref, base=base, group=group,
-            block_k=block_k, masks=masks, rows_first=rows_first, interpret=interpret),
-            tuple(jnp.zeros((bm, bn) if rows_first else (bn, bm), jnp.float32) for _ in range(tiles)))
-        _store_tiles(o_ref, masks, tots, rows_first)
-        return
 
     def body(j, accs):
         i = base + j
@@ -389,39 +368,6 @@ def _w4a16_kernel(l_ref, x_ref, p_ref, s_ref, *rest, m: int, k: int, group: int,
     _store_tiles(o_ref, masks, accs, rows_first)
 
 
-OFFSET_CODE = 128 + SYMMETRIC_OFFSET  # sum((128 + u) x) - 136 sum(x) = sum((u - 8) x)
-
-
-def _offset_chunk(j, tots, *, layer, x_ref, p_ref, s_ref, base, group: int, block_k: int, masks, rows_first: bool,
-                  interpret: bool):
-    """One K chunk of the offset W4A16 kernel, a group at a time: ``acc = sum_t (128 + u_t) . x_t +
-    (-136) . x_t`` (bf16 MMAs into float32; the second against a constant tile of the weight tile's
-    shape, so the correction has the main product's layout and k order), then ``tot += s_g * acc``."""
-    bn = p_ref.shape[1]
-    gw = group // 4  # uint16 elements of a group per plane
-    dims = (((1,), (1,)), ((), ()))
-    neg = jnp.full((bn, gw), -OFFSET_CODE, jnp.bfloat16)  # exact in bf16
-    per = block_k // group
-    i = base + j
-    out = list(tots)
-    for h in range(per):
-        cols = pl.ds((i * per + h) * gw, gw)
-        p = _load_weight(p_ref, layer, cols, interpret)  # uint16 [bn, gw]
-        accs = [None] * len(tots)
-        for t in range(4):
-            w_t = _offset_codes(p, t, interpret)
-            for r, mask in enumerate(masks):
-                x_t = _plane_rows(x_ref, t, r, cols, mask, interpret)
-                for op in (w_t, neg):
-                    a, b = (x_t, op) if rows_first else (op, x_t)
-                    d = jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
-                    accs[r] = d if accs[r] is None else accs[r] + d
-        s = _load_layer(s_ref, layer, pl.ds(i * per + h, 1), interpret).astype(jnp.float32)  # [bn, 1]
-        s = s.reshape(1, bn) if rows_first else s  # the scale per output column / row
-        out = [tot + acc * s for tot, acc in zip(out, accs)]
-    return tuple(out)
-
-
 def activation_planes(x: jax.Array, planes: int) -> jax.Array:
     """``x[M, K]`` in the order the kernels read it, ``[planes, M, K / planes]``: 2 planes (W4AX:
     the low / high halves of each 64-block) or 4 (W4A16: nibble ``t`` of uint16 element ``e`` of a
@@ -437,7 +383,7 @@ def activation_planes(x: jax.Array, planes: int) -> jax.Array:
 def w4a16_matmul(x: jax.Array, w: QuantizedWeight, *, layer: jax.Array | None = None,
                  block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
                  block_m: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                 rows_first: bool | None = None, offset: bool = False, interpret: bool = False) -> jax.Array:
+                 rows_first: bool | None = None, interpret: bool = False) -> jax.Array:
     """``x[M, K] @ w4a16_weights(w).T`` with bf16 activations and float32 accumulation -> ``f32[M, N]``;
     ``x`` may already be bf16 planes ``[4, M, K/4]`` (:func:`activation_planes`, as
     :func:`pallas_kernels.gpu_activations.rms_norm_planes` writes them).
@@ -448,12 +394,7 @@ def w4a16_matmul(x: jax.Array, w: QuantizedWeight, *, layer: jax.Array | None = 
     ``rows_first`` (tokens on the MMA's M side, see :func:`_w4a16_kernel`; default: for row tiles of at
     most :data:`ROWS_FIRST_MAX` rows) gives the same bits as the weights-first kernel on the GPU, which
     row-count invariance needs since it follows M (tests/test_gpu.py checks M = 1..256 bitwise;
-    interpret mode cannot tell).
-
-    ``offset`` (symmetric weights, groups of 64 k or more within a K chunk; a candidate, not yet timed
-    on the GPU): other numerics, ``sum_g s_g * (sum_k (128 + u_k) x_k - 136 * sum_k x_k)`` in float32 with
-    the codes unscaled in the MMA (no bf16 rounding of the weights: closer to the exact product than
-    ``w4a16_weights``), two instructions per weight pair instead of four (:func:`_offset_chunk`)."""
+    interpret mode cannot tell)."""
     if x.ndim == 3 and (x.shape[0] != 4 or x.dtype != jnp.bfloat16):
         raise ValueError(f"activation planes must be bfloat16 [4, M, K/4], got {x.dtype}{x.shape}")
     xp = x if x.ndim == 3 else None
@@ -471,11 +412,8 @@ def w4a16_matmul(x: jax.Array, w: QuantizedWeight, *, layer: jax.Array | None = 
         rows_first = bm <= ROWS_FIRST_MAX
     if xp is None:
         xp = activation_planes(x.astype(jnp.bfloat16), 4)
-    if offset and not (w.symmetric and g >= PACK_BLOCK and block_k % g == 0):
-        raise ValueError(f"offset needs symmetric weights with groups of >= {PACK_BLOCK} k within a K chunk; "
-                         f"got symmetric={w.symmetric}, group {g}, block_k {block_k}")
     kernel = functools.partial(_w4a16_kernel, m=m, k=k, group=g, block_k=block_k, split_k=split_k,
-                               bm=bm, tiles=tiles, rows_first=rows_first, offset=offset, interpret=interpret)
+                               bm=bm, tiles=tiles, rows_first=rows_first, interpret=interpret)
     sspec = stacked_spec(nl, (block_n, k // g), lambda i, j, s: (j, 0))
     in_specs = [LAYER_SPEC, pl.BlockSpec((4, rows, k // 4), lambda i, j, s: (0, i, 0)),
                 stacked_spec(nl, (block_n, k // 4), lambda i, j, s: (j, 0)), sspec]

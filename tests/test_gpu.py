@@ -124,15 +124,6 @@ def _rows_alone(fn, x):
     return np.concatenate([np.asarray(one(x[i:i + 1])) for i in range(x.shape[0])])
 
 
-def _assert_row_count_invariant(fn, x):
-    """``fn`` on the first M rows of ``x`` gives each row the bits it gets alone, for every M of
-    INVARIANCE_MS (bitwise); returns the rows alone."""
-    alone = _rows_alone(fn, x)
-    for m, call in zip(INVARIANCE_MS, _compile_all(fn, [(x[:m],) for m in INVARIANCE_MS]), strict=True):
-        np.testing.assert_array_equal(np.asarray(call(x[:m])), alone[:m], err_msg=f"M={m}")
-    return alone
-
-
 @pytest.mark.parametrize("kind", ["w4a16", "w4a8", "w4a4", "dense", "dense_f32", "rmsnorm"])
 @pytest.mark.parametrize("n,k,group,symmetric", [MATMUL_SHAPES[0], MATMUL_SHAPES[2]])
 def test_row_count_invariance(rng, kind, n, k, group, symmetric):
@@ -145,19 +136,10 @@ def test_row_count_invariance(rng, kind, n, k, group, symmetric):
           "dense": lambda a: gpu_matmul.dense_matmul(a, dequantize(w, jnp.bfloat16)),
           "dense_f32": lambda a: gpu_matmul.dense_matmul(a, dequantize(w, jnp.float32)),
           "rmsnorm": lambda a: gpu_norm.rms_norm(a, scale, 1e-5)}[kind]
-    _assert_row_count_invariant(fn, _x(rng, max(INVARIANCE_MS), k, dtype))
-
-
-def test_w4a16_offset_kernel(rng):
-    """The offset W4A16 candidate on the GPU (Llama o, g128): within 1e-5 of the float64 product of the
-    exact codes and scales, and row-count invariant, bitwise."""
-    w = _weight(rng, 4096, 4096, 128, True)
-    fn = lambda a: gpu_matmul.w4a16_matmul(a, w, offset=True)  # noqa: E731
-    x = _x(rng, max(INVARIANCE_MS), 4096, jnp.bfloat16)
-    scales = np.repeat(np.asarray(w.scales, np.float64), 128, axis=1)
-    exact = np.asarray(reference.signed_codes(w), np.float64) * scales
-    alone = _assert_row_count_invariant(fn, x)
-    assert _rel(alone, np.asarray(x, np.float64) @ exact.T) <= 1e-5
+    x = _x(rng, max(INVARIANCE_MS), k, dtype)
+    alone = _rows_alone(fn, x)
+    for m, call in zip(INVARIANCE_MS, _compile_all(fn, [(x[:m],) for m in INVARIANCE_MS]), strict=True):
+        np.testing.assert_array_equal(np.asarray(call(x[:m])), alone[:m], err_msg=f"M={m}")
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
