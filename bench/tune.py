@@ -2,7 +2,8 @@
 
     PYTHONPATH=. python3 -m bench.tune [--shapes qkv,o,gate_up,down,lm_head] [--kinds w4a16,w4a8,dense]
         [--models llama3-8b,llama2-7b,llama2-13b] [--ms 16,32,64,128,256] [--attn 8,16:1024,2048]
-        [--attn-kv 16,8,4] [--prologue 1,16,64] [--only rows_first] [--out DIR] [--budget-s 400]
+        [--attn-kv 16,8,4] [--attn-heads 32,8,128] [--prologue 1,16,64] [--prologue-kinds swiglu_planes]
+        [--only rows_first] [--out DIR] [--budget-s 400]
 
 Layer shapes of ``--models`` (default Llama-3-8B; :data:`bench.kernels.MODELS`). For each (shape, kind,
 M) the kernel with its default tiles and a set of variants (:func:`variants`: warps, pipeline stages,
@@ -13,10 +14,11 @@ variant's output on the first input is compared with the default's: ``same bits`
 else the max relative difference (a K chunk, split or weight tile other than the default changes the
 summation order; rows per tile, warps and stages must not change a bit). Writes ``tune.json`` / ``tune.md``
 under ``--out`` (default ``$OUT``, else bench/results) after every shape. ``--attn`` also sweeps
-the decode attention kernel's KV block and cache splits (``--shapes ''`` for attention alone), over
-the bf16 cache or (``--attn-kv``) the draft's INT8 / INT4 shadow of it, where pipeline stages are swept too;
-``--prologue`` the activation-prologue kernels' tile width (:mod:`pallas_kernels.gpu_activations`)
-at the hidden and intermediate widths of all three model shapes.
+the decode attention kernel's KV block, cache splits and warps (``--shapes ''`` for attention alone;
+the heads of ``--attn-heads``, default Llama-3-8B's), over the bf16 cache or (``--attn-kv``) the
+draft's INT8 / INT4 shadow of it, where pipeline stages are swept too; ``--prologue`` the
+activation-prologue kernels' (``--prologue-kinds``) tile width and spread
+(:mod:`pallas_kernels.gpu_activations`) at the hidden and intermediate widths of all three model shapes.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.kernels import (CALLS, GROUP, MODELS, Job, _attn_bytes, _attn_inputs, _copies, _max_rel_diff, _weight,
+from bench.kernels import (ATTN, CALLS, GROUP, MODELS, Job, _attn_bytes, _attn_inputs, _copies, _max_rel_diff, _weight,
                            _weight_bytes, attention_call, copy_bandwidth, log, measure)
 from pallas_kernels import gpu_activations, gpu_matmul as gm
 
@@ -49,9 +51,11 @@ PROLOGUES = {  # the activation-prologue kernels, on x [M, K] (SwiGLU: [M, 2K]) 
     "swiglu_quantize": lambda x, s, kw: gpu_activations.swiglu_quantize(x, 8, **kw),
     "swiglu_quantize_one": lambda x, s, kw: gpu_activations.swiglu_quantize(x, 8, spread=False, **kw),
     "swiglu_planes": lambda x, s, kw: gpu_activations.swiglu_planes(x, **kw),
+    "swiglu_planes_one": lambda x, s, kw: gpu_activations.swiglu_planes(x, spread=False, **kw),
 }
-PROLOGUE_DEFAULT_BLOCKS = {"swiglu_quantize": gpu_activations.SPREAD_BLOCKS}  # spread at the swept row counts
-PROLOGUE_PARTS = {"swiglu_quantize": 2, "swiglu_quantize_one": 2, "swiglu_planes": 2}  # input row widths in units of K (else 1)
+PROLOGUE_DEFAULT_BLOCKS = {kind: gpu_activations.SPREAD_BLOCKS  # spread at the swept row counts
+                           for kind in ("swiglu_quantize", "swiglu_planes")}
+PROLOGUE_PARTS = {kind: 2 for kind in PROLOGUES if kind.startswith("swiglu")}  # input row widths in units of K (else 1)
 DEFAULT_MODEL = "llama3-8b"  # the shapes swept unless --models names others
 ORDER_KEYS = ("block_k", "split_k", "block_n")  # change the summation order (the default split follows block_n)
 
@@ -185,9 +189,9 @@ def prologue_widths() -> list[int]:
     return sorted({w for shapes in MODELS.values() for w in (shapes["o"][1], shapes["down"][1])})
 
 
-def sweep_prologue(ms: list[int], tmp: Path, threads: int) -> list[dict]:
-    """The activation-prologue kernels at every model's hidden and intermediate widths: the default
-    tile against narrower ones, which must give the same bits."""
+def sweep_prologue(ms: list[int], tmp: Path, threads: int, kinds: list[str]) -> list[dict]:
+    """The activation-prologue kernels ``kinds`` (of :data:`PROLOGUES`) at every model's hidden and
+    intermediate widths: the default tile against narrower ones, which must give the same bits."""
     rows = []
     for k in prologue_widths():
         scale = jax.random.uniform(jax.random.key(7), (k,), jnp.bfloat16, 0.5, 1.5)
@@ -195,7 +199,8 @@ def sweep_prologue(ms: list[int], tmp: Path, threads: int) -> list[dict]:
         for m in ms:
             inputs = {parts: [jax.random.normal(jax.random.key(2000 + i), (m, parts * k), jnp.bfloat16)
                               for i in range(CALLS)] for parts in (1, 2)}
-            for kind, fn in PROLOGUES.items():
+            for kind in kinds:
+                fn = PROLOGUES[kind]
                 xs = inputs[PROLOGUE_PARTS.get(kind, 1)]
                 for kw in prologue_variants(k, PROLOGUE_DEFAULT_BLOCKS.get(kind, gpu_activations.MAX_BLOCKS)):
                     jobs.append(Job(lambda x, s, fn=fn, kw=kw: fn(x, s, kw), [(x, scale) for x in xs], pallas=True))
@@ -214,13 +219,14 @@ def sweep_prologue(ms: list[int], tmp: Path, threads: int) -> list[dict]:
 def attention_variants(context: int, bits: int) -> list[dict]:
     """The attention configurations tried at one context over a cache of ``bits`` (16: bf16; 8 / 4:
     the draft's shadow, whose pipeline depth is swept too); the first, ``{}``, is the default."""
-    tiles = [{"block_s": bs, "splits": sp} for bs in (64, 128, 256) for sp in (2, 4, 8, 16, 32) if context // bs >= sp]
-    return [{}] + tiles + ([{"num_stages": n} for n in (2, 4)] if bits < 16 else [])
+    tiles = [{"block_s": bs, "splits": sp} for bs in (64, 128, 256) for sp in (1, 2, 4, 8, 16, 32) if context // bs >= sp]
+    warps = [{"num_warps": w} for w in (2, 8)]
+    return [{}] + tiles + warps + ([{"num_stages": n} for n in (2, 4)] if bits < 16 else [])
 
 
 def sweep_attention(batches: list[int], contexts: list[int], kv_bits: list[int], tmp: Path, threads: int,
                     bw: float) -> list[dict]:
-    """Decode attention (Llama-3-8B heads) over the caches of ``kv_bits`` (16: bf16, 8 / 4: the
+    """Decode attention (the heads of :data:`bench.kernels.ATTN`, ``--attn-heads``) over the caches of ``kv_bits`` (16: bf16, 8 / 4: the
     shadow): the default KV block and cache splits against others, per (batch, context, T);
     ``vs_default`` is the max relative output difference (a split count other than the default merges
     the partial softmaxes in another grouping)."""
@@ -238,10 +244,11 @@ def sweep_attention(batches: list[int], contexts: list[int], kv_bits: list[int],
                 diff = "" if not kw else _max_rel_diff(job, base[t, bits])
                 floor = _attn_bytes(b, ctx, t, bits)[0] / bw * 1e6
                 cache = "" if bits == 16 else f" INT{bits} shadow"
-                rows.append({"shape": f"attention B={b} ctx={ctx}{cache}", "kind": "attention", "M": t, "config": kw,
+                heads = "H={},KV={},d={} ".format(*ATTN["heads"])
+                rows.append({"shape": f"attention {heads}B={b} ctx={ctx}{cache}", "kind": "attention", "M": t, "config": kw,
                              "us": job.us, "error": job.error, "floor_us": floor,
                              "vs_default": "" if not kw else ("-" if diff is None else f"rel {diff:.1e}")})
-                log(f"attention B={b} ctx={ctx}{cache} T={t} {kw or 'default'}: "
+                log(f"attention {heads}B={b} ctx={ctx}{cache} T={t} {kw or 'default'}: "
                     + (f"{job.us:.1f} us ({job.us / floor:.2f}x floor)" if job.us else f"error {job.error}"))
     return rows
 
@@ -278,8 +285,12 @@ def main(argv: list[str] | None = None) -> None:
                     help="also sweep decode attention, e.g. 8,16:1024,2048 (KV block x cache splits)")
     ap.add_argument("--attn-kv", default="16", metavar="BITS",
                     help="with --attn: the caches, of 16 (bf16) and the shadow's 8 and 4, e.g. 16,8,4")
+    ap.add_argument("--attn-heads", default=",".join(map(str, ATTN["heads"])), metavar="H,KV,D",
+                    help="with --attn: query heads, KV heads and head size (default Llama-3-8B's; Llama-2-7B: 32,32,128)")
     ap.add_argument("--prologue", default=None, metavar="MS",
                     help="also sweep the activation-prologue kernels' tile width at these row counts, e.g. 1,16,64")
+    ap.add_argument("--prologue-kinds", default=",".join(PROLOGUES), metavar="KINDS",
+                    help=f"with --prologue: which kernels, of {', '.join(PROLOGUES)}")
     ap.add_argument("--only", default=None, metavar="KEYS",
                     help="matmuls: only the variants that set one of these keys, e.g. rows_first")
     ap.add_argument("--threads", type=int, default=min(16, os.cpu_count() or 1))
@@ -289,13 +300,18 @@ def main(argv: list[str] | None = None) -> None:
     only = set(args.only.split(",")) if args.only else None
     if only and only - MATMUL_KEYS:
         raise SystemExit(f"--only: unknown keys {sorted(only - MATMUL_KEYS)}; known: {sorted(MATMUL_KEYS)}")
-    unknown = ([x for x in kinds if x not in KINDS] + [m for m in models if m not in MODELS]
+    prologue_kinds = args.prologue_kinds.split(",")
+    unknown = ([x for x in kinds if x not in KINDS] + [x for x in prologue_kinds if x not in PROLOGUES] + [m for m in models if m not in MODELS]
                + [s for s in args.shapes.split(",") if s and s not in MODELS[DEFAULT_MODEL]])
     if unknown:
         raise SystemExit(f"unknown kinds/models/shapes: {unknown}")
     kv_bits = [int(v) if v.isdigit() else -1 for v in args.attn_kv.split(",")]
     if set(kv_bits) - {16, 8, 4}:
         raise SystemExit(f"--attn-kv: caches of 16 (bf16), 8 or 4 bits, got {args.attn_kv!r}")
+    heads = tuple(int(v) for v in args.attn_heads.split(",") if v.isdigit())
+    if len(heads) != 3 or heads[0] % heads[1]:
+        raise SystemExit(f"--attn-heads: H,KV,D with KV dividing H, got {args.attn_heads!r}")
+    ATTN["heads"] = heads  # read by bench.kernels' attention inputs and byte counts
     if jax.default_backend() != "gpu":
         raise SystemExit("bench.tune times GPU kernels: run it on the GPU machine")
     ms = [int(m) for m in args.ms.split(",")]
@@ -309,7 +325,8 @@ def main(argv: list[str] | None = None) -> None:
             copy_bandwidth(run, Path(tmp), args.threads)
             run["rows"] += sweep_attention(batches, contexts, kv_bits, Path(tmp), args.threads, run["copy_bw"])
         if args.prologue:
-            run["rows"] += sweep_prologue([int(m) for m in args.prologue.split(",")], Path(tmp), args.threads)
+            run["rows"] += sweep_prologue([int(m) for m in args.prologue.split(",")], Path(tmp), args.threads,
+                                          prologue_kinds)
         for model in models:
             for shape in [s for s in args.shapes.split(",") if s]:
                 if time.time() > deadline:

@@ -24,8 +24,9 @@ The row is read in tiles of whole 64-element blocks: ``[blocks, 32]`` per W4AX p
 (every other element) per W4A16 plane; the whole row in one tile up to ``MAX_BLOCKS`` (rows past a
 non-power-of-two block count masked), since a loop over tiles costs each tile's load latency (a
 K = 14336 row in 1024-element tiles took 15 µs, in one tile 3.4 µs, on the H200). The exceptions:
-the SwiGLU + quantization of up to :data:`SPREAD_ROWS` rows spreads each row's tiles over programs
-(:func:`_swiglu_quantize_spread`), where one program per row took 13-15 µs (3-5 µs spread); the
+the SwiGLU (quantized or as planes) of up to :data:`SPREAD_ROWS` rows spreads each row's tiles over
+programs (:func:`_swiglu_quantize_spread`, :func:`swiglu_planes`), where one program per row took
+13-15 µs quantized (3-5 µs spread) and 8.7 µs as planes (Llama-2-7B, 16 rows); the
 attention merge below :data:`MERGE_PROGRAMS` rows spreads a row's KV heads over programs
 (:func:`merge_head_tile`; one program per row read all 16 splits' partials of Llama-2-7B's 32
 heads, 256 KB, in 7.5 µs per layer at batch 1).
@@ -157,6 +158,14 @@ def _scale(amax: jax.Array, bits: int, interpret: bool) -> tuple[jax.Array, jax.
     return scale, _reciprocal(jnp.full((1,), scale, jnp.float32), interpret)
 
 
+def _tile_planes(values, i, p_ref, tb: int) -> None:
+    """Tile ``i``'s values as bf16, into the four W4A16 planes of ``p_ref`` (elementwise: a row's
+    bits do not depend on how its tiles are spread over programs)."""
+    for byte in (0, 1):
+        for half in (0, 1):
+            _store_rows(p_ref, 2 * byte + half, i * tb, tb, values(i, half, byte).astype(jnp.bfloat16))
+
+
 def _tile_codes(values, i, q_ref, tb: int, inv: jax.Array, bits: int, interpret: bool) -> None:
     """Tile ``i``'s codes ``round_half_even(v * inv)`` clamped to ``bits``, into both planes of ``q_ref``."""
     qmax = 2 ** (bits - 1) - 1
@@ -173,9 +182,7 @@ def _emit(values, outs, blocks: int, tb: int, bits: int | None, interpret: bool)
         (p_ref,) = outs
 
         def planes(i, carry):
-            for byte in (0, 1):
-                for half in (0, 1):
-                    _store_rows(p_ref, 2 * byte + half, i * tb, tb, values(i, half, byte).astype(jnp.bfloat16))
+            _tile_planes(values, i, p_ref, tb)
             return carry
 
         jax.lax.fori_loop(0, blocks // tb, planes, 0)
@@ -194,10 +201,10 @@ def _emit(values, outs, blocks: int, tb: int, bits: int | None, interpret: bool)
 
 
 def _swiglu_values(x2_ref, blocks: int, tb: int, interpret: bool):
-    """``values(i, half)``: the SwiGLU of tile ``i`` (``tb`` 64-blocks) of the row ``x2_ref = [gate | up]``,
-    W4AX plane ``half``."""
-    return lambda i, half: _swiglu(_load_cols(x2_ref, None, i * tb, tb, half, None, interpret),
-                                   x2_ref, blocks, i * tb, tb, half, None, interpret)
+    """``values(i, half, byte=None)``: the SwiGLU of tile ``i`` (``tb`` 64-blocks) of the row
+    ``x2_ref = [gate | up]``, W4AX plane ``half`` (or W4A16 plane ``(half, byte)``)."""
+    return lambda i, half, byte=None: _swiglu(_load_cols(x2_ref, None, i * tb, tb, half, byte, interpret),
+                                              x2_ref, blocks, i * tb, tb, half, byte, interpret)
 
 
 def _codes_out(m: int, blocks: int, row) -> tuple[tuple, tuple]:
@@ -244,6 +251,18 @@ def _swiglu_codes_kernel(x2_ref, amax_ref, q_ref, sa_ref, *, blocks: int, tb: in
     t = pl.program_id(1)
     _spread_codes(_swiglu_values(x2_ref, blocks, tb, interpret), t, t == 0, blocks // tb, amax_ref, q_ref, sa_ref,
                   tb, bits, interpret)
+
+
+def _swiglu_planes_kernel(x2_ref, p_ref, *, blocks: int, tb: int, interpret: bool):
+    """:func:`swiglu_planes` spread over programs: the W4A16 planes of tile ``program_id(1)``."""
+    _tile_planes(_swiglu_values(x2_ref, blocks, tb, interpret), pl.program_id(1), p_ref, tb)
+
+
+def _spreads(m: int, h: int, spread_blocks: int) -> bool:
+    """Whether the SwiGLU prologues spread rows of ``h`` outputs over programs by default: up to
+    :data:`SPREAD_ROWS` rows, where a row has more than one tile of ``spread_blocks`` 64-blocks."""
+    blocks = h // PACK_BLOCK
+    return m <= SPREAD_ROWS and tile_blocks(blocks, spread_blocks) < blocks
 
 
 def _swiglu_quantize_spread(gate_up: jax.Array, bits: int, max_blocks: int, interpret: bool):
@@ -361,17 +380,33 @@ def swiglu_quantize(gate_up: jax.Array, bits: int, *, max_blocks: int | None = N
     _call_shape(gate_up, 2)
     spread_blocks = _max_blocks(max_blocks, SPREAD_BLOCKS)
     if spread is None:
-        blocks = gate_up.shape[1] // (2 * PACK_BLOCK)
-        spread = gate_up.shape[0] <= SPREAD_ROWS and tile_blocks(blocks, spread_blocks) < blocks
+        spread = _spreads(gate_up.shape[0], gate_up.shape[1] // 2, spread_blocks)
     if not spread:
         return _call(gate_up, bits, None, None, None, max_blocks, interpret, swiglu=True)
     return _swiglu_quantize_spread(gate_up, bits, spread_blocks, interpret)
 
 
-def swiglu_planes(gate_up: jax.Array, *, max_blocks: int | None = None, interpret: bool = False) -> jax.Array:
+def swiglu_planes(gate_up: jax.Array, *, max_blocks: int | None = None, spread: bool | None = None,
+                  interpret: bool = False) -> jax.Array:
     """``reference.swiglu(gate, up)`` of rows ``gate_up[M, 2K] = [gate | up]`` cast to bf16 in the W4A16
-    kernel's planes ``[4, M, K/4]``, in one kernel."""
-    return _call(gate_up, None, None, None, None, max_blocks, interpret, swiglu=True)
+    kernel's planes ``[4, M, K/4]``, in one kernel: one program per row (tiles of at most ``max_blocks``,
+    default :data:`MAX_BLOCKS`), or with ``spread`` (the default as for :func:`swiglu_quantize`) one
+    program per tile of at most ``max_blocks`` (default :data:`SPREAD_BLOCKS`); the same bits either way."""
+    _call_shape(gate_up, 2)
+    spread_blocks = _max_blocks(max_blocks, SPREAD_BLOCKS)
+    m, h = gate_up.shape[0], gate_up.shape[1] // 2
+    if spread is None:
+        spread = _spreads(m, h, spread_blocks)
+    if not spread:
+        return _call(gate_up, None, None, None, None, max_blocks, interpret, swiglu=True)
+    blocks = h // PACK_BLOCK
+    tb = tile_blocks(blocks, spread_blocks)
+    out_shape, out_specs = _planes_out(m, blocks, lambda i, t: i)
+    kernel = functools.partial(_swiglu_planes_kernel, blocks=blocks, tb=tb, interpret=interpret)
+    planes = call_kernel(kernel, out_shape, (m, blocks // tb),
+                         [pl.BlockSpec((None, 2 * blocks, PACK_BLOCK), lambda i, t: (i, 0, 0))], out_specs,
+                         interpret, NUM_WARPS, 1, gate_up.reshape(m, 2 * blocks, PACK_BLOCK))
+    return planes.reshape(4, m, h // 4)
 
 
 def attention_merge_supported(kv_heads: int, group: int, head_dim: int) -> bool:

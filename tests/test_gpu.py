@@ -303,14 +303,16 @@ def test_attention_merge_prologue(rng, dtype, heads, kv):
 def test_swiglu_prologue_kernels(rng, dtype, f):
     """On the GPU: swiglu_planes within one bf16 rounding of the float64 SwiGLU; swiglu_quantize's
     codes within 1 of the reference quantization of the float64 SwiGLU rounded to the input dtype,
-    its scales within that rounding, spread over programs or not, bitwise the same; every row of a 40-row call bitwise equal to that row alone
-    (row-count invariance)."""
+    its scales within that rounding; both spread over programs or not, bitwise the same; every row
+    of a 40-row call bitwise equal to that row alone (row-count invariance)."""
     from pallas_kernels import gpu_activations
 
     gu = _x(rng, 40, 2 * f, dtype)
     g64, u64 = (np.asarray(a.astype(jnp.float32), np.float64) for a in (gu[:, :f], gu[:, f:]))
     want = g64 / (1 + np.exp(-g64)) * u64
-    planes = gpu_activations.swiglu_planes(gu)
+    planes = gpu_activations.swiglu_planes(gu)  # 40 rows: spread over programs
+    np.testing.assert_array_equal(np.asarray(gpu_activations.swiglu_planes(gu, spread=False), np.float32),
+                                  np.asarray(planes, np.float32))  # one program per row: same bits
     got = np.asarray(planes, np.float32).reshape(2, 2, 40, f // 64, 16).transpose(2, 3, 1, 4, 0).reshape(40, f)
     np.testing.assert_allclose(got, want, rtol=8e-3, atol=1e-30)
     for bits in (8, 4):

@@ -441,8 +441,8 @@ def test_activation_prologue_kernels(rng, dtype, bits):
 def test_swiglu_prologue_kernels(rng, dtype):
     """swiglu_quantize / swiglu_planes of rows ``[gate | up]`` == the reference SwiGLU (checked
     against float64) then the reference quantization / the W4A16 plane layout, bitwise, in whole-row
-    tiles and in tiles of 3 blocks, quantized in one kernel or spread over programs in two; bad widths
-    and bits raise."""
+    tiles and in tiles of 3 blocks, one program per row or each row's tiles spread over programs
+    (quantized in two kernels); bad widths and bits raise."""
     m, f = 4, 576  # 9 64-blocks per half
     gu = jnp.asarray(rng.standard_normal((m, 2 * f)) * 3, dtype)
     h = ref.swiglu(gu[:, :f], gu[:, f:])
@@ -457,9 +457,10 @@ def test_swiglu_prologue_kernels(rng, dtype):
                 q, s = gq.swiglu_quantize(gu, bits, max_blocks=max_blocks, spread=spread, interpret=True)
                 np.testing.assert_array_equal(np.asarray(q), np.asarray(gm.activation_planes(q_ref, 2)))
                 np.testing.assert_array_equal(np.asarray(s), np.asarray(s_ref))
-        planes = gq.swiglu_planes(gu, max_blocks=max_blocks, interpret=True)
-        np.testing.assert_array_equal(np.asarray(planes, np.float32),
-                                      np.asarray(gm.activation_planes(h.astype(jnp.bfloat16), 4), np.float32))
+        for spread in (False, True):
+            planes = gq.swiglu_planes(gu, max_blocks=max_blocks, spread=spread, interpret=True)
+            np.testing.assert_array_equal(np.asarray(planes, np.float32),
+                                          np.asarray(gm.activation_planes(h.astype(jnp.bfloat16), 4), np.float32))
     with pytest.raises(ValueError, match="2 x K"):
         gq.swiglu_quantize(gu[:, :f], 8, interpret=True)  # 576 = 2 x 288: not whole 64-blocks per half
     for spread in (None, True, False):
