@@ -226,8 +226,9 @@ def attention_variants(context: int, bits: int) -> list[dict]:
 
 def sweep_attention(batches: list[int], contexts: list[int], kv_bits: list[int], tmp: Path, threads: int,
                     bw: float) -> list[dict]:
-    """Decode attention (the heads of :data:`bench.kernels.ATTN`, ``--attn-heads``) over the caches of ``kv_bits`` (16: bf16, 8 / 4: the
-    shadow): the default KV block and cache splits against others, per (batch, context, T);
+    """Decode attention (the heads of :data:`bench.kernels.ATTN`, ``--attn-heads``) over the caches of
+    ``kv_bits`` (16: bf16, 8 / 4: the shadow): the default KV block and cache splits against others,
+    per (batch, context, T);
     ``vs_default`` is the max relative output difference (a split count other than the default merges
     the partial softmaxes in another grouping)."""
     rows = []
@@ -301,8 +302,8 @@ def main(argv: list[str] | None = None) -> None:
     if only and only - MATMUL_KEYS:
         raise SystemExit(f"--only: unknown keys {sorted(only - MATMUL_KEYS)}; known: {sorted(MATMUL_KEYS)}")
     prologue_kinds = args.prologue_kinds.split(",")
-    unknown = ([x for x in kinds if x not in KINDS] + [x for x in prologue_kinds if x not in PROLOGUES] + [m for m in models if m not in MODELS]
-               + [s for s in args.shapes.split(",") if s and s not in MODELS[DEFAULT_MODEL]])
+    unknown = ([x for x in kinds if x not in KINDS] + [x for x in prologue_kinds if x not in PROLOGUES]
+               + [m for m in models if m not in MODELS] + [s for s in args.shapes.split(",") if s and s not in MODELS[DEFAULT_MODEL]])
     if unknown:
         raise SystemExit(f"unknown kinds/models/shapes: {unknown}")
     kv_bits = [int(v) if v.isdigit() else -1 for v in args.attn_kv.split(",")]
