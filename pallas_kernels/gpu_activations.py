@@ -25,7 +25,7 @@ The row is read in tiles of whole 64-element blocks: ``[blocks, 32]`` per W4AX p
 non-power-of-two block count masked), since a loop over tiles costs each tile's load latency (a
 K = 14336 row in 1024-element tiles took 15 µs, in one tile 3.4 µs, on the H200). The exceptions:
 the SwiGLU (quantized or as planes) of up to :data:`SPREAD_ROWS` rows spreads each row's tiles over
-programs (:func:`_swiglu_quantize_spread`, :func:`swiglu_planes`), where one program per row took
+programs (:func:`_swiglu_call`), where one program per row took
 13-15 µs quantized (3-5 µs spread) and 8.7 µs as planes (Llama-2-7B, 16 rows); the
 attention merge below :data:`MERGE_PROGRAMS` rows spreads a row's KV heads over programs
 (:func:`merge_head_tile`; one program per row read all 16 splits' partials of Llama-2-7B's 32
@@ -242,12 +242,12 @@ def _spread_codes(values, i, first: jax.Array, tiles: int, amax_ref, q_ref, sa_r
 
 
 def _swiglu_absmax_kernel(x2_ref, amax_ref, *, blocks: int, tb: int, interpret: bool):
-    """Phase 1 of :func:`_swiglu_quantize_spread` for tile ``program_id(1)`` of the row's SwiGLU."""
+    """Phase 1 of the spread :func:`swiglu_quantize` for tile ``program_id(1)`` of the row's SwiGLU."""
     _spread_absmax(_swiglu_values(x2_ref, blocks, tb, interpret), pl.program_id(1), amax_ref)
 
 
 def _swiglu_codes_kernel(x2_ref, amax_ref, q_ref, sa_ref, *, blocks: int, tb: int, bits: int, interpret: bool):
-    """Phase 2 of :func:`_swiglu_quantize_spread` for tile ``program_id(1)``."""
+    """Phase 2 of the spread :func:`swiglu_quantize` for tile ``program_id(1)``."""
     t = pl.program_id(1)
     _spread_codes(_swiglu_values(x2_ref, blocks, tb, interpret), t, t == 0, blocks // tb, amax_ref, q_ref, sa_ref,
                   tb, bits, interpret)
@@ -265,19 +265,32 @@ def _spreads(m: int, h: int, spread_blocks: int) -> bool:
     return m <= SPREAD_ROWS and tile_blocks(blocks, spread_blocks) < blocks
 
 
-def _swiglu_quantize_spread(gate_up: jax.Array, bits: int, max_blocks: int, interpret: bool):
-    """:func:`swiglu_quantize` for few rows: a row's tiles spread over programs, in two kernels (the
-    tiles' absmax, then the codes; each reads its tile of ``[gate | up]``, from L2 the second time):
-    one program per row leaves all but M SMs idle and took 3-4x as long at M = 1 / 16 on the H200
-    (bench/results/kernels_history.md, session 8). Same bits: the absmax is exact in any order, the
-    codes elementwise."""
+def _swiglu_call(gate_up: jax.Array, bits: int | None, max_blocks: int | None, spread: bool | None,
+                 interpret: bool):
+    """The SwiGLU prologues (``bits`` None: the W4A16 planes, else the W4AX codes): one program per
+    row, or with ``spread`` (default :func:`_spreads`) a row's tiles spread over programs, since one
+    program per row leaves all but M SMs idle (3-4x as long at M = 1 / 16 on the H200,
+    bench/results/kernels_history.md, sessions 8 and 16). The codes take two kernels (the tiles'
+    absmax, then the codes; each reads its tile of ``[gate | up]``, from L2 the second time). Same
+    bits either way: the absmax is exact in any order, the rest elementwise."""
+    _call_shape(gate_up, 2)
+    spread_blocks = _max_blocks(max_blocks, SPREAD_BLOCKS)
     m, h = gate_up.shape[0], gate_up.shape[1] // 2
+    if spread is None:
+        spread = _spreads(m, h, spread_blocks)
+    if not spread:
+        return _call(gate_up, bits, None, None, None, max_blocks, interpret, swiglu=True)
     blocks = h // PACK_BLOCK
-    tb = tile_blocks(blocks, max_blocks)
+    tb = tile_blocks(blocks, spread_blocks)
     tiles = blocks // tb
-    span = _span(tiles, interpret)
     x2 = gate_up.reshape(m, 2 * blocks, PACK_BLOCK)
     row = pl.BlockSpec((None, 2 * blocks, PACK_BLOCK), lambda i, t: (i, 0, 0))
+    if bits is None:
+        out_shape, out_specs = _planes_out(m, blocks, lambda i, t: i)
+        kernel = functools.partial(_swiglu_planes_kernel, blocks=blocks, tb=tb, interpret=interpret)
+        planes = call_kernel(kernel, out_shape, (m, tiles), [row], out_specs, interpret, NUM_WARPS, 1, x2)
+        return planes.reshape(4, m, h // 4)
+    span = _span(tiles, interpret)
     amax = call_kernel(functools.partial(_swiglu_absmax_kernel, blocks=blocks, tb=tb, interpret=interpret),
                        jax.ShapeDtypeStruct((m, span), jnp.float32), (m, tiles), [row],
                        pl.BlockSpec((None, 1), lambda i, t: (i, t)), interpret, NUM_WARPS, 1, x2)
@@ -376,14 +389,7 @@ def swiglu_quantize(gate_up: jax.Array, bits: int, *, max_blocks: int | None = N
     rows, where a row has more than one tile) two kernels that spread each row's tiles (at most
     ``max_blocks``, default :data:`SPREAD_BLOCKS`; :func:`tile_blocks`) over programs; the same bits
     either way."""
-    bits = _check_bits(bits)
-    _call_shape(gate_up, 2)
-    spread_blocks = _max_blocks(max_blocks, SPREAD_BLOCKS)
-    if spread is None:
-        spread = _spreads(gate_up.shape[0], gate_up.shape[1] // 2, spread_blocks)
-    if not spread:
-        return _call(gate_up, bits, None, None, None, max_blocks, interpret, swiglu=True)
-    return _swiglu_quantize_spread(gate_up, bits, spread_blocks, interpret)
+    return _swiglu_call(gate_up, _check_bits(bits), max_blocks, spread, interpret)
 
 
 def swiglu_planes(gate_up: jax.Array, *, max_blocks: int | None = None, spread: bool | None = None,
@@ -392,21 +398,7 @@ def swiglu_planes(gate_up: jax.Array, *, max_blocks: int | None = None, spread: 
     kernel's planes ``[4, M, K/4]``, in one kernel: one program per row (tiles of at most ``max_blocks``,
     default :data:`MAX_BLOCKS`), or with ``spread`` (the default as for :func:`swiglu_quantize`) one
     program per tile of at most ``max_blocks`` (default :data:`SPREAD_BLOCKS`); the same bits either way."""
-    _call_shape(gate_up, 2)
-    spread_blocks = _max_blocks(max_blocks, SPREAD_BLOCKS)
-    m, h = gate_up.shape[0], gate_up.shape[1] // 2
-    if spread is None:
-        spread = _spreads(m, h, spread_blocks)
-    if not spread:
-        return _call(gate_up, None, None, None, None, max_blocks, interpret, swiglu=True)
-    blocks = h // PACK_BLOCK
-    tb = tile_blocks(blocks, spread_blocks)
-    out_shape, out_specs = _planes_out(m, blocks, lambda i, t: i)
-    kernel = functools.partial(_swiglu_planes_kernel, blocks=blocks, tb=tb, interpret=interpret)
-    planes = call_kernel(kernel, out_shape, (m, blocks // tb),
-                         [pl.BlockSpec((None, 2 * blocks, PACK_BLOCK), lambda i, t: (i, 0, 0))], out_specs,
-                         interpret, NUM_WARPS, 1, gate_up.reshape(m, 2 * blocks, PACK_BLOCK))
-    return planes.reshape(4, m, h // 4)
+    return _swiglu_call(gate_up, None, max_blocks, spread, interpret)
 
 
 def attention_merge_supported(kv_heads: int, group: int, head_dim: int) -> bool:
