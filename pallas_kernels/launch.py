@@ -22,13 +22,15 @@ with warnings.catch_warnings():
 
 
 def call_kernel(kernel, out_shape, grid, in_specs, out_specs, interpret: bool, num_warps: int,
-                num_stages: int, *args):
-    """``pl.pallas_call(kernel, ...)(*args)`` with Triton compiler parameters (none in interpret mode)."""
+                num_stages: int, *args, aliases: dict[int, int] | None = None):
+    """``pl.pallas_call(kernel, ...)(*args)`` with Triton compiler parameters (none in interpret mode);
+    ``aliases``: the ``input_output_aliases`` (an input updated in place)."""
     params = None if interpret else pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_TRITON_DEPRECATION, category=DeprecationWarning)
         return pl.pallas_call(kernel, out_shape=out_shape, grid=grid, in_specs=in_specs,
-                              out_specs=out_specs, compiler_params=params, interpret=interpret)(*args)
+                              out_specs=out_specs, input_output_aliases=aliases or {}, compiler_params=params,
+                              interpret=interpret)(*args)
 
 
 def int32_offsets_wrap(a) -> bool:

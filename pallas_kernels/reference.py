@@ -95,6 +95,23 @@ def swiglu(gate: jax.Array, up: jax.Array, reciprocal=lambda v: np.float32(1) / 
     return (g * reciprocal(1 + jnp.exp(-g)) * up.astype(jnp.float32)).astype(gate.dtype)
 
 
+def _round_to(dtype):
+    """float32 -> float32 rounded to ``dtype``'s precision (XLA may not drop it, as it may a cast pair)."""
+    fi = jnp.finfo(dtype)
+    return lambda v: jax.lax.reduce_precision(v, exponent_bits=fi.nexp, mantissa_bits=fi.nmant)
+
+
+def rope(lo: jax.Array, hi: jax.Array, cos: jax.Array, sin: jax.Array, rounded=None) -> tuple[jax.Array, jax.Array]:
+    """Rotate-half RoPE of a vector's halves: ``(lo cos - hi sin, hi cos + lo sin)`` in ``lo``'s dtype,
+    each product and the sum rounded to it (float32 arithmetic), as ``x * cos + rotate_half(x) * sin``
+    computes it op by op; ``cos, sin`` are in that dtype too. ``rounded``: float32 -> float32 at the
+    dtype's precision (the GPU kernel passes a cast pair, which Triton keeps)."""
+    dtype = lo.dtype
+    rounded = _round_to(dtype) if rounded is None else rounded
+    lo, hi, c, s = (v.astype(jnp.float32) for v in (lo, hi, cos, sin))
+    return ((rounded(lo * c) - rounded(hi * s)).astype(dtype), (rounded(hi * c) + rounded(lo * s)).astype(dtype))
+
+
 def group_accumulate(qa: jax.Array, qw: jax.Array, group_size: int) -> jax.Array:
     """Integer products summed per weight group: ``int32[M, G, N]`` from ``int8[M, K]``, ``int8[N, K]``."""
     (m, k), n = qa.shape, qw.shape[0]

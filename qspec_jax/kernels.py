@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import gpu_activations, gpu_attention, gpu_matmul, gpu_norm, reference
+from pallas_kernels import gpu_activations, gpu_attention, gpu_matmul, gpu_norm, gpu_rope, reference
 from pallas_kernels.layout import QuantizedWeight, dequantize, w4a16_weights
 from pallas_kernels.rows import map_row_tiles
 
@@ -286,6 +286,22 @@ def attention(q: jax.Array, k: jax.Array | Layer, v: jax.Array | Layer, q_pos: j
 
     out = jax.lax.map(one, jnp.arange(b * n))
     return out.reshape(b, t + pad, *q.shape[2:])[:, :t]
+
+
+def fuses_rope_store(qkv: jax.Array, k: Layer, head_dim: int, row_tile: int | None, kernels: str) -> bool:
+    """Whether :func:`rope_store` runs the new tokens' RoPE and KV write (on the kernel path, where
+    :func:`pallas_kernels.gpu_rope.supported` takes the head size and the cache ``k``)."""
+    return _on_kernels(kernels, row_tile) and gpu_rope.supported(head_dim, k.stacked, qkv.dtype)
+
+
+def rope_store(qkv: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array, k: Layer, v: Layer,
+               heads: int, kernels: str) -> tuple[jax.Array, Layer, Layer]:
+    """The fused qkv projection's queries rotated ``[B, T, heads, d]``, and the cache pair with the
+    rotated keys and the values written at ``positions`` in place, in one kernel
+    (:func:`pallas_kernels.gpu_rope.rope_store`); see :func:`fuses_rope_store`."""
+    q, ks, vs = gpu_rope.rope_store(qkv, cos, sin, positions, k.stacked, v.stacked, heads=heads, layer=k.index,
+                                    interpret=kernels == "interpret")
+    return q, Layer(ks, k.index), Layer(vs, v.index)
 
 
 def swiglu(gate_up: jax.Array, row_tile: int | None = None, kernels: str = "reference",

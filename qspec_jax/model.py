@@ -30,8 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from qspec_jax.config import LlamaConfig
-from qspec_jax.kernels import (Layer, PendingNorm, attention, check_mode, linear, resolve_kernels, rms_norm, swiglu,
-                               unstack)
+from qspec_jax.kernels import (Layer, PendingNorm, attention, check_mode, fuses_rope_store, linear, resolve_kernels,
+                               rms_norm, rope_store, swiglu, unstack)
 from pallas_kernels import reference
 from pallas_kernels.layout import QuantizedWeight
 from pallas_kernels.rows import map_row_tiles
@@ -59,14 +59,19 @@ def rope_frequencies(config: LlamaConfig) -> np.ndarray:
     return np.where(is_mid, mid, scaled)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate ``x[B, T, heads, head_dim]`` by ``positions[B, T]`` (the rotate-half convention)."""
+def rope_tables(positions: jax.Array, inv_freq: np.ndarray, dtype) -> tuple[jax.Array, jax.Array]:
+    """``cos, sin [B, T, head_dim // 2]`` of ``positions[B, T]`` in ``dtype``, once per forward (every
+    layer rotates by the same angles)."""
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
-    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
-    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+    return jnp.cos(freqs).astype(dtype), jnp.sin(freqs).astype(dtype)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate ``x[B, T, heads, head_dim]`` by the :func:`rope_tables` of its positions (the
+    rotate-half convention, :func:`pallas_kernels.reference.rope`)."""
     half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
+    lo, hi = reference.rope(x[..., :half], x[..., half:], cos[:, :, None], sin[:, :, None])
+    return jnp.concatenate([lo, hi], axis=-1)
 
 
 def _dense_init(key, shape, dtype=jnp.float32):
@@ -133,23 +138,27 @@ class Attention(_Block):
     read_shadow: bool = False
 
     @nn.compact
-    def __call__(self, x, positions, cache: tuple[Layer, ...] | None):
-        """``cache``: views of this layer in the stacked cache (and shadow); returned as views of the
-        updated stack."""
+    def __call__(self, x, positions, rope: tuple[jax.Array, jax.Array], cache: tuple[Layer, ...] | None):
+        """``rope``: the positions' :func:`rope_tables`; ``cache``: views of this layer in the stacked
+        cache (and shadow); returned as views of the updated stack."""
         c = self.config
         b, t, _ = x.shape
         hq, hk, d = c.num_heads, c.num_kv_heads, c.head_dim
         qkv = Linear((hq + 2 * hk) * d, self.mode, c.attention_bias, self.row_tile, self.kernels, name="qkv")(x)
-        q, k, v = jnp.split(qkv, [hq * d, (hq + hk) * d], axis=-1)
-        inv_freq = rope_frequencies(c)
-        q = apply_rope(q.reshape(b, t, hq, d), positions, inv_freq)
-        k = apply_rope(k.reshape(b, t, hk, d), positions, inv_freq)
-        v = v.reshape(b, t, hk, d)
         fuse = self.mode != "w16a16" and self.online_rotation_seed is None  # o's prologue merges the splits
+        if cache is not None and not self.read_shadow and fuses_rope_store(qkv, cache[0], d, self.row_tile,
+                                                                           self.kernels):
+            q, *pair = rope_store(qkv, *rope, positions, *cache[:2], hq, self.kernels)
+            cache = (*pair, *cache[2:])
+        else:
+            q, k, v = jnp.split(qkv, [hq * d, (hq + hk) * d], axis=-1)
+            q, k = apply_rope(q.reshape(b, t, hq, d), *rope), apply_rope(k.reshape(b, t, hk, d), *rope)
+            v = v.reshape(b, t, hk, d)
+            if cache is not None:  # write this layer's slots in place
+                cache = _write_kv(cache, k, v, positions, self.read_shadow)
         if cache is None:
             out = reference.attention(q, k, v, positions, positions)
-        else:  # write this layer's slots in place, then attend over the layer
-            cache = _write_kv(cache, k, v, positions, self.read_shadow)
+        else:  # attend over the layer
             read = cache[2:] if self.read_shadow else cache[:2]
             out = attention(q, *read[:2], positions, self.row_tile, self.kernels, defer=fuse,
                             scales=tuple(read[2:]) or None)
@@ -222,11 +231,11 @@ class DecoderLayer(_Block):
     read_shadow: bool = False
 
     @nn.compact
-    def __call__(self, x, cache: tuple[Layer, ...] | None, positions):
+    def __call__(self, x, cache: tuple[Layer, ...] | None, positions, rope: tuple[jax.Array, jax.Array]):
         c, tile, kern = self.config, self.row_tile, self.kernels
         fuse = self.mode != "w16a16"  # the norms feed INT4 linears: their activation prologue in the norm kernel
         h, cache = Attention(c, self.mode, self.online_rotation_seed, tile, kern, self.read_shadow, name="attn")(
-            RMSNorm(c.rms_norm_eps, tile, kern, fuse, name="attn_norm")(x), positions, cache)
+            RMSNorm(c.rms_norm_eps, tile, kern, fuse, name="attn_norm")(x), positions, rope, cache)
         x = x + h
         x = x + MLP(c, self.mode, self.online_rotation_seed, tile, kern, name="mlp")(
             RMSNorm(c.rms_norm_eps, tile, kern, fuse, name="mlp_norm")(x))
@@ -258,11 +267,12 @@ class Llama(nn.Module):
         c = self.config
         embed = self.param("embed", _dense_init, (c.vocab_size, c.hidden_size))
         x = jnp.take(embed, tokens, axis=0).astype(self.dtype)
+        rope = rope_tables(positions, rope_frequencies(c), self.dtype)
         layer = DecoderLayer(c, self.mode, self.online_rotation_seed, self.row_tile, self.kernels, self.read_shadow,
                              parent=None)
 
         def init_layers(rng):
-            init_one = lambda key: layer.init(key, x, None, positions)["params"]  # noqa: E731
+            init_one = lambda key: layer.init(key, x, None, positions, rope)["params"]  # noqa: E731
             return jax.vmap(init_one)(jax.random.split(rng, c.num_layers))
 
         def body(carry, i, layer_params=None):
@@ -271,7 +281,7 @@ class Llama(nn.Module):
                 layer_params = jax.tree.map(lambda a: Layer(a, i), stacked,
                                             is_leaf=lambda a: isinstance(a, QuantizedWeight))
             h, kv = layer.apply({"params": layer_params}, h,
-                                None if kv is None else tuple(Layer(a, i) for a in kv), positions)
+                                None if kv is None else tuple(Layer(a, i) for a in kv), positions, rope)
             return (h, None if kv is None else tuple(a.stacked for a in kv)), None
 
         stacked = _param(self, "layers", init_layers)

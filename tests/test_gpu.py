@@ -6,6 +6,7 @@ Run on the device: ``PYTHONPATH=. python3 -m pytest -q -s tests/test_gpu.py`` (w
 * the kernels against the references, on the GPU: W4A4/W4A8 bitwise (symmetric weights, K not
   split) or to 1e-6 (asymmetric / split K), the int32 group accumulations bitwise, W4A16, the dense
   kernel, attention and RMSNorm within 1e-2 relative of float64 numpy;
+* the RoPE + KV-write kernel bitwise against numpy's op-by-op rounding (bf16), with donated caches;
 * the activation prologue kernels (quantization alone or fused with the RMSNorm, the RMSNorm in
   the W4A16 plane layout) bitwise against the reference quantization computed on the CPU and the
   RMSNorm kernel; the SwiGLU and attention-merge prologues against float64 and row-count invariant;
@@ -30,8 +31,9 @@ import numpy as np
 import pytest
 
 from bench.gpu_decode_check import random_model
-from pallas_kernels import gpu_attention, gpu_matmul, gpu_norm, reference
+from pallas_kernels import gpu_attention, gpu_matmul, gpu_norm, gpu_rope, reference
 from pallas_kernels.layout import QuantizedWeight, dequantize, pack_codes, w4a16_weights
+from tests.test_kernels import rope_store_case
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 
@@ -168,6 +170,28 @@ def test_attention_kernel(rng, dtype, heads, kv, d):
     for t, call in enumerate(_compile_all(gpu_attention.decode_attention, sets), start=1):
         # queries 0..t-1 in one call == the same queries of the 8-query call
         np.testing.assert_array_equal(np.asarray(call(*sets[t - 1])), full[:, :t], err_msg=f"T={t}")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("heads,kv,d", [(9, 3, 64), (32, 8, 128), (40, 40, 128)])
+def test_rope_store_kernel(rng, dtype, heads, kv, d):
+    """The RoPE + KV-write kernel on the GPU, jitted with the caches donated (written in place): bf16
+    queries and keys bitwise as numpy's op-by-op rounding (float32 to its rounding: Triton may fuse
+    a product into an FMA), values copied, all other slots untouched; one token's results equal the
+    same token's inside a 4-token call, bitwise."""
+    args, q, k, v = rope_store_case(rng, dtype, b=3, t=4, heads=heads, kv=kv, d=d, slots=64)
+    call = jax.jit(lambda *a: gpu_rope.rope_store(*a, heads=heads, layer=jnp.int32(1)), donate_argnums=(4, 5))
+    got = [np.asarray(g) for g in call(*(jnp.asarray(a) for a in args))]
+    for g, want in zip(got, (q, k, v)):
+        if dtype == jnp.bfloat16:
+            np.testing.assert_array_equal(g.view(np.uint16), want.view(np.uint16))
+        else:
+            np.testing.assert_allclose(g, want, rtol=1e-6, atol=1e-6)
+    one = [np.asarray(g) for g in call(*(jnp.asarray(a[:, 1:2]) for a in args[:4]), *(jnp.asarray(a) for a in args[4:]))]
+    np.testing.assert_array_equal(one[0], got[0][:, 1:2])
+    for c, full in zip(one[1:], got[1:]):
+        rows = np.arange(3)
+        np.testing.assert_array_equal(c[1, rows, args[3][:, 1]], full[1, rows, args[3][:, 1]])
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import gpu_attention, gpu_matmul as gm, gpu_norm, gpu_activations as gq
+from pallas_kernels import gpu_attention, gpu_matmul as gm, gpu_norm, gpu_rope, gpu_activations as gq
 from pallas_kernels import reference as ref
 from pallas_kernels.layout import QuantizedWeight, pack_codes, w4a16_weights
 
@@ -385,6 +385,75 @@ def test_rms_norm_kernel(rng):
         gpu_norm.rms_norm(x, scale[:10], 1e-5, interpret=True)
 
 
+def rope_numpy(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, dtype) -> np.ndarray:
+    """Rotate-half RoPE of ``x[..., d]`` in numpy float32, each product and the sum rounded to ``dtype``
+    (ml_dtypes' bfloat16: numpy's own rounding, independent of XLA and Triton)."""
+    np_dtype = np.dtype(dtype)
+    r = lambda v: v.astype(np_dtype).astype(np.float32)  # noqa: E731
+    half = x.shape[-1] // 2
+    lo, hi = x[..., :half].astype(np.float32), x[..., half:].astype(np.float32)
+    c, s = cos.astype(np.float32), sin.astype(np.float32)
+    return np.concatenate([(r(lo * c) - r(hi * s)).astype(np_dtype), (r(hi * c) + r(lo * s)).astype(np_dtype)], -1)
+
+
+def rope_store_case(rng, dtype, b=2, t=3, heads=6, kv=2, d=64, slots=32, layers=3):
+    """Random inputs of :func:`gpu_rope.rope_store` (positions include the cache's last slot and
+    one past it) and what it must give: ``(args, q, k, v)`` as numpy, computed without the kernel."""
+    qkv = rng.standard_normal((b, t, (heads + 2 * kv) * d)).astype(np.float32)
+    pos = np.stack([rng.choice(slots - 1, t, replace=False) for _ in range(b)]).astype(np.int32)
+    pos[-1, -2:] = (slots - 1, slots)  # the last slot is written, one past the end dropped
+    freqs = pos[..., None].astype(np.float32) * (1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32)
+    caches = [rng.standard_normal((layers, b, slots, kv, d)).astype(np.float32) for _ in range(2)]
+    np_dtype = np.dtype(dtype)
+    qkv, cos, sin, *caches = (a.astype(np_dtype) for a in (qkv, np.cos(freqs), np.sin(freqs), *caches))
+    x = qkv.reshape(b, t, heads + 2 * kv, d)
+    q = rope_numpy(x[:, :, :heads], cos[:, :, None], sin[:, :, None], dtype)
+    k_new, v_new = rope_numpy(x[:, :, heads:heads + kv], cos[:, :, None], sin[:, :, None], dtype), x[:, :, heads + kv:]
+    k, v = caches[0].copy(), caches[1].copy()
+    for i in range(b):
+        for j in range(t):
+            if pos[i, j] < slots:
+                k[1, i, pos[i, j]], v[1, i, pos[i, j]] = k_new[i, j], v_new[i, j]
+    return (qkv, cos, sin, pos, *caches), q, k, v
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("heads,kv", [(6, 2), (4, 4), (9, 3)])
+def test_rope_store_bitwise(rng, dtype, heads, kv):
+    """The RoPE + KV-write kernel: bf16 queries and written keys bitwise as numpy's op-by-op rounding
+    (float32: to its rounding, as XLA and Triton may fuse a product into an FMA), values copied,
+    every other cache slot (other layers, positions, and a position past the end) untouched; the
+    model's reference rotation gives the same bits."""
+    args, q, k, v = rope_store_case(rng, dtype, heads=heads, kv=kv)
+    got = gpu_rope.rope_store(*(jnp.asarray(a) for a in args), heads=heads, layer=jnp.int32(1), interpret=True)
+    for g, want in zip(got, (q, k, v)):
+        if dtype == jnp.bfloat16:
+            np.testing.assert_array_equal(np.asarray(g).view(np.uint8), want.view(np.uint8))
+        else:
+            np.testing.assert_allclose(np.asarray(g), want, rtol=1e-6, atol=1e-6)
+    half = args[0].shape[-1] // (heads + 2 * kv) // 2
+    x = jnp.asarray(args[0][..., :half * 2])
+    lo, hi = ref.rope(x[..., :half], x[..., half:], jnp.asarray(args[1]), jnp.asarray(args[2]))
+    np.testing.assert_array_equal(np.asarray(jnp.concatenate([lo, hi], -1)).view(np.uint8), q[:, :, 0].view(np.uint8))
+
+
+def test_rope_store_rejects_bad_input(rng):
+    args, *_ = rope_store_case(rng, jnp.bfloat16)
+    qkv, cos, sin, pos, kc, vc = (jnp.asarray(a) for a in args)
+    call = lambda *a, **kw: gpu_rope.rope_store(*a, **{"heads": 6, "layer": jnp.int32(1), "interpret": True, **kw})  # noqa: E731
+    with pytest.raises(ValueError, match="query heads"):
+        call(qkv, cos, sin, pos, kc, vc, heads=5)
+    with pytest.raises(ValueError, match="one dtype"):
+        call(qkv.astype(jnp.float32), cos, sin, pos, kc, vc)
+    with pytest.raises(ValueError, match="positions"):
+        call(qkv, cos, sin, pos[:, :1], kc, vc)
+    with pytest.raises(ValueError, match="caches"):
+        call(qkv, cos, sin, pos, kc[0], vc[0])
+    odd = rope_store_case(rng, jnp.bfloat16, d=24)[0]
+    with pytest.raises(ValueError, match="power of two"):
+        call(*(jnp.asarray(a) for a in odd))
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("bits", [8, 4])
 def test_activation_prologue_kernels(rng, dtype, bits):
@@ -555,7 +624,7 @@ def test_lowers_for_gpu_without_deprecation_warning():
         from jax._src.pallas.triton import gpu_info
         h200 = gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200)
         gpu_info.get_gpu_info = lambda: h200
-        from pallas_kernels import gpu_attention, gpu_matmul as gm, gpu_norm, gpu_activations
+        from pallas_kernels import gpu_attention, gpu_matmul as gm, gpu_norm, gpu_activations, gpu_rope
         from pallas_kernels.layout import QuantizedWeight
         def lower(f, *args):
             text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -588,6 +657,8 @@ def test_lowers_for_gpu_without_deprecation_warning():
                                                     words=True),
               jax.ShapeDtypeStruct((3, 5120), jnp.int8), jax.ShapeDtypeStruct((3, 1), jnp.float32),
               jax.ShapeDtypeStruct((2, 27648, 2560), jnp.uint8), jax.ShapeDtypeStruct((2, 27648, 40), jnp.float16))
+        lower(lambda *a: gpu_rope.rope_store(*a, heads=32, layer=jnp.int32(1)), bf(2, 4, 48 * 128), bf(2, 4, 64),
+              bf(2, 4, 64), jax.ShapeDtypeStruct((2, 4), jnp.int32), bf(3, 2, 256, 8, 128), bf(3, 2, 256, 8, 128))
         lower(gpu_attention.decode_attention, bf(2, 4, 32, 128), bf(2, 256, 8, 128), bf(2, 256, 8, 128),
               jax.ShapeDtypeStruct((2, 4), jnp.int32))
         parts = lambda q, k, v, p: gpu_attention.attention_partials(q, k, v, p)  # Llama-3-8B heads
