@@ -245,16 +245,17 @@ def _stacked_arrays(w: QuantizedWeight, packed: jax.Array, layer) -> tuple[tuple
 
 def _store_tiles(o_ref, masks, accs, rows_first: bool = False):
     """Store each row tile's ``acc[bn, bm]`` transposed (``acc[bm, bn]`` with ``rows_first``) into its
-    rows of ``o_ref``."""
+    rows of ``o_ref``, rounded to its dtype."""
     for r, (mask, acc) in enumerate(zip(masks, accs)):
         view = o_ref.at[pl.ds(r * mask.shape[0], mask.shape[0]), :]
-        pl_triton.store(view, acc if rows_first else acc.T, mask=jnp.broadcast_to(mask, view.shape))
+        tile = (acc if rows_first else acc.T).astype(o_ref.dtype)
+        pl_triton.store(view, tile, mask=jnp.broadcast_to(mask, view.shape))
 
 
-def _split_out(m: int, n: int, block_n: int, split_k: int, rows: int):
-    """Output shape and spec: ``[M, N]``, or ``[split_k, M, N]`` partial sums when K is split."""
+def _split_out(m: int, n: int, block_n: int, split_k: int, rows: int, dtype=jnp.float32):
+    """Output shape and spec: ``dtype[M, N]``, or ``f32[split_k, M, N]`` partial sums when K is split."""
     if split_k == 1:
-        return jax.ShapeDtypeStruct((m, n), jnp.float32), pl.BlockSpec((rows, block_n), lambda i, j, s: (i, j))
+        return jax.ShapeDtypeStruct((m, n), dtype), pl.BlockSpec((rows, block_n), lambda i, j, s: (i, j))
     return (jax.ShapeDtypeStruct((split_k, m, n), jnp.float32),
             pl.BlockSpec((None, rows, block_n), lambda i, j, s: (s, i, j)))
 
@@ -383,8 +384,9 @@ def activation_planes(x: jax.Array, planes: int) -> jax.Array:
 def w4a16_matmul(x: jax.Array, w: QuantizedWeight, *, layer: jax.Array | None = None,
                  block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
                  block_m: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                 rows_first: bool | None = None, interpret: bool = False) -> jax.Array:
-    """``x[M, K] @ w4a16_weights(w).T`` with bf16 activations and float32 accumulation -> ``f32[M, N]``;
+                 rows_first: bool | None = None, out_dtype=jnp.float32, interpret: bool = False) -> jax.Array:
+    """``x[M, K] @ w4a16_weights(w).T`` with bf16 activations and float32 accumulation -> ``[M, N]`` in
+    ``out_dtype`` (the float32 result rounded once: by the kernel's store where K is not split);
     ``x`` may already be bf16 planes ``[4, M, K/4]`` (:func:`activation_planes`, as
     :func:`pallas_kernels.gpu_activations.rms_norm_planes` writes them).
 
@@ -421,10 +423,10 @@ def w4a16_matmul(x: jax.Array, w: QuantizedWeight, *, layer: jax.Array | None = 
     if not w.symmetric:
         in_specs.append(sspec)
         args.append(mins)
-    out_shape, out_spec = _split_out(m, n, block_n, split_k, rows)
+    out_shape, out_spec = _split_out(m, n, block_n, split_k, rows, out_dtype)
     out = call_kernel(kernel, out_shape, (-(-m // rows), n // block_n, split_k), in_specs, out_spec,
                       interpret, num_warps or WARPS, num_stages or stages, *args)
-    return out if split_k == 1 else _sum_splits(out)
+    return out if split_k == 1 else _sum_splits(out).astype(out_dtype)
 
 
 # ----------------------------------------------------------------------------------------- W4AX

@@ -192,9 +192,11 @@ def _matmul_supported(w: QuantizedWeight | jax.Array, mode: str) -> bool:
 
 
 def linear(x: jax.Array | Pending, w: QuantizedWeight | jax.Array | Layer, mode: str,
-           row_tile: int | None = None, kernels: str = "reference") -> jax.Array:
-    """``x @ W.T`` as float32: packed weights in any mode, float weights only in ``w16a16``; ``w`` may
-    be a :class:`Layer` of stacked weights, ``x`` a :class:`Pending` step.
+           row_tile: int | None = None, kernels: str = "reference", out_dtype=jnp.float32) -> jax.Array:
+    """``x @ W.T``, the float32 result rounded once to ``out_dtype``: packed weights in any mode, float
+    weights only in ``w16a16``; ``w`` may be a :class:`Layer` of stacked weights, ``x`` a
+    :class:`Pending` step. (The W4A16 kernel stores a result it need not sum over K splits in
+    ``out_dtype`` itself, sparing a separate convert.)
 
     With ``row_tile`` set the result is row-count invariant: the references run rows in fixed tiles,
     the kernels are invariant by construction.
@@ -208,7 +210,7 @@ def linear(x: jax.Array | Pending, w: QuantizedWeight | jax.Array | Layer, mode:
             "(convert the checkpoint with quantization)")
     on_kernel = _on_kernels(kernels, row_tile) and _matmul_supported(w, mode)
     if on_kernel and packed and mode != "w16a16":
-        return _int4_matmul(x, w, layer, mode, kernels == "interpret")
+        return _int4_matmul(x, w, layer, mode, kernels == "interpret", out_dtype)
     if isinstance(x, Pending):
         x = x.value()
     if layer is not None:
@@ -216,30 +218,32 @@ def linear(x: jax.Array | Pending, w: QuantizedWeight | jax.Array | Layer, mode:
     if not on_kernel:
         if packed and mode == "w4a16" and kernels == "pallas" and row_tile is None:
             wd = w4a16_weights(w)
-            return jnp.einsum("...k,nk->...n", x.astype(jnp.bfloat16), wd, preferred_element_type=jnp.float32)
-        if packed:
-            return reference.quantized_matmul(x, w, mode, row_tile)
-        return reference.dense_matmul(x, w, row_tile)
+            y = jnp.einsum("...k,nk->...n", x.astype(jnp.bfloat16), wd, preferred_element_type=jnp.float32)
+        elif packed:
+            y = reference.quantized_matmul(x, w, mode, row_tile)
+        else:
+            y = reference.dense_matmul(x, w, row_tile)
+        return y.astype(out_dtype)
     rows = x.reshape(-1, x.shape[-1])
     wf = dequantize(w, x.dtype) if packed else w.astype(x.dtype)
     y = gpu_matmul.dense_matmul(rows, wf, interpret=kernels == "interpret")
-    return y.reshape(*x.shape[:-1], y.shape[-1])
+    return y.reshape(*x.shape[:-1], y.shape[-1]).astype(out_dtype)
 
 
 def _int4_matmul(x: jax.Array | Pending, w: QuantizedWeight, layer: jax.Array | None, mode: str,
-                 interpret: bool) -> jax.Array:
+                 interpret: bool, out_dtype) -> jax.Array:
     """An INT4 kernel matmul reading the (stacked) weight in place: the activation prologue
     (:mod:`pallas_kernels.gpu_activations`) prepares the input, with a :class:`Pending` step fused
     into it; W4A16 takes bf16 rows (laid out by the kernel wrapper) or the fused planes."""
     pending = isinstance(x, Pending)
     if mode == "w4a16":
         xin = x.planes() if pending else x.reshape(-1, x.shape[-1])
-        y = gpu_matmul.w4a16_matmul(xin, w, layer=layer, interpret=interpret)
+        y = gpu_matmul.w4a16_matmul(xin, w, layer=layer, out_dtype=out_dtype, interpret=interpret)
     else:
         bits = reference.ACT_BITS[mode]
         qx, sa = x.quantized(bits) if pending else gpu_activations.quantize_rows(
             x.reshape(-1, x.shape[-1]), bits, interpret=interpret)
-        y = gpu_matmul.w4ax_quantized(qx, sa, w, layer=layer, interpret=interpret)
+        y = gpu_matmul.w4ax_quantized(qx, sa, w, layer=layer, interpret=interpret).astype(out_dtype)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 

@@ -101,7 +101,7 @@ class Linear(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         w = _param(self, "w", _dense_init, (self.features, x.shape[-1]))
-        y = linear(x, w, self.mode, self.row_tile, self.kernels)
+        y = linear(x, w, self.mode, self.row_tile, self.kernels, jnp.float32 if self.use_bias else x.dtype)
         if self.use_bias:
             y = y + unstack(_param(self, "b", nn.initializers.zeros, (self.features,))).astype(jnp.float32)
         return y.astype(x.dtype)

@@ -71,6 +71,8 @@ def test_matmul_kernels_match_references(rng, n, k, group, symmetric):
     err = _rel(y16, xb @ wd.T)
     print(f"W4A16 {n}x{k} g{group}: rel err {err:.2e} vs float64")
     assert err <= 1e-2
+    y16_bf16 = jax.jit(lambda a, b: gpu_matmul.w4a16_matmul(a, b, out_dtype=jnp.bfloat16))(x, w)  # rounded once
+    np.testing.assert_array_equal(np.asarray(y16_bf16).view(np.uint16), np.asarray(y16.astype(jnp.bfloat16)).view(np.uint16))
     for bits, mode in ((8, "w4a8"), (4, "w4a4")):
         qx, sa = reference.quantize_activations(x, bits)
         acc = jax.jit(lambda q, s: gpu_matmul.w4ax_quantized(q, s, w, return_acc=True))(qx, sa)

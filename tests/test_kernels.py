@@ -134,6 +134,13 @@ def test_w4a16_against_float64(rng, n, k, group, symmetric, block_k):
     assert rel < 1e-5, rel  # same bf16 operands: only the float32 summation differs
     want = np.asarray(ref.quantized_matmul(x, w, "w4a16"), np.float64)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
+    units = k // max(group, gm.default_config(n, k, group, "w4a16", BN, block_k)[1])  # K ranges a split may take
+    for split in (1, 2)[:units]:  # a bf16 result: the float32 one rounded once, by the kernel's store or after the sum
+        f32 = gm.w4a16_matmul(x, w, block_n=BN, block_k=block_k, split_k=split, interpret=True)
+        b16 = gm.w4a16_matmul(x, w, block_n=BN, block_k=block_k, split_k=split, out_dtype=jnp.bfloat16,
+                              interpret=True)
+        assert b16.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(b16).view(np.uint16), np.asarray(f32.astype(jnp.bfloat16)).view(np.uint16))
 
 
 def test_w4a16_weights_are_bf16_products_rounded_once(rng):
