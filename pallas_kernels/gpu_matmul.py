@@ -384,9 +384,12 @@ def activation_planes(x: jax.Array, planes: int) -> jax.Array:
 def w4a16_matmul(x: jax.Array, w: QuantizedWeight, *, layer: jax.Array | None = None,
                  block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
                  block_m: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                 rows_first: bool | None = None, out_dtype=jnp.float32, interpret: bool = False) -> jax.Array:
+                 rows_first: bool | None = None, out_dtype=jnp.float32, parts: bool = False,
+                 interpret: bool = False) -> jax.Array:
     """``x[M, K] @ w4a16_weights(w).T`` with bf16 activations and float32 accumulation -> ``[M, N]`` in
-    ``out_dtype`` (the float32 result rounded once: by the kernel's store where K is not split);
+    ``out_dtype`` (the float32 result rounded once: by the kernel's store where K is not split); with
+    ``parts``, the float32 partial sums of the K splits ``[split_k, M, N]`` unsummed (their sum left to
+    right is the result), for a consumer kernel that adds them itself;
     ``x`` may already be bf16 planes ``[4, M, K/4]`` (:func:`activation_planes`, as
     :func:`pallas_kernels.gpu_activations.rms_norm_planes` writes them).
 
@@ -423,9 +426,11 @@ def w4a16_matmul(x: jax.Array, w: QuantizedWeight, *, layer: jax.Array | None = 
     if not w.symmetric:
         in_specs.append(sspec)
         args.append(mins)
-    out_shape, out_spec = _split_out(m, n, block_n, split_k, rows, out_dtype)
+    out_shape, out_spec = _split_out(m, n, block_n, split_k, rows, jnp.float32 if parts else out_dtype)
     out = call_kernel(kernel, out_shape, (-(-m // rows), n // block_n, split_k), in_specs, out_spec,
                       interpret, num_warps or WARPS, num_stages or stages, *args)
+    if parts:
+        return out if split_k > 1 else out[None]
     return out if split_k == 1 else _sum_splits(out).astype(out_dtype)
 
 

@@ -95,7 +95,7 @@ def swiglu(gate: jax.Array, up: jax.Array, reciprocal=lambda v: np.float32(1) / 
     return (g * reciprocal(1 + jnp.exp(-g)) * up.astype(jnp.float32)).astype(gate.dtype)
 
 
-def _round_to(dtype):
+def round_to(dtype):
     """float32 -> float32 rounded to ``dtype``'s precision (XLA may not drop it, as it may a cast pair)."""
     fi = jnp.finfo(dtype)
     return lambda v: jax.lax.reduce_precision(v, exponent_bits=fi.nexp, mantissa_bits=fi.nmant)
@@ -107,7 +107,7 @@ def rope(lo: jax.Array, hi: jax.Array, cos: jax.Array, sin: jax.Array, rounded=N
     computes it op by op; ``cos, sin`` are in that dtype too. ``rounded``: float32 -> float32 at the
     dtype's precision (the GPU kernel passes a cast pair, which Triton keeps)."""
     dtype = lo.dtype
-    rounded = _round_to(dtype) if rounded is None else rounded
+    rounded = round_to(dtype) if rounded is None else rounded
     lo, hi, c, s = (v.astype(jnp.float32) for v in (lo, hi, cos, sin))
     return ((rounded(lo * c) - rounded(hi * s)).astype(dtype), (rounded(hi * c) + rounded(lo * s)).astype(dtype))
 

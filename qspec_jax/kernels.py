@@ -192,11 +192,14 @@ def _matmul_supported(w: QuantizedWeight | jax.Array, mode: str) -> bool:
 
 
 def linear(x: jax.Array | Pending, w: QuantizedWeight | jax.Array | Layer, mode: str,
-           row_tile: int | None = None, kernels: str = "reference", out_dtype=jnp.float32) -> jax.Array:
+           row_tile: int | None = None, kernels: str = "reference", out_dtype=jnp.float32,
+           parts: bool = False) -> jax.Array:
     """``x @ W.T``, the float32 result rounded once to ``out_dtype``: packed weights in any mode, float
     weights only in ``w16a16``; ``w`` may be a :class:`Layer` of stacked weights, ``x`` a
     :class:`Pending` step. (The W4A16 kernel stores a result it need not sum over K splits in
-    ``out_dtype`` itself, sparing a separate convert.)
+    ``out_dtype`` itself, sparing a separate convert.) ``parts``: float32 partial sums ``[S, ..., N]``
+    instead, whose sum left to right is the float32 result (the W4A16 kernel's K splits; one part
+    elsewhere), for a consumer kernel that adds and rounds them itself (:func:`rope_store`).
 
     With ``row_tile`` set the result is row-count invariant: the references run rows in fixed tiles,
     the kernels are invariant by construction.
@@ -210,7 +213,7 @@ def linear(x: jax.Array | Pending, w: QuantizedWeight | jax.Array | Layer, mode:
             "(convert the checkpoint with quantization)")
     on_kernel = _on_kernels(kernels, row_tile) and _matmul_supported(w, mode)
     if on_kernel and packed and mode != "w16a16":
-        return _int4_matmul(x, w, layer, mode, kernels == "interpret", out_dtype)
+        return _int4_matmul(x, w, layer, mode, kernels == "interpret", out_dtype, parts)
     if isinstance(x, Pending):
         x = x.value()
     if layer is not None:
@@ -223,28 +226,29 @@ def linear(x: jax.Array | Pending, w: QuantizedWeight | jax.Array | Layer, mode:
             y = reference.quantized_matmul(x, w, mode, row_tile)
         else:
             y = reference.dense_matmul(x, w, row_tile)
-        return y.astype(out_dtype)
+        return y[None] if parts else y.astype(out_dtype)
     rows = x.reshape(-1, x.shape[-1])
     wf = dequantize(w, x.dtype) if packed else w.astype(x.dtype)
-    y = gpu_matmul.dense_matmul(rows, wf, interpret=kernels == "interpret")
-    return y.reshape(*x.shape[:-1], y.shape[-1]).astype(out_dtype)
+    y = gpu_matmul.dense_matmul(rows, wf, interpret=kernels == "interpret").reshape(*x.shape[:-1], -1)
+    return y[None] if parts else y.astype(out_dtype)
 
 
 def _int4_matmul(x: jax.Array | Pending, w: QuantizedWeight, layer: jax.Array | None, mode: str,
-                 interpret: bool, out_dtype) -> jax.Array:
+                 interpret: bool, out_dtype, parts: bool) -> jax.Array:
     """An INT4 kernel matmul reading the (stacked) weight in place: the activation prologue
     (:mod:`pallas_kernels.gpu_activations`) prepares the input, with a :class:`Pending` step fused
     into it; W4A16 takes bf16 rows (laid out by the kernel wrapper) or the fused planes."""
     pending = isinstance(x, Pending)
     if mode == "w4a16":
         xin = x.planes() if pending else x.reshape(-1, x.shape[-1])
-        y = gpu_matmul.w4a16_matmul(xin, w, layer=layer, out_dtype=out_dtype, interpret=interpret)
-    else:
-        bits = reference.ACT_BITS[mode]
-        qx, sa = x.quantized(bits) if pending else gpu_activations.quantize_rows(
-            x.reshape(-1, x.shape[-1]), bits, interpret=interpret)
-        y = gpu_matmul.w4ax_quantized(qx, sa, w, layer=layer, interpret=interpret).astype(out_dtype)
-    return y.reshape(*x.shape[:-1], y.shape[-1])
+        y = gpu_matmul.w4a16_matmul(xin, w, layer=layer, out_dtype=out_dtype, parts=parts, interpret=interpret)
+        return y.reshape(*y.shape[:-2], *x.shape[:-1], y.shape[-1])
+    bits = reference.ACT_BITS[mode]
+    qx, sa = x.quantized(bits) if pending else gpu_activations.quantize_rows(
+        x.reshape(-1, x.shape[-1]), bits, interpret=interpret)
+    y = gpu_matmul.w4ax_quantized(qx, sa, w, layer=layer, interpret=interpret)
+    y = y.reshape(*x.shape[:-1], y.shape[-1])
+    return y[None] if parts else y.astype(out_dtype)
 
 
 def attention(q: jax.Array, k: jax.Array | Layer, v: jax.Array | Layer, q_pos: jax.Array,
@@ -292,17 +296,18 @@ def attention(q: jax.Array, k: jax.Array | Layer, v: jax.Array | Layer, q_pos: j
     return out.reshape(b, t + pad, *q.shape[2:])[:, :t]
 
 
-def fuses_rope_store(qkv: jax.Array, k: Layer, head_dim: int, row_tile: int | None, kernels: str) -> bool:
-    """Whether :func:`rope_store` runs the new tokens' RoPE and KV write (on the kernel path, where
-    :func:`pallas_kernels.gpu_rope.supported` takes the head size and the cache ``k``)."""
-    return _on_kernels(kernels, row_tile) and gpu_rope.supported(head_dim, k.stacked, qkv.dtype)
+def fuses_rope_store(dtype, k: Layer, head_dim: int, row_tile: int | None, kernels: str) -> bool:
+    """Whether :func:`rope_store` runs the new tokens' RoPE and KV write in compute ``dtype`` (on the
+    kernel path, where :func:`pallas_kernels.gpu_rope.supported` takes the head size and the cache ``k``)."""
+    return _on_kernels(kernels, row_tile) and gpu_rope.supported(head_dim, k.stacked, dtype)
 
 
 def rope_store(qkv: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array, k: Layer, v: Layer,
                heads: int, kernels: str) -> tuple[jax.Array, Layer, Layer]:
     """The fused qkv projection's queries rotated ``[B, T, heads, d]``, and the cache pair with the
     rotated keys and the values written at ``positions`` in place, in one kernel
-    (:func:`pallas_kernels.gpu_rope.rope_store`); see :func:`fuses_rope_store`."""
+    (:func:`pallas_kernels.gpu_rope.rope_store`; ``qkv`` may be :func:`linear`'s ``parts``, which the
+    kernel adds and rounds to the cache's dtype); see :func:`fuses_rope_store`."""
     q, ks, vs = gpu_rope.rope_store(qkv, cos, sin, positions, k.stacked, v.stacked, heads=heads, layer=k.index,
                                     interpret=kernels == "interpret")
     return q, Layer(ks, k.index), Layer(vs, v.index)

@@ -90,17 +90,23 @@ def _param(module: nn.Module, name: str, init, *init_args) -> Any:
 
 
 class Linear(nn.Module):
-    """``y = x @ W.T (+ b)`` over a float or packed-INT4 weight ``[features, in]``."""
+    """``y = x @ W.T (+ b)`` over a float or packed-INT4 weight ``[features, in]``; ``parts``: the float32
+    partial sums instead (:func:`qspec_jax.kernels.linear`), for a consumer kernel that adds them."""
 
     features: int
     mode: str
     use_bias: bool = False
     row_tile: int | None = None
     kernels: str = "reference"
+    parts: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         w = _param(self, "w", _dense_init, (self.features, x.shape[-1]))
+        if self.parts:
+            if self.use_bias:
+                raise ValueError("a layer with a bias cannot hand out its partial sums")
+            return linear(x, w, self.mode, self.row_tile, self.kernels, parts=True)
         y = linear(x, w, self.mode, self.row_tile, self.kernels, jnp.float32 if self.use_bias else x.dtype)
         if self.use_bias:
             y = y + unstack(_param(self, "b", nn.initializers.zeros, (self.features,))).astype(jnp.float32)
@@ -144,10 +150,12 @@ class Attention(_Block):
         c = self.config
         b, t, _ = x.shape
         hq, hk, d = c.num_heads, c.num_kv_heads, c.head_dim
-        qkv = Linear((hq + 2 * hk) * d, self.mode, c.attention_bias, self.row_tile, self.kernels, name="qkv")(x)
+        # on the kernel path one kernel rotates q and k and writes the cache, adding qkv's K splits itself
+        fused = (cache is not None and not self.read_shadow and not c.attention_bias
+                 and fuses_rope_store(x.dtype, cache[0], d, self.row_tile, self.kernels))
+        qkv = Linear((hq + 2 * hk) * d, self.mode, c.attention_bias, self.row_tile, self.kernels, fused, name="qkv")(x)
         fuse = self.mode != "w16a16" and self.online_rotation_seed is None  # o's prologue merges the splits
-        if cache is not None and not self.read_shadow and fuses_rope_store(qkv, cache[0], d, self.row_tile,
-                                                                           self.kernels):
+        if fused:
             q, *pair = rope_store(qkv, *rope, positions, *cache[:2], hq, self.kernels)
             cache = (*pair, *cache[2:])
         else:

@@ -175,13 +175,13 @@ def test_attention_kernel(rng, dtype, heads, kv, d):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("heads,kv,d", [(9, 3, 64), (32, 8, 128), (40, 40, 128)])
-def test_rope_store_kernel(rng, dtype, heads, kv, d):
+@pytest.mark.parametrize("heads,kv,d,parts", [(9, 3, 64, 0), (32, 8, 128, 4), (40, 40, 128, 2)])
+def test_rope_store_kernel(rng, dtype, heads, kv, d, parts):
     """The RoPE + KV-write kernel on the GPU, jitted with the caches donated (written in place): bf16
     queries and keys bitwise as numpy's op-by-op rounding (float32 to its rounding: Triton may fuse
     a product into an FMA), values copied, all other slots untouched; one token's results equal the
-    same token's inside a 4-token call, bitwise."""
-    args, q, k, v = rope_store_case(rng, dtype, b=3, t=4, heads=heads, kv=kv, d=d, slots=64)
+    same token's inside a 4-token call, bitwise. ``parts``: qkv as float32 K-split partial sums."""
+    args, q, k, v = rope_store_case(rng, dtype, b=3, t=4, heads=heads, kv=kv, d=d, slots=64, parts=parts)
     call = jax.jit(lambda *a: gpu_rope.rope_store(*a, heads=heads, layer=jnp.int32(1)), donate_argnums=(4, 5))
     got = [np.asarray(g) for g in call(*(jnp.asarray(a) for a in args))]
     for g, want in zip(got, (q, k, v)):
@@ -189,7 +189,9 @@ def test_rope_store_kernel(rng, dtype, heads, kv, d):
             np.testing.assert_array_equal(g.view(np.uint16), want.view(np.uint16))
         else:
             np.testing.assert_allclose(g, want, rtol=1e-6, atol=1e-6)
-    one = [np.asarray(g) for g in call(*(jnp.asarray(a[:, 1:2]) for a in args[:4]), *(jnp.asarray(a) for a in args[4:]))]
+    token = (slice(None),) * (1 + bool(parts)) + (slice(1, 2),)
+    one = [np.asarray(g) for g in call(jnp.asarray(args[0][token]), *(jnp.asarray(a[:, 1:2]) for a in args[1:4]),
+                                       *(jnp.asarray(a) for a in args[4:]))]
     np.testing.assert_array_equal(one[0], got[0][:, 1:2])
     for c, full in zip(one[1:], got[1:]):
         rows = np.arange(3)

@@ -403,10 +403,14 @@ def rope_numpy(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, dtype) -> np.nda
     return np.concatenate([(r(lo * c) - r(hi * s)).astype(np_dtype), (r(hi * c) + r(lo * s)).astype(np_dtype)], -1)
 
 
-def rope_store_case(rng, dtype, b=2, t=3, heads=6, kv=2, d=64, slots=32, layers=3):
+def rope_store_case(rng, dtype, b=2, t=3, heads=6, kv=2, d=64, slots=32, layers=3, parts=0):
     """Random inputs of :func:`gpu_rope.rope_store` (positions include the cache's last slot and
-    one past it) and what it must give: ``(args, q, k, v)`` as numpy, computed without the kernel."""
-    qkv = rng.standard_normal((b, t, (heads + 2 * kv) * d)).astype(np.float32)
+    one past it) and what it must give: ``(args, q, k, v)`` as numpy, computed without the kernel.
+    ``parts``: qkv as that many float32 partial sums (added left to right, then rounded)."""
+    split = rng.standard_normal((max(parts, 1), b, t, (heads + 2 * kv) * d)).astype(np.float32)
+    qkv = split[0]
+    for p in split[1:]:
+        qkv = qkv + p
     pos = np.stack([rng.choice(slots - 1, t, replace=False) for _ in range(b)]).astype(np.int32)
     pos[-1, -2:] = (slots - 1, slots)  # the last slot is written, one past the end dropped
     freqs = pos[..., None].astype(np.float32) * (1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32)
@@ -421,17 +425,18 @@ def rope_store_case(rng, dtype, b=2, t=3, heads=6, kv=2, d=64, slots=32, layers=
         for j in range(t):
             if pos[i, j] < slots:
                 k[1, i, pos[i, j]], v[1, i, pos[i, j]] = k_new[i, j], v_new[i, j]
-    return (qkv, cos, sin, pos, *caches), q, k, v
+    return (split if parts else qkv, cos, sin, pos, *caches), q, k, v
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("heads,kv", [(6, 2), (4, 4), (9, 3)])
-def test_rope_store_bitwise(rng, dtype, heads, kv):
+@pytest.mark.parametrize("heads,kv,parts", [(6, 2, 0), (4, 4, 1), (9, 3, 3)])
+def test_rope_store_bitwise(rng, dtype, heads, kv, parts):
     """The RoPE + KV-write kernel: bf16 queries and written keys bitwise as numpy's op-by-op rounding
     (float32: to its rounding, as XLA and Triton may fuse a product into an FMA), values copied,
     every other cache slot (other layers, positions, and a position past the end) untouched; the
-    model's reference rotation gives the same bits."""
-    args, q, k, v = rope_store_case(rng, dtype, heads=heads, kv=kv)
+    model's reference rotation gives the same bits. With ``parts``, qkv comes as float32 partial
+    sums that the kernel adds left to right and rounds."""
+    args, q, k, v = rope_store_case(rng, dtype, heads=heads, kv=kv, parts=parts)
     got = gpu_rope.rope_store(*(jnp.asarray(a) for a in args), heads=heads, layer=jnp.int32(1), interpret=True)
     for g, want in zip(got, (q, k, v)):
         if dtype == jnp.bfloat16:
@@ -439,7 +444,7 @@ def test_rope_store_bitwise(rng, dtype, heads, kv):
         else:
             np.testing.assert_allclose(np.asarray(g), want, rtol=1e-6, atol=1e-6)
     half = args[0].shape[-1] // (heads + 2 * kv) // 2
-    x = jnp.asarray(args[0][..., :half * 2])
+    x = jnp.asarray(sum(args[0][1:], args[0][0]) if parts else args[0]).astype(dtype)[..., :half * 2]
     lo, hi = ref.rope(x[..., :half], x[..., half:], jnp.asarray(args[1]), jnp.asarray(args[2]))
     np.testing.assert_array_equal(np.asarray(jnp.concatenate([lo, hi], -1)).view(np.uint8), q[:, :, 0].view(np.uint8))
 
@@ -456,6 +461,8 @@ def test_rope_store_rejects_bad_input(rng):
         call(qkv, cos, sin, pos[:, :1], kc, vc)
     with pytest.raises(ValueError, match="caches"):
         call(qkv, cos, sin, pos, kc[0], vc[0])
+    with pytest.raises(ValueError, match="float32"):
+        call(qkv[None], cos, sin, pos, kc, vc)
     odd = rope_store_case(rng, jnp.bfloat16, d=24)[0]
     with pytest.raises(ValueError, match="power of two"):
         call(*(jnp.asarray(a) for a in odd))
@@ -664,8 +671,9 @@ def test_lowers_for_gpu_without_deprecation_warning():
                                                     words=True),
               jax.ShapeDtypeStruct((3, 5120), jnp.int8), jax.ShapeDtypeStruct((3, 1), jnp.float32),
               jax.ShapeDtypeStruct((2, 27648, 2560), jnp.uint8), jax.ShapeDtypeStruct((2, 27648, 40), jnp.float16))
-        lower(lambda *a: gpu_rope.rope_store(*a, heads=32, layer=jnp.int32(1)), bf(2, 4, 48 * 128), bf(2, 4, 64),
-              bf(2, 4, 64), jax.ShapeDtypeStruct((2, 4), jnp.int32), bf(3, 2, 256, 8, 128), bf(3, 2, 256, 8, 128))
+        for qkv in (bf(2, 4, 48 * 128), jax.ShapeDtypeStruct((4, 2, 4, 48 * 128), jnp.float32)):  # or K-split parts
+            lower(lambda *a: gpu_rope.rope_store(*a, heads=32, layer=jnp.int32(1)), qkv, bf(2, 4, 64), bf(2, 4, 64),
+                  jax.ShapeDtypeStruct((2, 4), jnp.int32), bf(3, 2, 256, 8, 128), bf(3, 2, 256, 8, 128))
         lower(gpu_attention.decode_attention, bf(2, 4, 32, 128), bf(2, 256, 8, 128), bf(2, 256, 8, 128),
               jax.ShapeDtypeStruct((2, 4), jnp.int32))
         parts = lambda q, k, v, p: gpu_attention.attention_partials(q, k, v, p)  # Llama-3-8B heads
