@@ -69,12 +69,12 @@ def _asm(code: str, v: jax.Array, dtype) -> jax.Array:
                                             result_shape_dtypes=[jax.ShapeDtypeStruct(v.shape, dtype)])[0]
 
 
-def _reciprocal(v: jax.Array, interpret: bool) -> jax.Array:
+def reciprocal(v: jax.Array, interpret: bool) -> jax.Array:
     """``f32(1 / v)`` correctly rounded, elementwise over a float32 tile."""
     return np.float32(1) / v if interpret else _asm(_RCP_ASM, v, jnp.float32)
 
 
-def _round(v: jax.Array, interpret: bool) -> jax.Array:
+def round_half_even(v: jax.Array, interpret: bool) -> jax.Array:
     """``round_half_even(v)`` as int32."""
     return jnp.round(v).astype(jnp.int32) if interpret else _asm(_ROUND_ASM, v, jnp.int32)
 
@@ -142,7 +142,7 @@ def _swiglu(gate, x2_ref, blocks: int, first, tb: int, half: int, byte: int | No
     """``reference.swiglu`` of the gate tile ``gate`` (blocks ``[first, first + tb)`` of a row
     ``[gate | up]``, plane ``(half, byte)``) and its up tile, ``blocks`` 64-blocks further on."""
     up = _load_cols(x2_ref, None, blocks + first, tb, half, byte, interpret)
-    return reference.swiglu(gate, up, lambda d: _reciprocal(d, interpret))
+    return reference.swiglu(gate, up, lambda d: reciprocal(d, interpret))
 
 
 def _tile_absmax(values, i, m: jax.Array) -> jax.Array:
@@ -152,10 +152,10 @@ def _tile_absmax(values, i, m: jax.Array) -> jax.Array:
     return m
 
 
-def _scale(amax: jax.Array, bits: int, interpret: bool) -> tuple[jax.Array, jax.Array]:
+def quant_scale(amax: jax.Array, bits: int, interpret: bool) -> tuple[jax.Array, jax.Array]:
     """The row's scale ``absmax * f32(1 / qmax)`` (1 for an all-zero row) and its reciprocal ``[1]``."""
     scale = jnp.where(amax > 0, amax * np.float32(1 / (2 ** (bits - 1) - 1)), np.float32(1))
-    return scale, _reciprocal(jnp.full((1,), scale, jnp.float32), interpret)
+    return scale, reciprocal(jnp.full((1,), scale, jnp.float32), interpret)
 
 
 def _tile_planes(values, i, p_ref, tb: int) -> None:
@@ -170,7 +170,7 @@ def _tile_codes(values, i, q_ref, tb: int, inv: jax.Array, bits: int, interpret:
     """Tile ``i``'s codes ``round_half_even(v * inv)`` clamped to ``bits``, into both planes of ``q_ref``."""
     qmax = 2 ** (bits - 1) - 1
     for half in (0, 1):
-        q = _round(values(i, half).astype(jnp.float32) * inv[:, None], interpret)
+        q = round_half_even(values(i, half).astype(jnp.float32) * inv[:, None], interpret)
         _store_rows(q_ref, half, i * tb, tb, jnp.clip(q, -qmax - 1, qmax).astype(jnp.int8))
 
 
@@ -190,7 +190,7 @@ def _emit(values, outs, blocks: int, tb: int, bits: int | None, interpret: bool)
 
     q_ref, sa_ref = outs
     amax = jax.lax.fori_loop(0, blocks // tb, lambda i, m: _tile_absmax(values, i, m), jnp.float32(0))
-    scale, inv = _scale(amax, bits, interpret)
+    scale, inv = quant_scale(amax, bits, interpret)
 
     def codes(i, carry):
         _tile_codes(values, i, q_ref, tb, inv, bits, interpret)
@@ -233,7 +233,7 @@ def _spread_codes(values, i, first: jax.Array, tiles: int, amax_ref, q_ref, sa_r
     written; exact in any order), then this program's codes of tile ``values(i, ...)`` (elementwise:
     the bits of one program per row); the row's ``first`` tile writes the scale."""
     amax = jnp.max(pl_triton.load(amax_ref, **_mask(tiles, amax_ref.shape, 0)))  # unwritten: 0
-    scale, inv = _scale(amax, bits, interpret)
+    scale, inv = quant_scale(amax, bits, interpret)
     _tile_codes(values, i, q_ref, tb, inv, bits, interpret)
 
     @pl.when(first)
@@ -437,7 +437,7 @@ def _merged_values(acc_ref, m_ref, l_ref, splits: int, dtype, interpret: bool):
     for p in range(splits):
         d = ws[p] * (l_all[:, p, :] if interpret else load(l_ref, (p, slice(None)), 1.0))
         den = d if den is None else den + d
-    inv = _reciprocal(den, interpret)
+    inv = reciprocal(den, interpret)
 
     def split_cols(p, half, byte):
         """Split ``p``'s accumulator ``[KV, G, nb, width]`` at plane ``(half, byte)``."""

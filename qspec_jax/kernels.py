@@ -296,21 +296,24 @@ def attention(q: jax.Array, k: jax.Array | Layer, v: jax.Array | Layer, q_pos: j
     return out.reshape(b, t + pad, *q.shape[2:])[:, :t]
 
 
-def fuses_rope_store(dtype, k: Layer, head_dim: int, row_tile: int | None, kernels: str) -> bool:
-    """Whether :func:`rope_store` runs the new tokens' RoPE and KV write in compute ``dtype`` (on the
-    kernel path, where :func:`pallas_kernels.gpu_rope.supported` takes the head size and the cache ``k``)."""
-    return _on_kernels(kernels, row_tile) and gpu_rope.supported(head_dim, k.stacked, dtype)
+def fuses_rope_store(dtype, pair: Layer, written: Layer, head_dim: int, row_tile: int | None, kernels: str) -> bool:
+    """Whether :func:`rope_store` runs the new tokens' RoPE and KV write in compute ``dtype``: on the
+    kernel path, where the cache pair holds ``dtype`` and :func:`pallas_kernels.gpu_rope.supported`
+    takes the head size and the array written (the pair's keys, or the shadow's key words)."""
+    return (_on_kernels(kernels, row_tile) and pair.stacked.dtype == dtype
+            and gpu_rope.supported(head_dim, written.stacked, dtype))
 
 
-def rope_store(qkv: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array, k: Layer, v: Layer,
-               heads: int, kernels: str) -> tuple[jax.Array, Layer, Layer]:
-    """The fused qkv projection's queries rotated ``[B, T, heads, d]``, and the cache pair with the
-    rotated keys and the values written at ``positions`` in place, in one kernel
-    (:func:`pallas_kernels.gpu_rope.rope_store`; ``qkv`` may be :func:`linear`'s ``parts``, which the
-    kernel adds and rounds to the cache's dtype); see :func:`fuses_rope_store`."""
-    q, ks, vs = gpu_rope.rope_store(qkv, cos, sin, positions, k.stacked, v.stacked, heads=heads, layer=k.index,
-                                    interpret=kernels == "interpret")
-    return q, Layer(ks, k.index), Layer(vs, v.index)
+def rope_store(qkv: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array, cache: tuple[Layer, ...],
+               heads: int, kernels: str) -> tuple[jax.Array, tuple[Layer, ...]]:
+    """The fused qkv projection's queries rotated ``[B, T, heads, d]``, and ``cache`` (views of the
+    pair, or of the draft's shadow) with the rotated keys and the values written at ``positions`` in
+    place, in one kernel (:func:`pallas_kernels.gpu_rope.rope_store`; ``qkv`` may be :func:`linear`'s
+    ``parts``, which the kernel adds and rounds); see :func:`fuses_rope_store`."""
+    index = cache[0].index
+    q, arrays = gpu_rope.rope_store(qkv, cos, sin, positions, tuple(c.stacked for c in cache), heads=heads,
+                                    layer=index, interpret=kernels == "interpret")
+    return q, tuple(Layer(a, index) for a in arrays)
 
 
 def swiglu(gate_up: jax.Array, row_tile: int | None = None, kernels: str = "reference",

@@ -151,13 +151,15 @@ class Attention(_Block):
         b, t, _ = x.shape
         hq, hk, d = c.num_heads, c.num_kv_heads, c.head_dim
         # on the kernel path one kernel rotates q and k and writes the cache, adding qkv's K splits itself
-        fused = (cache is not None and not self.read_shadow and not c.attention_bias
-                 and fuses_rope_store(x.dtype, cache[0], d, self.row_tile, self.kernels))
+        # (a draft over the shadow writes only the shadow, as _write_kv does)
+        target = () if cache is None else cache[2:] if self.read_shadow else cache[:2]
+        fused = (len(target) in (2, 4) and not c.attention_bias
+                 and fuses_rope_store(x.dtype, cache[0], target[0], d, self.row_tile, self.kernels))
         qkv = Linear((hq + 2 * hk) * d, self.mode, c.attention_bias, self.row_tile, self.kernels, fused, name="qkv")(x)
         fuse = self.mode != "w16a16" and self.online_rotation_seed is None  # o's prologue merges the splits
         if fused:
-            q, *pair = rope_store(qkv, *rope, positions, *cache[:2], hq, self.kernels)
-            cache = (*pair, *cache[2:])
+            q, written = rope_store(qkv, *rope, positions, target, hq, self.kernels)
+            cache = (*cache[:2], *written) if self.read_shadow else (*written, *cache[2:])
         else:
             q, k, v = jnp.split(qkv, [hq * d, (hq + hk) * d], axis=-1)
             q, k = apply_rope(q.reshape(b, t, hq, d), *rope), apply_rope(k.reshape(b, t, hk, d), *rope)

@@ -174,28 +174,33 @@ def test_attention_kernel(rng, dtype, heads, kv, d):
         np.testing.assert_array_equal(np.asarray(call(*sets[t - 1])), full[:, :t], err_msg=f"T={t}")
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("heads,kv,d,parts", [(9, 3, 64, 0), (32, 8, 128, 4), (40, 40, 128, 2)])
-def test_rope_store_kernel(rng, dtype, heads, kv, d, parts):
+@pytest.mark.parametrize("dtype,heads,kv,d,parts,bits", [
+    *((dtype, *case) for dtype in (jnp.float32, jnp.bfloat16)
+      for case in ((9, 3, 64, 0, None), (32, 8, 128, 4, None), (40, 40, 128, 2, None))),
+    (jnp.bfloat16, 32, 8, 128, 4, 8), (jnp.bfloat16, 9, 3, 64, 0, 4)])  # float32 keys may differ by an ulp (FMA)
+def test_rope_store_kernel(rng, dtype, heads, kv, d, parts, bits):
     """The RoPE + KV-write kernel on the GPU, jitted with the caches donated (written in place): bf16
     queries and keys bitwise as numpy's op-by-op rounding (float32 to its rounding: Triton may fuse
     a product into an FMA), values copied, all other slots untouched; one token's results equal the
-    same token's inside a 4-token call, bitwise. ``parts``: qkv as float32 K-split partial sums."""
-    args, q, k, v = rope_store_case(rng, dtype, b=3, t=4, heads=heads, kv=kv, d=d, slots=64, parts=parts)
-    call = jax.jit(lambda *a: gpu_rope.rope_store(*a, heads=heads, layer=jnp.int32(1)), donate_argnums=(4, 5))
-    got = [np.asarray(g) for g in call(*(jnp.asarray(a) for a in args))]
-    for g, want in zip(got, (q, k, v)):
+    same token's inside a 4-token call, bitwise. ``parts``: qkv as float32 K-split partial sums;
+    ``bits``: the cache is a draft's shadow (bf16: codes and scales bitwise as the reference's)."""
+    args, q, want = rope_store_case(rng, dtype, b=3, t=4, heads=heads, kv=kv, d=d, slots=64, parts=parts, bits=bits)
+    call = jax.jit(lambda x, c, s, p, kv: gpu_rope.rope_store(x, c, s, p, kv, heads=heads, layer=jnp.int32(1)),
+                   donate_argnums=(4,))
+    to_jnp = lambda a: tuple(map(jnp.asarray, a)) if isinstance(a, tuple) else jnp.asarray(a)  # noqa: E731
+    got_q, got = call(*map(to_jnp, args))
+    got = [np.asarray(got_q), *map(np.asarray, got)]
+    for g, w in zip(got, (q, *want)):
         if dtype == jnp.bfloat16:
-            np.testing.assert_array_equal(g.view(np.uint16), want.view(np.uint16))
+            np.testing.assert_array_equal(g.view(np.uint8), w.view(np.uint8))
         else:
-            np.testing.assert_allclose(g, want, rtol=1e-6, atol=1e-6)
+            np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
     token = (slice(None),) * (1 + bool(parts)) + (slice(1, 2),)
-    one = [np.asarray(g) for g in call(jnp.asarray(args[0][token]), *(jnp.asarray(a[:, 1:2]) for a in args[1:4]),
-                                       *(jnp.asarray(a) for a in args[4:]))]
-    np.testing.assert_array_equal(one[0], got[0][:, 1:2])
-    for c, full in zip(one[1:], got[1:]):
-        rows = np.arange(3)
-        np.testing.assert_array_equal(c[1, rows, args[3][:, 1]], full[1, rows, args[3][:, 1]])
+    one_q, one = call(jnp.asarray(args[0][token]), *(jnp.asarray(a[:, 1:2]) for a in args[1:4]), to_jnp(args[4]))
+    np.testing.assert_array_equal(np.asarray(one_q), got[0][:, 1:2])
+    rows, slot = np.arange(3), args[3][:, 1]
+    for c, full in zip(one[:2], got[1:3]):
+        np.testing.assert_array_equal(np.asarray(c)[1, rows, slot], full[1, rows, slot])
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

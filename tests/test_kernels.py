@@ -26,6 +26,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -403,10 +404,12 @@ def rope_numpy(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, dtype) -> np.nda
     return np.concatenate([(r(lo * c) - r(hi * s)).astype(np_dtype), (r(hi * c) + r(lo * s)).astype(np_dtype)], -1)
 
 
-def rope_store_case(rng, dtype, b=2, t=3, heads=6, kv=2, d=64, slots=32, layers=3, parts=0):
+def rope_store_case(rng, dtype, b=2, t=3, heads=6, kv=2, d=64, slots=32, layers=3, parts=0, bits=None):
     """Random inputs of :func:`gpu_rope.rope_store` (positions include the cache's last slot and
-    one past it) and what it must give: ``(args, q, k, v)`` as numpy, computed without the kernel.
-    ``parts``: qkv as that many float32 partial sums (added left to right, then rounded)."""
+    one past it) and what it must give: ``(args, q, cache)`` as numpy, computed without the kernel.
+    ``parts``: qkv as that many float32 partial sums (added left to right, then rounded); ``bits``:
+    the cache is a draft's shadow, its codes and scales :func:`ref.quantize_kv` of the rotated keys
+    and the values."""
     split = rng.standard_normal((max(parts, 1), b, t, (heads + 2 * kv) * d)).astype(np.float32)
     qkv = split[0]
     for p in split[1:]:
@@ -414,35 +417,52 @@ def rope_store_case(rng, dtype, b=2, t=3, heads=6, kv=2, d=64, slots=32, layers=
     pos = np.stack([rng.choice(slots - 1, t, replace=False) for _ in range(b)]).astype(np.int32)
     pos[-1, -2:] = (slots - 1, slots)  # the last slot is written, one past the end dropped
     freqs = pos[..., None].astype(np.float32) * (1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32)
-    caches = [rng.standard_normal((layers, b, slots, kv, d)).astype(np.float32) for _ in range(2)]
     np_dtype = np.dtype(dtype)
-    qkv, cos, sin, *caches = (a.astype(np_dtype) for a in (qkv, np.cos(freqs), np.sin(freqs), *caches))
+    qkv, cos, sin = (a.astype(np_dtype) for a in (qkv, np.cos(freqs), np.sin(freqs)))
     x = qkv.reshape(b, t, heads + 2 * kv, d)
     q = rope_numpy(x[:, :, :heads], cos[:, :, None], sin[:, :, None], dtype)
-    k_new, v_new = rope_numpy(x[:, :, heads:heads + kv], cos[:, :, None], sin[:, :, None], dtype), x[:, :, heads + kv:]
-    k, v = caches[0].copy(), caches[1].copy()
+    new = [rope_numpy(x[:, :, heads:heads + kv], cos[:, :, None], sin[:, :, None], dtype), x[:, :, heads + kv:]]
+    if bits is None:
+        cache = [rng.standard_normal((layers, b, slots, kv, d)).astype(np_dtype) for _ in range(2)]
+    else:
+        cache = [rng.integers(-2 ** 15, 2 ** 15, (layers, b, slots, kv, d * bits // 16)).astype(np.int16)
+                 for _ in range(2)] + [rng.random((layers, b, kv, slots)).astype(np.float32) for _ in range(2)]
+        with jax.default_device(jax.devices("cpu")[0]):  # XLA's float32 division on a GPU is not correctly rounded
+            quantized = [ref.quantize_kv(jnp.asarray(a), bits) for a in new]
+        new = [np.asarray(w) for w, _ in quantized] + [np.asarray(sc) for _, sc in quantized]
+    want = [c.copy() for c in cache]
     for i in range(b):
         for j in range(t):
             if pos[i, j] < slots:
-                k[1, i, pos[i, j]], v[1, i, pos[i, j]] = k_new[i, j], v_new[i, j]
-    return (split if parts else qkv, cos, sin, pos, *caches), q, k, v
+                for w, n in zip(want[:2], new[:2]):
+                    w[1, i, pos[i, j]] = n[i, j]
+                for w, n in zip(want[2:], new[2:]):
+                    w[1, i, :, pos[i, j]] = n[i, j]
+    return (split if parts else qkv, cos, sin, pos, tuple(cache)), q, tuple(want)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("heads,kv,parts", [(6, 2, 0), (4, 4, 1), (9, 3, 3)])
-def test_rope_store_bitwise(rng, dtype, heads, kv, parts):
+def _jnp(args):
+    return tuple(tuple(map(jnp.asarray, a)) if isinstance(a, tuple) else jnp.asarray(a) for a in args)
+
+
+@pytest.mark.parametrize("dtype,heads,kv,parts,bits", [
+    *((dtype, *case) for dtype in (jnp.float32, jnp.bfloat16) for case in ((6, 2, 0, None), (4, 4, 1, None),
+                                                                          (9, 3, 3, None))),
+    (jnp.bfloat16, 6, 2, 2, 8), (jnp.bfloat16, 4, 4, 0, 4)])  # a shadow of float32 keys could differ by an ulp
+def test_rope_store_bitwise(rng, dtype, heads, kv, parts, bits):
     """The RoPE + KV-write kernel: bf16 queries and written keys bitwise as numpy's op-by-op rounding
     (float32: to its rounding, as XLA and Triton may fuse a product into an FMA), values copied,
     every other cache slot (other layers, positions, and a position past the end) untouched; the
     model's reference rotation gives the same bits. With ``parts``, qkv comes as float32 partial
-    sums that the kernel adds left to right and rounds."""
-    args, q, k, v = rope_store_case(rng, dtype, heads=heads, kv=kv, parts=parts)
-    got = gpu_rope.rope_store(*(jnp.asarray(a) for a in args), heads=heads, layer=jnp.int32(1), interpret=True)
-    for g, want in zip(got, (q, k, v)):
+    sums that the kernel adds left to right and rounds; with ``bits`` the cache is a draft's shadow,
+    its words and scales bitwise as the reference quantization of the expected keys and values."""
+    args, q, want = rope_store_case(rng, dtype, heads=heads, kv=kv, parts=parts, bits=bits)
+    got_q, got = gpu_rope.rope_store(*_jnp(args), heads=heads, layer=jnp.int32(1), interpret=True)
+    for g, w in zip((got_q, *got), (q, *want)):
         if dtype == jnp.bfloat16:
-            np.testing.assert_array_equal(np.asarray(g).view(np.uint8), want.view(np.uint8))
+            np.testing.assert_array_equal(np.asarray(g).view(np.uint8), w.view(np.uint8))
         else:
-            np.testing.assert_allclose(np.asarray(g), want, rtol=1e-6, atol=1e-6)
+            np.testing.assert_allclose(np.asarray(g), w, rtol=1e-6, atol=1e-6)
     half = args[0].shape[-1] // (heads + 2 * kv) // 2
     x = jnp.asarray(sum(args[0][1:], args[0][0]) if parts else args[0]).astype(dtype)[..., :half * 2]
     lo, hi = ref.rope(x[..., :half], x[..., half:], jnp.asarray(args[1]), jnp.asarray(args[2]))
@@ -451,21 +471,24 @@ def test_rope_store_bitwise(rng, dtype, heads, kv, parts):
 
 def test_rope_store_rejects_bad_input(rng):
     args, *_ = rope_store_case(rng, jnp.bfloat16)
-    qkv, cos, sin, pos, kc, vc = (jnp.asarray(a) for a in args)
+    qkv, cos, sin, pos, (kc, vc) = _jnp(args)
     call = lambda *a, **kw: gpu_rope.rope_store(*a, **{"heads": 6, "layer": jnp.int32(1), "interpret": True, **kw})  # noqa: E731
     with pytest.raises(ValueError, match="query heads"):
-        call(qkv, cos, sin, pos, kc, vc, heads=5)
-    with pytest.raises(ValueError, match="one dtype"):
-        call(qkv.astype(jnp.float32), cos, sin, pos, kc, vc)
+        call(qkv, cos, sin, pos, (kc, vc), heads=5)
+    with pytest.raises(ValueError, match="dtype"):
+        call(qkv.astype(jnp.float32), cos, sin, pos, (kc, vc))
     with pytest.raises(ValueError, match="positions"):
-        call(qkv, cos, sin, pos[:, :1], kc, vc)
-    with pytest.raises(ValueError, match="caches"):
-        call(qkv, cos, sin, pos, kc[0], vc[0])
+        call(qkv, cos, sin, pos[:, :1], (kc, vc))
+    with pytest.raises(ValueError, match="cache pair"):
+        call(qkv, cos, sin, pos, (kc[0], vc[0]))
     with pytest.raises(ValueError, match="float32"):
-        call(qkv[None], cos, sin, pos, kc, vc)
-    odd = rope_store_case(rng, jnp.bfloat16, d=24)[0]
+        call(qkv[None], cos, sin, pos, (kc, vc))
+    shadow = _jnp(rope_store_case(rng, jnp.bfloat16, bits=8)[0])[4]
+    with pytest.raises(ValueError, match="scales"):
+        call(qkv, cos, sin, pos, (*shadow[:2], shadow[2][..., :-1], shadow[3]))
+    odd = _jnp(rope_store_case(rng, jnp.bfloat16, d=48)[0])
     with pytest.raises(ValueError, match="power of two"):
-        call(*(jnp.asarray(a) for a in odd))
+        call(*odd)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -671,9 +694,11 @@ def test_lowers_for_gpu_without_deprecation_warning():
                                                     words=True),
               jax.ShapeDtypeStruct((3, 5120), jnp.int8), jax.ShapeDtypeStruct((3, 1), jnp.float32),
               jax.ShapeDtypeStruct((2, 27648, 2560), jnp.uint8), jax.ShapeDtypeStruct((2, 27648, 40), jnp.float16))
-        for qkv in (bf(2, 4, 48 * 128), jax.ShapeDtypeStruct((4, 2, 4, 48 * 128), jnp.float32)):  # or K-split parts
-            lower(lambda *a: gpu_rope.rope_store(*a, heads=32, layer=jnp.int32(1)), qkv, bf(2, 4, 64), bf(2, 4, 64),
-                  jax.ShapeDtypeStruct((2, 4), jnp.int32), bf(3, 2, 256, 8, 128), bf(3, 2, 256, 8, 128))
+        i16, f32 = (lambda *s: jax.ShapeDtypeStruct(s, jnp.int16)), (lambda *s: jax.ShapeDtypeStruct(s, jnp.float32))
+        for qkv, cache in ((bf(2, 4, 48 * 128), (bf(3, 2, 256, 8, 128),) * 2),  # K-split parts, an INT4 shadow
+                           (f32(4, 2, 4, 48 * 128), (i16(3, 2, 256, 8, 32),) * 2 + (f32(3, 2, 8, 256),) * 2)):
+            lower(lambda q, c, s, p, k: gpu_rope.rope_store(q, c, s, p, k, heads=32, layer=jnp.int32(1)), qkv,
+                  bf(2, 4, 64), bf(2, 4, 64), jax.ShapeDtypeStruct((2, 4), jnp.int32), cache)
         lower(gpu_attention.decode_attention, bf(2, 4, 32, 128), bf(2, 256, 8, 128), bf(2, 256, 8, 128),
               jax.ShapeDtypeStruct((2, 4), jnp.int32))
         parts = lambda q, k, v, p: gpu_attention.attention_partials(q, k, v, p)  # Llama-3-8B heads
