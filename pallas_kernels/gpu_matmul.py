@@ -589,12 +589,13 @@ def _w4ax_kernel(l_ref, qx_ref, sa_ref, p_ref, s_ref, *rest, m: int, k: int, gro
 def w4ax_quantized(qx: jax.Array, sa: jax.Array, w: QuantizedWeight, *, layer: jax.Array | None = None,
                    block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
                    block_m: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                   words: bool | None = None, rows_first: bool = False, interpret: bool = False,
-                   return_acc: bool = False) -> jax.Array:
+                   words: bool | None = None, rows_first: bool = False, out_dtype=jnp.float32,
+                   interpret: bool = False, return_acc: bool = False) -> jax.Array:
     """The W4AX kernel on pre-quantized rows (``qx`` int8[M, K], ``sa`` f32[M, 1], as
     :func:`pallas_kernels.reference.quantize_activations` returns them, or ``qx`` already in the
     kernel's plane layout ``[2, M, K/2]`` as :mod:`pallas_kernels.gpu_activations` writes it) ->
-    ``f32[M, N]``; with ``return_acc`` the per-group int32 accumulations ``int32[G, M, N]`` instead
+    ``[M, N]`` in ``out_dtype`` (the float32 result rounded once: by the kernel's store where K is
+    not split); with ``return_acc`` the per-group int32 accumulations ``int32[G, M, N]`` instead
     (for tests).
 
     ``split_k`` > 1: each of that many programs per output tile sums its own groups in order; the
@@ -640,12 +641,12 @@ def w4ax_quantized(qx: jax.Array, sa: jax.Array, w: QuantizedWeight, *, layer: j
         out_shape = jax.ShapeDtypeStruct((gcount, m, n), jnp.int32)
         out_spec = pl.BlockSpec((gcount, rows, block_n), lambda i, j, s: (0, i, j))
     else:
-        out_shape, out_spec = _split_out(m, n, block_n, split_k, rows)
+        out_shape, out_spec = _split_out(m, n, block_n, split_k, rows, out_dtype)
     out = call_kernel(kernel, out_shape, (-(-m // rows), n // block_n, split_k), in_specs, out_spec,
                       interpret, num_warps or WARPS, num_stages or stages, *args)
     if return_acc or split_k == 1:
         return out
-    return sa.astype(jnp.float32) * _sum_splits(out)
+    return (sa.astype(jnp.float32) * _sum_splits(out)).astype(out_dtype)
 
 
 def w4ax_matmul(x: jax.Array, w: QuantizedWeight, bits: int, *, layer: jax.Array | None = None,

@@ -150,7 +150,8 @@ def rope_store(qkv: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Ar
                          f"for its batch {cache[0].shape[lead]}")
     want_scales = (*cache[0].shape[:lead + 1], kv_heads, s)
     if shadow and any(c.shape != want_scales or c.dtype != jnp.float32 for c in cache[2:]):
-        raise ValueError(f"the shadow's scales must be float32 {want_scales}, got {[(c.shape, c.dtype) for c in cache[2:]]}")
+        raise ValueError(f"the shadow's scales must be float32 {want_scales}, got "
+                         f"{[(c.shape, c.dtype) for c in cache[2:]]}")
     if positions.shape != (b, t) or cos.shape != (b, t, d // 2) or sin.shape != cos.shape or sin.dtype != dtype:
         raise ValueError(f"expected positions [B, T] = {(b, t)} and cos, sin {(b, t, d // 2)} of one dtype, got "
                          f"{positions.shape}, {cos.shape} {cos.dtype}, {sin.shape} {sin.dtype}")

@@ -196,8 +196,8 @@ def linear(x: jax.Array | Pending, w: QuantizedWeight | jax.Array | Layer, mode:
            parts: bool = False) -> jax.Array:
     """``x @ W.T``, the float32 result rounded once to ``out_dtype``: packed weights in any mode, float
     weights only in ``w16a16``; ``w`` may be a :class:`Layer` of stacked weights, ``x`` a
-    :class:`Pending` step. (The W4A16 kernel stores a result it need not sum over K splits in
-    ``out_dtype`` itself, sparing a separate convert.) ``parts``: float32 partial sums ``[S, ..., N]``
+    :class:`Pending` step. (The INT4 kernels store a result they need not sum over K splits in
+    ``out_dtype`` themselves, sparing a separate convert.) ``parts``: float32 partial sums ``[S, ..., N]``
     instead, whose sum left to right is the float32 result (the W4A16 kernel's K splits; one part
     elsewhere), for a consumer kernel that adds and rounds them itself (:func:`rope_store`).
 
@@ -246,9 +246,10 @@ def _int4_matmul(x: jax.Array | Pending, w: QuantizedWeight, layer: jax.Array | 
     bits = reference.ACT_BITS[mode]
     qx, sa = x.quantized(bits) if pending else gpu_activations.quantize_rows(
         x.reshape(-1, x.shape[-1]), bits, interpret=interpret)
-    y = gpu_matmul.w4ax_quantized(qx, sa, w, layer=layer, interpret=interpret)
+    y = gpu_matmul.w4ax_quantized(qx, sa, w, layer=layer, out_dtype=jnp.float32 if parts else out_dtype,
+                                  interpret=interpret)
     y = y.reshape(*x.shape[:-1], y.shape[-1])
-    return y[None] if parts else y.astype(out_dtype)
+    return y[None] if parts else y
 
 
 def attention(q: jax.Array, k: jax.Array | Layer, v: jax.Array | Layer, q_pos: jax.Array,

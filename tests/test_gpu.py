@@ -72,12 +72,17 @@ def test_matmul_kernels_match_references(rng, n, k, group, symmetric):
     print(f"W4A16 {n}x{k} g{group}: rel err {err:.2e} vs float64")
     assert err <= 1e-2
     y16_bf16 = jax.jit(lambda a, b: gpu_matmul.w4a16_matmul(a, b, out_dtype=jnp.bfloat16))(x, w)  # rounded once
-    np.testing.assert_array_equal(np.asarray(y16_bf16).view(np.uint16), np.asarray(y16.astype(jnp.bfloat16)).view(np.uint16))
+    np.testing.assert_array_equal(np.asarray(y16_bf16).view(np.uint16),
+                                  np.asarray(y16.astype(jnp.bfloat16)).view(np.uint16))
     for bits, mode in ((8, "w4a8"), (4, "w4a4")):
         qx, sa = reference.quantize_activations(x, bits)
         acc = jax.jit(lambda q, s: gpu_matmul.w4ax_quantized(q, s, w, return_acc=True))(qx, sa)
         want = reference.group_accumulate(qx, reference.signed_codes(w), group).transpose(1, 0, 2)
         np.testing.assert_array_equal(np.asarray(acc), np.asarray(want))
+        f32, b16 = (jax.jit(lambda q, s, dt=dt: gpu_matmul.w4ax_quantized(q, s, w, out_dtype=dt))(qx, sa)
+                    for dt in (jnp.float32, jnp.bfloat16))  # a bf16 result: the float32 one rounded once
+        np.testing.assert_array_equal(np.asarray(b16).view(np.uint16),
+                                      np.asarray(f32.astype(jnp.bfloat16)).view(np.uint16))
         got = jax.jit(lambda a: gpu_matmul.w4ax_matmul(a, w, bits))(x)
         # the reference on the CPU: XLA's float32 division on the GPU is not correctly rounded (13.7%
         # of 4M reciprocals differed from numpy's in session 9), so its activation codes may differ

@@ -101,6 +101,13 @@ def test_w4ax_bitwise_and_group_accumulations(rng, n, k, group, symmetric, block
         want_acc = ref.group_accumulate(qx, ref.signed_codes(w), group).transpose(1, 0, 2)  # [G, M, N]
         assert acc.dtype == jnp.int32
         np.testing.assert_array_equal(np.asarray(acc), np.asarray(want_acc), err_msg=f"rows_first={rows_first}")
+        units = k // max(group, gm.default_config(n, k, group, "w4ax", BN, block_k)[1])
+        for split in (1, 2)[:units]:  # a bf16 result: the float32 one rounded once
+            f32 = gm.w4ax_quantized(qx, sa, w, **{**kw, "split_k": split})
+            b16 = gm.w4ax_quantized(qx, sa, w, out_dtype=jnp.bfloat16, **{**kw, "split_k": split})
+            assert b16.dtype == jnp.bfloat16
+            np.testing.assert_array_equal(np.asarray(b16).view(np.uint16),
+                                          np.asarray(f32.astype(jnp.bfloat16)).view(np.uint16))
 
 
 @pytest.mark.parametrize("group,symmetric,block_k", [(32, False, 128), (128, True, 256), (256, True, 128)])
@@ -141,7 +148,8 @@ def test_w4a16_against_float64(rng, n, k, group, symmetric, block_k):
         b16 = gm.w4a16_matmul(x, w, block_n=BN, block_k=block_k, split_k=split, out_dtype=jnp.bfloat16,
                               interpret=True)
         assert b16.dtype == jnp.bfloat16
-        np.testing.assert_array_equal(np.asarray(b16).view(np.uint16), np.asarray(f32.astype(jnp.bfloat16)).view(np.uint16))
+        np.testing.assert_array_equal(np.asarray(b16).view(np.uint16),
+                                      np.asarray(f32.astype(jnp.bfloat16)).view(np.uint16))
 
 
 def test_w4a16_weights_are_bf16_products_rounded_once(rng):
@@ -472,7 +480,9 @@ def test_rope_store_bitwise(rng, dtype, heads, kv, parts, bits):
 def test_rope_store_rejects_bad_input(rng):
     args, *_ = rope_store_case(rng, jnp.bfloat16)
     qkv, cos, sin, pos, (kc, vc) = _jnp(args)
-    call = lambda *a, **kw: gpu_rope.rope_store(*a, **{"heads": 6, "layer": jnp.int32(1), "interpret": True, **kw})  # noqa: E731
+    def call(*a, **kw):
+        return gpu_rope.rope_store(*a, **{"heads": 6, "layer": jnp.int32(1), "interpret": True, **kw})
+
     with pytest.raises(ValueError, match="query heads"):
         call(qkv, cos, sin, pos, (kc, vc), heads=5)
     with pytest.raises(ValueError, match="dtype"):
