@@ -100,8 +100,8 @@ def _rope_kernel(layer_ref, pos_ref, qkv_ref, cos_ref, sin_ref, *refs, heads: in
 
     for g in range(group):
         h = head * group + g
-        for cols, v in zip(pieces, rotate(h)):
-            q_ref[row * heads + h, cols] = v
+        for cols, piece in zip(pieces, rotate(h)):
+            q_ref[row * heads + h, cols] = piece
     pos = pos_ref[row]
     slot, keep = jnp.minimum(pos, slots - 1), pos < slots
     value = row * width + heads + kv_heads + head
