@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from pallas_kernels import reference
 from pallas_kernels.launch import LAYER_SPEC, at_layer, call_kernel, pl_triton, stacked_input, stacked_spec
 
 MAX_CHUNK = 1024
@@ -47,9 +48,9 @@ def inv_rms(x_ref, h: int, eps: float) -> jax.Array:
 
 def _rounded(v: jax.Array, dtype, interpret: bool) -> jax.Array:
     """float32 ``v`` rounded to ``dtype``. In interpret mode XLA may drop a float32 -> bfloat16 ->
-    float32 rounding (excess precision); ``reduce_precision`` keeps it, as the GPU kernel does."""
+    float32 rounding (excess precision); ``reference.round_to`` keeps it, as the GPU kernel does."""
     if interpret and dtype == jnp.bfloat16:
-        v = jax.lax.reduce_precision(v, exponent_bits=8, mantissa_bits=7)
+        v = reference.round_to(dtype)(v)
     return v.astype(dtype)
 
 

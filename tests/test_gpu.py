@@ -33,7 +33,7 @@ import pytest
 from bench.gpu_decode_check import random_model
 from pallas_kernels import gpu_attention, gpu_matmul, gpu_norm, gpu_rope, reference
 from pallas_kernels.layout import QuantizedWeight, dequantize, pack_codes, w4a16_weights
-from tests.test_kernels import rope_store_case
+from tests.test_kernels import as_jnp, rope_store_case
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 
@@ -192,8 +192,7 @@ def test_rope_store_kernel(rng, dtype, heads, kv, d, parts, bits):
     args, q, want = rope_store_case(rng, dtype, b=3, t=4, heads=heads, kv=kv, d=d, slots=64, parts=parts, bits=bits)
     call = jax.jit(lambda x, c, s, p, kv: gpu_rope.rope_store(x, c, s, p, kv, heads=heads, layer=jnp.int32(1)),
                    donate_argnums=(4,))
-    to_jnp = lambda a: tuple(map(jnp.asarray, a)) if isinstance(a, tuple) else jnp.asarray(a)  # noqa: E731
-    got_q, got = call(*map(to_jnp, args))
+    got_q, got = call(*as_jnp(args))
     got = [np.asarray(got_q), *map(np.asarray, got)]
     for g, w in zip(got, (q, *want)):
         if dtype == jnp.bfloat16:
@@ -201,7 +200,7 @@ def test_rope_store_kernel(rng, dtype, heads, kv, d, parts, bits):
         else:
             np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
     token = (slice(None),) * (1 + bool(parts)) + (slice(1, 2),)
-    one_q, one = call(jnp.asarray(args[0][token]), *(jnp.asarray(a[:, 1:2]) for a in args[1:4]), to_jnp(args[4]))
+    one_q, one = call(*as_jnp((args[0][token], *(a[:, 1:2] for a in args[1:4]), args[4])))
     np.testing.assert_array_equal(np.asarray(one_q), got[0][:, 1:2])
     rows, slot = np.arange(3), args[3][:, 1]
     for c, full in zip(one[:2], got[1:3]):

@@ -449,7 +449,8 @@ def rope_store_case(rng, dtype, b=2, t=3, heads=6, kv=2, d=64, slots=32, layers=
     return (split if parts else qkv, cos, sin, pos, tuple(cache)), q, tuple(want)
 
 
-def _jnp(args):
+def as_jnp(args):
+    """``args`` (arrays, or tuples of them) as jnp arrays."""
     return tuple(tuple(map(jnp.asarray, a)) if isinstance(a, tuple) else jnp.asarray(a) for a in args)
 
 
@@ -465,7 +466,7 @@ def test_rope_store_bitwise(rng, dtype, heads, kv, parts, bits):
     sums that the kernel adds left to right and rounds; with ``bits`` the cache is a draft's shadow,
     its words and scales bitwise as the reference quantization of the expected keys and values."""
     args, q, want = rope_store_case(rng, dtype, heads=heads, kv=kv, parts=parts, bits=bits)
-    got_q, got = gpu_rope.rope_store(*_jnp(args), heads=heads, layer=jnp.int32(1), interpret=True)
+    got_q, got = gpu_rope.rope_store(*as_jnp(args), heads=heads, layer=jnp.int32(1), interpret=True)
     for g, w in zip((got_q, *got), (q, *want)):
         if dtype == jnp.bfloat16:
             np.testing.assert_array_equal(np.asarray(g).view(np.uint8), w.view(np.uint8))
@@ -479,7 +480,7 @@ def test_rope_store_bitwise(rng, dtype, heads, kv, parts, bits):
 
 def test_rope_store_rejects_bad_input(rng):
     args, *_ = rope_store_case(rng, jnp.bfloat16)
-    qkv, cos, sin, pos, (kc, vc) = _jnp(args)
+    qkv, cos, sin, pos, (kc, vc) = as_jnp(args)
     def call(*a, **kw):
         return gpu_rope.rope_store(*a, **{"heads": 6, "layer": jnp.int32(1), "interpret": True, **kw})
 
@@ -493,10 +494,10 @@ def test_rope_store_rejects_bad_input(rng):
         call(qkv, cos, sin, pos, (kc[0], vc[0]))
     with pytest.raises(ValueError, match="float32"):
         call(qkv[None], cos, sin, pos, (kc, vc))
-    shadow = _jnp(rope_store_case(rng, jnp.bfloat16, bits=8)[0])[4]
+    shadow = as_jnp(rope_store_case(rng, jnp.bfloat16, bits=8)[0])[4]
     with pytest.raises(ValueError, match="scales"):
         call(qkv, cos, sin, pos, (*shadow[:2], shadow[2][..., :-1], shadow[3]))
-    odd = _jnp(rope_store_case(rng, jnp.bfloat16, d=48)[0])
+    odd = as_jnp(rope_store_case(rng, jnp.bfloat16, d=48)[0])
     with pytest.raises(ValueError, match="power of two"):
         call(*odd)
 
