@@ -17,9 +17,10 @@ from convert.quantize import QuantScheme, quantize_rtn
 from convert.rotate import rotate
 from convert.sources import SourceModel, Tensor, as_float, read_source
 from pallas_kernels.layout import QuantizedWeight
+from pallas_kernels.reference import residual_add
 from qspec_jax.checkpoint import save_checkpoint
 from qspec_jax.config import LlamaConfig
-from qspec_jax.model import DecoderLayer, Linear
+from qspec_jax.model import DecoderLayer, Linear, rope_frequencies, rope_tables
 
 LINEAR_PATHS = (("attn", "qkv"), ("attn", "o"), ("mlp", "gate_up"), ("mlp", "down"))
 
@@ -71,8 +72,10 @@ def _linear_inputs_hessians(layer_params, x, positions, config, seed):
             captured[tuple(context.module.path)] = args[0]
         return next_fun(*args, **kwargs)
 
+    rope = rope_tables(positions, rope_frequencies(config), x.dtype)
     with nn.intercept_methods(intercept):
-        y, _ = DecoderLayer(config, "w16a16", seed).apply({"params": layer_params}, x, None, positions)
+        y, add, _ = DecoderLayer(config, "w16a16", seed).apply({"params": layer_params}, x, None, None, positions, rope)
+    y = residual_add(y, add.parts, add.scale)
     hess = {p: jnp.einsum("...k,...l->kl", a, a, precision=jax.lax.Precision.HIGHEST)
             for p, a in captured.items()}
     return y, hess

@@ -57,6 +57,7 @@ from pallas_kernels.layout import PACK_BLOCK, SYMMETRIC_OFFSET, QuantizedWeight
 from pallas_kernels.launch import (LAYER_SPEC, at_layer, call_kernel, int32_offsets_wrap, pl_triton, stacked_input,
                                    stacked_spec, x2)
 from pallas_kernels.gpu_activations import quantize_rows
+from pallas_kernels.reference import split_sum
 
 # (rows per row tile, pipeline stages), smallest first, by activation operand; a call takes the first
 # tile that holds its M rows, else the last. The tile height is the MMA's N side: a tile wider than M
@@ -260,14 +261,6 @@ def _split_out(m: int, n: int, block_n: int, split_k: int, rows: int, dtype=jnp.
             pl.BlockSpec((None, rows, block_n), lambda i, j, s: (s, i, j)))
 
 
-def _sum_splits(parts: jax.Array) -> jax.Array:
-    """``parts[0] + parts[1] + ...`` left to right: elementwise, so the same for any M."""
-    out = parts[0]
-    for p in range(1, parts.shape[0]):
-        out = out + parts[p]
-    return out
-
-
 def _k_range(units: int, split_k: int) -> tuple[jax.Array | int, jax.Array | int]:
     """(first unit, units) of this program's K range: ``ceil(units / split_k)`` per split, the last
     split the rest (a function of the shape only)."""
@@ -431,7 +424,7 @@ def w4a16_matmul(x: jax.Array, w: QuantizedWeight, *, layer: jax.Array | None = 
                       interpret, num_warps or WARPS, num_stages or stages, *args)
     if parts:
         return out if split_k > 1 else out[None]
-    return out if split_k == 1 else _sum_splits(out).astype(out_dtype)
+    return out if split_k == 1 else split_sum(out).astype(out_dtype)
 
 
 # ----------------------------------------------------------------------------------------- W4AX
@@ -474,7 +467,7 @@ def _word_codes_int8(p16: jax.Array, byte: int, high: bool, symmetric: bool, int
 
 def _w4ax_kernel(l_ref, qx_ref, sa_ref, p_ref, s_ref, *rest, m: int, k: int, group: int, block_k: int,
                  split_k: int, bm: int, tiles: int, words: bool, rows_first: bool, return_acc: bool,
-                 interpret: bool):
+                 parts: bool, interpret: bool):
     """Weight rows ``[bn]`` x row tiles: per weight group, int8 MMAs into int32, then the epilogue.
     Tiles are ``[bn, bm]`` (weights on the MMA's M side), or ``[bm, bn]`` with ``rows_first``.
 
@@ -578,7 +571,7 @@ def _w4ax_kernel(l_ref, qx_ref, sa_ref, p_ref, s_ref, *rest, m: int, k: int, gro
     tots = jax.lax.fori_loop(0, steps, body, tuple(jnp.zeros(tile, jnp.float32) for _ in range(tiles)))
     if return_acc:
         return
-    if split_k > 1:  # partial sums; the wrapper adds them and applies the row scales
+    if split_k > 1 or parts:  # partial sums; the wrapper (or their consumer) adds them and applies the row scales
         _store_tiles(o_ref, masks, tots, rows_first)
     else:
         sas = [pl_triton.load(sa_ref.at[pl.ds(r * bm, bm), :], mask=masks[r], other=1.0)
@@ -590,13 +583,15 @@ def w4ax_quantized(qx: jax.Array, sa: jax.Array, w: QuantizedWeight, *, layer: j
                    block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
                    block_m: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                    words: bool | None = None, rows_first: bool = False, out_dtype=jnp.float32,
-                   interpret: bool = False, return_acc: bool = False) -> jax.Array:
+                   parts: bool = False, interpret: bool = False, return_acc: bool = False) -> jax.Array:
     """The W4AX kernel on pre-quantized rows (``qx`` int8[M, K], ``sa`` f32[M, 1], as
     :func:`pallas_kernels.reference.quantize_activations` returns them, or ``qx`` already in the
     kernel's plane layout ``[2, M, K/2]`` as :mod:`pallas_kernels.gpu_activations` writes it) ->
     ``[M, N]`` in ``out_dtype`` (the float32 result rounded once: by the kernel's store where K is
-    not split); with ``return_acc`` the per-group int32 accumulations ``int32[G, M, N]`` instead
-    (for tests).
+    not split); with ``parts``, the float32 partial sums of the K splits ``[split_k, M, N]``, unsummed
+    and not yet scaled by ``sa`` (the result is ``sa`` times their sum left to right:
+    :func:`pallas_kernels.reference.split_sum`), for a consumer kernel that adds them itself; with
+    ``return_acc`` the per-group int32 accumulations ``int32[G, M, N]`` instead (for tests).
 
     ``split_k`` > 1: each of that many programs per output tile sums its own groups in order; the
     partial sums are added left to right after the kernel, then scaled by ``sa`` (so the group sum
@@ -628,7 +623,7 @@ def w4ax_quantized(qx: jax.Array, sa: jax.Array, w: QuantizedWeight, *, layer: j
     gcount = k // g
     kernel = functools.partial(_w4ax_kernel, m=m, k=k, group=g, block_k=block_k, split_k=split_k,
                                bm=bm, tiles=tiles, words=words, rows_first=rows_first, return_acc=return_acc,
-                               interpret=interpret)
+                               parts=parts, interpret=interpret)
     sspec = stacked_spec(nl, (block_n, gcount), lambda i, j, s: (j, 0))
     in_specs = [LAYER_SPEC, pl.BlockSpec((2, rows, k // 2), lambda i, j, s: (0, i, 0)),
                 pl.BlockSpec((rows, 1), lambda i, j, s: (i, 0)),
@@ -641,12 +636,14 @@ def w4ax_quantized(qx: jax.Array, sa: jax.Array, w: QuantizedWeight, *, layer: j
         out_shape = jax.ShapeDtypeStruct((gcount, m, n), jnp.int32)
         out_spec = pl.BlockSpec((gcount, rows, block_n), lambda i, j, s: (0, i, j))
     else:
-        out_shape, out_spec = _split_out(m, n, block_n, split_k, rows, out_dtype)
+        out_shape, out_spec = _split_out(m, n, block_n, split_k, rows, jnp.float32 if parts else out_dtype)
     out = call_kernel(kernel, out_shape, (-(-m // rows), n // block_n, split_k), in_specs, out_spec,
                       interpret, num_warps or WARPS, num_stages or stages, *args)
+    if parts:
+        return out if split_k > 1 else out[None]
     if return_acc or split_k == 1:
         return out
-    return (sa.astype(jnp.float32) * _sum_splits(out)).astype(out_dtype)
+    return split_sum(out, sa.astype(jnp.float32)).astype(out_dtype)
 
 
 def w4ax_matmul(x: jax.Array, w: QuantizedWeight, bits: int, *, layer: jax.Array | None = None,
@@ -717,4 +714,4 @@ def dense_matmul(x: jax.Array, w: jax.Array, *, block_m: int | None = None, num_
                       [pl.BlockSpec((rows, k), lambda i, j, s: (i, 0)),
                        pl.BlockSpec((block_n, k), lambda i, j, s: (j, 0))],
                       out_spec, interpret, num_warps or WARPS, num_stages or stages, x.astype(w.dtype), w)
-    return out if split_k == 1 else _sum_splits(out)
+    return out if split_k == 1 else split_sum(out)

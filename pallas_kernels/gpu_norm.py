@@ -33,37 +33,41 @@ def _chunk(h: int) -> int:
     return c
 
 
-def inv_rms(x_ref, h: int, eps: float) -> jax.Array:
-    """``rsqrt(mean(x^2) + eps)`` of the row ``x_ref[H]`` in float32: squares summed chunk-wise in a
-    fixed order, then across the chunk (a function of H only)."""
+def inv_rms(load, h: int, eps: float, store=None) -> jax.Array:
+    """``rsqrt(mean(x^2) + eps)`` in float32 of the row ``x[H]`` given by ``load(cols)`` (its values at
+    ``cols``): squares summed chunk-wise in a fixed order, then across the chunk (a function of H
+    only). ``store(cols, v)`` sees each chunk as it is read."""
     chunk = _chunk(h)
 
     def sq(i, acc):
-        v = x_ref[pl.ds(i * chunk, chunk)].astype(jnp.float32)
+        cols = pl.ds(i * chunk, chunk)
+        v = load(cols)
+        if store is not None:
+            store(cols, v)
+        v = v.astype(jnp.float32)
         return acc + v * v
 
     ss = jnp.sum(jax.lax.fori_loop(0, h // chunk, sq, jnp.zeros((chunk,), jnp.float32)))
     return jax.lax.rsqrt(ss / np.float32(h) + np.float32(eps))
 
 
-def _rounded(v: jax.Array, dtype, interpret: bool) -> jax.Array:
-    """float32 ``v`` rounded to ``dtype``. In interpret mode XLA may drop a float32 -> bfloat16 ->
-    float32 rounding (excess precision); ``reference.round_to`` keeps it, as the GPU kernel does."""
-    if interpret and dtype == jnp.bfloat16:
-        v = reference.round_to(dtype)(v)
-    return v.astype(dtype)
+def rounder(dtype, interpret: bool):
+    """float32 -> float32 rounded to ``dtype``'s precision, in a kernel: a cast pair on the GPU (Triton
+    keeps it); in interpret mode ``reference.round_to`` (XLA may drop a cast pair: excess precision)."""
+    return reference.round_to(dtype) if interpret else lambda v: v.astype(dtype).astype(jnp.float32)
 
 
 def normalized(v: jax.Array, r: jax.Array, s: jax.Array, interpret: bool) -> jax.Array:
     """``s * (v * r)`` in ``v``'s dtype (each product rounded to it), as the model's RMSNorm does."""
-    y = _rounded(v.astype(jnp.float32) * r, v.dtype, interpret)
-    return _rounded(s.astype(v.dtype).astype(jnp.float32) * y.astype(jnp.float32), v.dtype, interpret)
+    rounded = rounder(v.dtype, interpret)
+    y = rounded(v.astype(jnp.float32) * r)
+    return rounded(s.astype(v.dtype).astype(jnp.float32) * y).astype(v.dtype)
 
 
 def _rms_norm_kernel(l_ref, x_ref, s_ref, o_ref, *, h: int, eps: float, interpret: bool):
     chunk = _chunk(h)
     layer = l_ref[0]
-    r = inv_rms(x_ref, h, eps)
+    r = inv_rms(lambda cols: x_ref[cols], h, eps)
 
     def write(i, carry):
         cols = pl.ds(i * chunk, chunk)

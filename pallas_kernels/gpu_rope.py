@@ -23,6 +23,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import reference
 from pallas_kernels.gpu_activations import quant_scale, round_half_even
+from pallas_kernels.gpu_norm import rounder
 from pallas_kernels.launch import LAYER_SPEC, at_layer, call_kernel, int32_offsets_wrap, pl_triton, stacked_input
 
 NUM_WARPS = 1  # a program moves (G + 2) head vectors: one warp holds a 128-wide head in 4 values per thread
@@ -62,13 +63,15 @@ def _quantized(planes: list[jax.Array], bits: int, interpret: bool) -> tuple[jax
 
 
 def _rope_kernel(layer_ref, pos_ref, qkv_ref, cos_ref, sin_ref, *refs, heads: int, kv_heads: int, slots: int,
-                 bits: int | None, interpret: bool):
+                 bits: int | None, scaled: bool, interpret: bool):
     """Token ``program_id(0)``, KV head ``program_id(1)``: its query heads into ``q``, its key and
-    value into the cache (``refs``: the inputs aliased to the outputs, then ``q`` and the outputs:
-    the pair ``k, v [L, S, d]`` or the shadow's words ``[L, S, d * bits / 16]`` and scales ``[L, S]``,
-    this sequence's slots of this KV head). The qkv row is the sum of ``qkv_ref[P, ...]``'s parts,
-    left to right, rounded to the compute dtype. The head is handled in ``planes`` contiguous pieces
-    (the shadow's code planes; 2 for the pair), the rotation pairing piece ``j`` of each half."""
+    value into the cache (``refs``: with ``scaled`` the row scales ``[M]``, then the inputs aliased to
+    the outputs, then ``q`` and the outputs: the pair ``k, v [L, S, d]`` or the shadow's words
+    ``[L, S, d * bits / 16]`` and scales ``[L, S]``, this sequence's slots of this KV head). The qkv
+    row is :func:`pallas_kernels.reference.split_sum` of ``qkv_ref[P, ...]``'s parts (and the row's
+    scale), rounded to the compute dtype. The head is handled in ``planes`` contiguous pieces (the
+    shadow's code planes; 2 for the pair), the rotation pairing piece ``j`` of each half."""
+    sc_ref, refs = (refs[0], refs[1:]) if scaled else (None, refs)
     q_ref, *cache = refs[len(refs) // 2:]
     row, head = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
@@ -78,15 +81,11 @@ def _rope_kernel(layer_ref, pos_ref, qkv_ref, cos_ref, sin_ref, *refs, heads: in
     planes = 2 if bits is None else 16 // bits
     w = d // planes
     pieces = [pl.ds(j * w, w) for j in range(planes)]
-    # float32 -> float32 at the compute dtype's precision: a cast pair on the GPU (Triton keeps it); in
-    # interpret mode the reference's reduce_precision (XLA may drop a cast pair)
-    rounded = reference.round_to(dtype) if interpret else lambda v: v.astype(dtype).astype(jnp.float32)
+    rounded = rounder(dtype, interpret)
 
     def load(at: int | jax.Array, cols) -> jax.Array:
-        v = qkv_ref[0, at, cols].astype(jnp.float32)
-        for p in range(1, qkv_ref.shape[0]):
-            v = v + qkv_ref[p, at, cols]
-        return rounded(v).astype(dtype)
+        parts = [qkv_ref[p, at, cols].astype(jnp.float32) for p in range(qkv_ref.shape[0])]
+        return rounded(reference.split_sum(parts, sc_ref[row] if scaled else None)).astype(dtype)
 
     def rotate(src: int | jax.Array) -> list[jax.Array]:
         """Head ``src`` of the row rotated, as its pieces."""
@@ -118,7 +117,7 @@ def _rope_kernel(layer_ref, pos_ref, qkv_ref, cos_ref, sin_ref, *refs, heads: in
 
 
 def rope_store(qkv: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array, cache: tuple[jax.Array, ...],
-               *, heads: int, layer: jax.Array | None = None,
+               *, heads: int, layer: jax.Array | None = None, scale: jax.Array | None = None,
                interpret: bool = False) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     """``qkv [B, T, (H + 2 KV) d]`` (the fused projection: queries, keys, values) of tokens at
     ``positions [B, T]`` -> ``(q [B, T, H, d] rotated, cache)`` with the rotated keys and the values
@@ -127,7 +126,8 @@ def rope_store(qkv: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Ar
     words ``[B, S, KV, d * bits / 16]`` for keys and values, then their float32 scales ``[B, KV, S]``:
     :func:`pallas_kernels.reference.quantize_kv` of the values the pair would hold); with ``layer``,
     layer ``layer`` of their stacks ``[L, ...]``. ``qkv`` is in the compute dtype, or float32 partial
-    sums ``[P, B, T, N]`` (a matmul's K splits) that the kernel adds left to right and rounds to it.
+    sums ``[P, B, T, N]`` (a matmul's K splits) that the kernel adds left to right, multiplies by the
+    float32 row ``scale [B, T, 1]`` where one is given (a W4AX matmul's) and rounds to it.
     ``cos, sin [B, T, d / 2]``: the angles' tables in the compute dtype
     (:func:`qspec_jax.model.rope_tables`), which is also q's and the pair's."""
     dtype, lead = cos.dtype, 0 if layer is None else 1
@@ -142,6 +142,9 @@ def rope_store(qkv: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Ar
                          f"{'[B, S, KV, d]' if layer is None else '[L, B, S, KV, d]'}, got {qkv.shape} and "
                          f"{[c.shape for c in cache]}")
     b, t, n = parts.shape[1:]
+    if scale is not None and (not partial or scale.shape != (b, t, 1) or scale.dtype != jnp.float32):
+        raise ValueError(f"a row scale goes with partial sums and must be float32 [B, T, 1] = {(b, t, 1)}, got "
+                         f"{scale.dtype}{scale.shape}")
     _, s, kv_heads, width = cache[0].shape[lead:]
     d = n // (heads + 2 * kv_heads)
     bits = reference.kv_shadow_bits(width, d) if shadow else None
@@ -167,16 +170,19 @@ def rope_store(qkv: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Ar
     scales_spec = pl.BlockSpec((nl, None, None, s), lambda r, h: (0, r // t, h, 0))
     cache_specs = [slots_spec, slots_spec] + [scales_spec] * (len(cache) - 2)
     table = pl.BlockSpec((m, d // 2), lambda r, h: (0, 0))
-    kernel = functools.partial(_rope_kernel, heads=heads, kv_heads=kv_heads, slots=s, bits=bits, interpret=interpret)
+    kernel = functools.partial(_rope_kernel, heads=heads, kv_heads=kv_heads, slots=s, bits=bits,
+                               scaled=scale is not None, interpret=interpret)
+    rows = pl.BlockSpec((m,), lambda r, h: (0,))
+    scales = [] if scale is None else [scale.reshape(m)]
     q, *cache = call_kernel(
         kernel, (jax.ShapeDtypeStruct((m * heads, d), dtype), *(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in cache)),
         (m, kv_heads),
-        [LAYER_SPEC, pl.BlockSpec((m,), lambda r, h: (0,)),
-         pl.BlockSpec((parts.shape[0], m * n // d, d), lambda r, h: (0, 0, 0)), table, table, *cache_specs],
+        [LAYER_SPEC, rows, pl.BlockSpec((parts.shape[0], m * n // d, d), lambda r, h: (0, 0, 0)), table, table,
+         *[rows] * len(scales), *cache_specs],
         (pl.BlockSpec((m * heads, d), lambda r, h: (0, 0)), *cache_specs), interpret, NUM_WARPS, 1,
         lidx, positions.astype(jnp.int32).reshape(m), parts.reshape(parts.shape[0], m * n // d, d),
-        cos.reshape(m, d // 2), sin.reshape(m, d // 2), *cache,
-        aliases={5 + i: 1 + i for i in range(len(cache))})
+        cos.reshape(m, d // 2), sin.reshape(m, d // 2), *scales, *cache,
+        aliases={5 + len(scales) + i: 1 + i for i in range(len(cache))})
     if layer is None:
         cache = [c[0] for c in cache]
     return q.reshape(b, t, heads, d), tuple(cache)

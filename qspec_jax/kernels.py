@@ -77,12 +77,16 @@ class _OnRows(Pending):
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class PendingNorm(_OnRows):
-    """The RMSNorm of ``x``."""
+class PreparedNorm(_OnRows):
+    """The RMSNorm of ``x``, already laid out by the fused kernel of :func:`add_rms_norm` as the input
+    of an INT4 linear layer: ``prepared`` holds W4A16 planes ``(planes,)`` or W4AX ``(codes, scales)``
+    of ``bits``; :meth:`value` computes the norm itself (for a consumer that runs off the kernels)."""
 
     x: jax.Array
     scale: Any  # [H] or a Layer of stacked scales
+    prepared: tuple[jax.Array, ...]
     eps: float = dataclasses.field(metadata=dict(static=True))
+    bits: int | None = dataclasses.field(metadata=dict(static=True))
     row_tile: int | None = dataclasses.field(metadata=dict(static=True))
     kernels: str = dataclasses.field(metadata=dict(static=True))
 
@@ -93,15 +97,15 @@ class PendingNorm(_OnRows):
     def value(self) -> jax.Array:
         return rms_norm(self.x, self.scale, self.eps, self.row_tile, self.kernels)
 
-    def _norm(self) -> dict:
-        scale, layer = _split_layer(self.scale)
-        return dict(scale=scale, eps=self.eps, layer=layer, interpret=self.kernels == "interpret")
-
     def planes(self) -> jax.Array:
-        return gpu_activations.rms_norm_planes(self.rows(), **self._norm())
+        if self.bits is not None:
+            raise ValueError(f"this input was prepared for a W4A{self.bits} layer, not W4A16")
+        return self.prepared[0]
 
     def quantized(self, bits: int) -> tuple[jax.Array, jax.Array]:
-        return gpu_activations.rms_norm_quantize(self.rows(), bits=bits, **self._norm())
+        if bits != self.bits:
+            raise ValueError(f"this input was prepared for {self.bits or 16}-bit activations, not {bits}")
+        return self.prepared
 
 
 @jax.tree_util.register_dataclass
@@ -154,6 +158,32 @@ class PendingAttention(Pending):
         return gpu_activations.attention_quantize(self.partials, bits, interpret=self.kernels == "interpret")
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SplitSum:
+    """A linear layer's float32 result not yet summed over its K splits nor rounded, for a consumer
+    kernel that adds and rounds it itself (:func:`rope_store`, :func:`add_rms_norm`):
+    :func:`pallas_kernels.reference.split_sum` of ``parts [S, ..., N]`` (one part where K is not
+    split) and the W4AX row ``scale [..., 1]`` (None where the parts are already scaled)."""
+
+    parts: jax.Array
+    scale: jax.Array | None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.parts.shape[1:]
+
+    def value(self, dtype) -> jax.Array:
+        """The result rounded to ``dtype``, as :func:`linear` would return it."""
+        return reference.split_sum(self.parts, self.scale).astype(dtype)
+
+    def rows(self) -> tuple[jax.Array, jax.Array | None]:
+        """``parts`` as ``[S, M, N]`` and ``scale`` as ``[M, 1]``: the kernels' row view."""
+        n = self.parts.shape[-1]
+        scale = None if self.scale is None else self.scale.reshape(-1, 1)
+        return self.parts.reshape(self.parts.shape[0], -1, n), scale
+
+
 def unstack(v: Any) -> Any:
     """``v.get()`` for a :class:`Layer`, ``v`` itself otherwise."""
     return v.get() if isinstance(v, Layer) else v
@@ -193,13 +223,13 @@ def _matmul_supported(w: QuantizedWeight | jax.Array, mode: str) -> bool:
 
 def linear(x: jax.Array | Pending, w: QuantizedWeight | jax.Array | Layer, mode: str,
            row_tile: int | None = None, kernels: str = "reference", out_dtype=jnp.float32,
-           parts: bool = False) -> jax.Array:
+           parts: bool = False) -> jax.Array | SplitSum:
     """``x @ W.T``, the float32 result rounded once to ``out_dtype``: packed weights in any mode, float
     weights only in ``w16a16``; ``w`` may be a :class:`Layer` of stacked weights, ``x`` a
     :class:`Pending` step. (The INT4 kernels store a result they need not sum over K splits in
-    ``out_dtype`` themselves, sparing a separate convert.) ``parts``: float32 partial sums ``[S, ..., N]``
-    instead, whose sum left to right is the float32 result (the W4A16 kernel's K splits; one part
-    elsewhere), for a consumer kernel that adds and rounds them itself (:func:`rope_store`).
+    ``out_dtype`` themselves, sparing a separate convert.) ``parts``: the float32 result as a
+    :class:`SplitSum` instead (the INT4 kernels' K splits and W4AX row scales; one part elsewhere), for
+    a consumer kernel that adds and rounds it itself.
 
     With ``row_tile`` set the result is row-count invariant: the references run rows in fixed tiles,
     the kernels are invariant by construction.
@@ -226,15 +256,15 @@ def linear(x: jax.Array | Pending, w: QuantizedWeight | jax.Array | Layer, mode:
             y = reference.quantized_matmul(x, w, mode, row_tile)
         else:
             y = reference.dense_matmul(x, w, row_tile)
-        return y[None] if parts else y.astype(out_dtype)
+        return SplitSum(y[None], None) if parts else y.astype(out_dtype)
     rows = x.reshape(-1, x.shape[-1])
     wf = dequantize(w, x.dtype) if packed else w.astype(x.dtype)
     y = gpu_matmul.dense_matmul(rows, wf, interpret=kernels == "interpret").reshape(*x.shape[:-1], -1)
-    return y[None] if parts else y.astype(out_dtype)
+    return SplitSum(y[None], None) if parts else y.astype(out_dtype)
 
 
 def _int4_matmul(x: jax.Array | Pending, w: QuantizedWeight, layer: jax.Array | None, mode: str,
-                 interpret: bool, out_dtype, parts: bool) -> jax.Array:
+                 interpret: bool, out_dtype, parts: bool) -> jax.Array | SplitSum:
     """An INT4 kernel matmul reading the (stacked) weight in place: the activation prologue
     (:mod:`pallas_kernels.gpu_activations`) prepares the input, with a :class:`Pending` step fused
     into it; W4A16 takes bf16 rows (laid out by the kernel wrapper) or the fused planes."""
@@ -242,14 +272,14 @@ def _int4_matmul(x: jax.Array | Pending, w: QuantizedWeight, layer: jax.Array | 
     if mode == "w4a16":
         xin = x.planes() if pending else x.reshape(-1, x.shape[-1])
         y = gpu_matmul.w4a16_matmul(xin, w, layer=layer, out_dtype=out_dtype, parts=parts, interpret=interpret)
-        return y.reshape(*y.shape[:-2], *x.shape[:-1], y.shape[-1])
+        y = y.reshape(*y.shape[:-2], *x.shape[:-1], y.shape[-1])
+        return SplitSum(y, None) if parts else y
     bits = reference.ACT_BITS[mode]
     qx, sa = x.quantized(bits) if pending else gpu_activations.quantize_rows(
         x.reshape(-1, x.shape[-1]), bits, interpret=interpret)
-    y = gpu_matmul.w4ax_quantized(qx, sa, w, layer=layer, out_dtype=jnp.float32 if parts else out_dtype,
-                                  interpret=interpret)
-    y = y.reshape(*x.shape[:-1], y.shape[-1])
-    return y[None] if parts else y
+    y = gpu_matmul.w4ax_quantized(qx, sa, w, layer=layer, out_dtype=out_dtype, parts=parts, interpret=interpret)
+    y = y.reshape(*y.shape[:-2], *x.shape[:-1], y.shape[-1])
+    return SplitSum(y, sa.reshape(*x.shape[:-1], 1)) if parts else y
 
 
 def attention(q: jax.Array, k: jax.Array | Layer, v: jax.Array | Layer, q_pos: jax.Array,
@@ -305,15 +335,16 @@ def fuses_rope_store(dtype, pair: Layer, written: Layer, head_dim: int, row_tile
             and gpu_rope.supported(head_dim, written.stacked, dtype))
 
 
-def rope_store(qkv: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array, cache: tuple[Layer, ...],
-               heads: int, kernels: str) -> tuple[jax.Array, tuple[Layer, ...]]:
+def rope_store(qkv: jax.Array | SplitSum, cos: jax.Array, sin: jax.Array, positions: jax.Array,
+               cache: tuple[Layer, ...], heads: int, kernels: str) -> tuple[jax.Array, tuple[Layer, ...]]:
     """The fused qkv projection's queries rotated ``[B, T, heads, d]``, and ``cache`` (views of the
     pair, or of the draft's shadow) with the rotated keys and the values written at ``positions`` in
-    place, in one kernel (:func:`pallas_kernels.gpu_rope.rope_store`; ``qkv`` may be :func:`linear`'s
-    ``parts``, which the kernel adds and rounds); see :func:`fuses_rope_store`."""
+    place, in one kernel (:func:`pallas_kernels.gpu_rope.rope_store`; ``qkv`` may be a
+    :class:`SplitSum`, which the kernel adds, scales and rounds); see :func:`fuses_rope_store`."""
     index = cache[0].index
+    qkv, scale = (qkv.parts, qkv.scale) if isinstance(qkv, SplitSum) else (qkv, None)
     q, arrays = gpu_rope.rope_store(qkv, cos, sin, positions, tuple(c.stacked for c in cache), heads=heads,
-                                    layer=index, interpret=kernels == "interpret")
+                                    layer=index, scale=scale, interpret=kernels == "interpret")
     return q, tuple(Layer(a, index) for a in arrays)
 
 
@@ -327,13 +358,37 @@ def swiglu(gate_up: jax.Array, row_tile: int | None = None, kernels: str = "refe
     return reference.swiglu(*jnp.split(gate_up, 2, axis=-1))
 
 
+def add_rms_norm(x: jax.Array, add: jax.Array | SplitSum | None, scale: jax.Array | Layer, eps: float,
+                 mode: str = "w16a16", row_tile: int | None = None,
+                 kernels: str = "reference") -> tuple[jax.Array, jax.Array | PreparedNorm]:
+    """``(x + add, its RMSNorm)``: the residual stream ``x`` plus a linear layer's output ``add`` (a
+    :class:`SplitSum`, or an array in x's dtype; None adds nothing), as
+    :func:`pallas_kernels.reference.residual_add` defines it, and :func:`rms_norm` of the sum. When
+    the norm feeds an INT4 ``mode`` linear layer, on the kernel path one kernel adds, normalizes and
+    prepares that layer's activation input (a :class:`PreparedNorm`): the split sum, the add and the
+    norm take no XLA op or launch of their own."""
+    check_mode(mode)
+    if add is None:
+        return x, rms_norm(x, scale, eps, row_tile, kernels)
+    if not isinstance(add, SplitSum):
+        add = SplitSum(add.astype(jnp.float32)[None], None)
+    if mode != "w16a16" and _on_kernels(kernels, row_tile) and x.shape[-1] % gpu_activations.PACK_BLOCK == 0:
+        stacked, layer = _split_layer(scale)
+        bits = reference.ACT_BITS.get(mode)
+        kw = dict(layer=layer, add=add.rows(), interpret=kernels == "interpret")
+        rows = x.reshape(-1, x.shape[-1])
+        *prepared, out = (gpu_activations.rms_norm_planes(rows, stacked, eps, **kw) if bits is None
+                          else gpu_activations.rms_norm_quantize(rows, stacked, eps, bits, **kw))
+        out = out.reshape(x.shape)
+        return out, PreparedNorm(out, scale, tuple(prepared), eps, bits, row_tile, kernels)
+    x = reference.residual_add(x, add.parts, add.scale)
+    return x, rms_norm(x, scale, eps, row_tile, kernels)
+
+
 def rms_norm(x: jax.Array, scale: jax.Array | Layer, eps: float, row_tile: int | None = None,
-             kernels: str = "reference", defer: bool = False) -> jax.Array | PendingNorm:
+             kernels: str = "reference") -> jax.Array:
     """``scale * (x * rsqrt(mean(x^2) + eps))`` over the last axis, statistics in float32; ``scale``
-    may be a :class:`Layer` of stacked scales. ``defer`` (its consumer is an INT4 linear layer): on
-    the kernel path a :class:`PendingNorm`, for that layer to fuse with its activation prologue."""
-    if defer and _on_kernels(kernels, row_tile) and x.shape[-1] % gpu_activations.PACK_BLOCK == 0:
-        return PendingNorm(x, scale, eps, row_tile, kernels)
+    may be a :class:`Layer` of stacked scales."""
     if _on_kernels(kernels, row_tile) and x.shape[-1] % 16 == 0:
         stacked, layer = _split_layer(scale)
         y = gpu_norm.rms_norm(x.reshape(-1, x.shape[-1]), stacked, eps, layer=layer,  # cast in the kernel

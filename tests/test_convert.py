@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from convert import cli
-from convert.pipeline import convert, convert_model
+from convert.pipeline import LINEAR_PATHS, _gptq_layers, _linear_inputs_hessians, _map_linears, convert, convert_model, layer_tree
 from convert.quantize import QuantScheme
-from convert.sources import read_source
+from convert.sources import as_float, read_source
 from pallas_kernels.layout import QuantizedWeight, dequantize
 from qspec_jax.checkpoint import MANIFEST, WEIGHTS, load_checkpoint, save_checkpoint
 from qspec_jax.config import LlamaConfig
@@ -247,3 +247,25 @@ def test_cli_converts_and_reports_errors(tmp_path, rng, capsys):
     assert "group size" in capsys.readouterr().err
     assert cli.main([str(src_dir), str(out), "--quant", "gptq"]) == 2
     assert "calibration" in capsys.readouterr().err
+
+
+def test_gptq_layers_run_on_calibration_tokens(rng):
+    """GPTQ conversion layer by layer (each layer's inputs from the quantized layers before it): every
+    linear comes out packed with the scheme's group, and the first layer's qkv Hessian is ``X^T X``
+    of the embedded calibration tokens' RMSNorm computed in float64 numpy."""
+    src = random_source(TINY, rng)
+    tokens = rng.integers(0, TINY.vocab_size, (4, 16))
+    trees = [layer_tree(layer) for layer in src.layers]
+    out = _gptq_layers(trees, src.embed, TINY, None, QuantScheme(16, False, "gptq"), tokens)
+    assert len(out) == TINY.num_layers
+    for tree in out:
+        for a, b in LINEAR_PATHS:
+            assert isinstance(tree[a][b]["w"], QuantizedWeight) and tree[a][b]["w"].group_size == 16
+    x = np.asarray(src.embed, np.float64)[tokens]
+    normed = x / np.sqrt(np.mean(x * x, -1, keepdims=True) + TINY.rms_norm_eps)
+    normed = normed * np.asarray(trees[0]["attn_norm"]["scale"], np.float64)
+    positions = jnp.broadcast_to(jnp.arange(16), (4, 16))
+    _, hess = _linear_inputs_hessians(_map_linears(trees[0], lambda _p, w: as_float(w)),
+                                      jnp.asarray(src.embed)[tokens], positions, TINY, None)
+    want = np.einsum("btk,btl->kl", normed, normed)
+    np.testing.assert_allclose(np.asarray(hess[("attn", "qkv")], np.float64), want, rtol=1e-4, atol=1e-4 * abs(want).max())

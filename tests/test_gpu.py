@@ -179,20 +179,24 @@ def test_attention_kernel(rng, dtype, heads, kv, d):
         np.testing.assert_array_equal(np.asarray(call(*sets[t - 1])), full[:, :t], err_msg=f"T={t}")
 
 
-@pytest.mark.parametrize("dtype,heads,kv,d,parts,bits", [
+@pytest.mark.parametrize("dtype,heads,kv,d,parts,bits,scaled", [
     *((dtype, *case) for dtype in (jnp.float32, jnp.bfloat16)
-      for case in ((9, 3, 64, 0, None), (32, 8, 128, 4, None), (40, 40, 128, 2, None))),
-    (jnp.bfloat16, 32, 8, 128, 4, 8), (jnp.bfloat16, 9, 3, 64, 0, 4)])  # float32 keys may differ by an ulp (FMA)
-def test_rope_store_kernel(rng, dtype, heads, kv, d, parts, bits):
+      for case in ((9, 3, 64, 0, None, False), (32, 8, 128, 4, None, False), (40, 40, 128, 2, None, True))),
+    (jnp.bfloat16, 32, 8, 128, 4, 8, True), (jnp.bfloat16, 9, 3, 64, 0, 4, False)])  # float32 keys: an ulp (FMA)
+def test_rope_store_kernel(rng, dtype, heads, kv, d, parts, bits, scaled):
     """The RoPE + KV-write kernel on the GPU, jitted with the caches donated (written in place): bf16
     queries and keys bitwise as numpy's op-by-op rounding (float32 to its rounding: Triton may fuse
     a product into an FMA), values copied, all other slots untouched; one token's results equal the
-    same token's inside a 4-token call, bitwise. ``parts``: qkv as float32 K-split partial sums;
-    ``bits``: the cache is a draft's shadow (bf16: codes and scales bitwise as the reference's)."""
-    args, q, want = rope_store_case(rng, dtype, b=3, t=4, heads=heads, kv=kv, d=d, slots=64, parts=parts, bits=bits)
-    call = jax.jit(lambda x, c, s, p, kv: gpu_rope.rope_store(x, c, s, p, kv, heads=heads, layer=jnp.int32(1)),
+    same token's inside a 4-token call, bitwise. ``parts``: qkv as float32 K-split partial sums
+    (``scaled``: times a W4AX row scale); ``bits``: the cache is a draft's shadow (bf16: codes and
+    scales bitwise as the reference's)."""
+    scale = rng.uniform(0.5, 2.0, (3, 4, 1)).astype(np.float32) if scaled else np.ones((3, 4, 1), np.float32)
+    args, q, want = rope_store_case(rng, dtype, b=3, t=4, heads=heads, kv=kv, d=d, slots=64, parts=parts, bits=bits,
+                                    scale=scale if scaled else None)
+    call = jax.jit(lambda x, c, s, p, kv, sc: gpu_rope.rope_store(x, c, s, p, kv, heads=heads, layer=jnp.int32(1),
+                                                                  scale=sc if scaled else None),
                    donate_argnums=(4,))
-    got_q, got = call(*as_jnp(args))
+    got_q, got = call(*as_jnp(args), jnp.asarray(scale))
     got = [np.asarray(got_q), *map(np.asarray, got)]
     for g, w in zip(got, (q, *want)):
         if dtype == jnp.bfloat16:
@@ -200,7 +204,7 @@ def test_rope_store_kernel(rng, dtype, heads, kv, d, parts, bits):
         else:
             np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
     token = (slice(None),) * (1 + bool(parts)) + (slice(1, 2),)
-    one_q, one = call(*as_jnp((args[0][token], *(a[:, 1:2] for a in args[1:4]), args[4])))
+    one_q, one = call(*as_jnp((args[0][token], *(a[:, 1:2] for a in args[1:4]), args[4])), jnp.asarray(scale[:, 1:2]))
     np.testing.assert_array_equal(np.asarray(one_q), got[0][:, 1:2])
     rows, slot = np.arange(3), args[3][:, 1]
     for c, full in zip(one[:2], got[1:3]):
@@ -287,6 +291,42 @@ def test_activation_prologue_kernels(rng, dtype, h):
         bf = gpu_activations.rms_norm_planes(x, scales, 1e-5, layer=jnp.int32(1))
         want = gpu_matmul.activation_planes(normed.astype(jnp.bfloat16), 4)
         np.testing.assert_array_equal(np.asarray(bf, np.float32), np.asarray(want, np.float32), err_msg=f"planes M={m}")
+
+
+@pytest.mark.parametrize("h", [576, 4096])
+def test_prologue_residual_add(rng, h):
+    """On the GPU, bf16: the RMSNorm prologues with a residual addend (3 float32 K splits; W4AX: and
+    row scales) return numpy's op-by-op ``x + round(scale * sum(parts))`` bitwise, and the planes /
+    codes of the same prologue run on that sum; a row's results do not depend on the row count."""
+    from pallas_kernels import gpu_activations
+    from tests.test_kernels import residual_numpy
+
+    scales = jnp.asarray(rng.random((3, h)) + 0.5, jnp.bfloat16)
+    x = np.asarray(_x(rng, 40, h, jnp.bfloat16))
+    parts = rng.standard_normal((3, 40, h)).astype(np.float32)
+    row_scale = rng.uniform(0.5, 2.0, (40, 1)).astype(np.float32)
+    for bits in (None, 8, 4):
+        sc = None if bits is None else row_scale
+        want = residual_numpy(x, parts, sc, jnp.bfloat16)
+        full = None
+        for m in (1, 7, 40):
+            add = (jnp.asarray(parts[:, :m]), None if sc is None else jnp.asarray(sc[:m]))
+            if bits is None:
+                *got, res = gpu_activations.rms_norm_planes(jnp.asarray(x[:m]), scales, 1e-5, layer=jnp.int32(1),
+                                                            add=add)
+                plain = [gpu_activations.rms_norm_planes(res, scales, 1e-5, layer=jnp.int32(1))]
+            else:
+                *got, res = gpu_activations.rms_norm_quantize(jnp.asarray(x[:m]), scales, 1e-5, bits,
+                                                              layer=jnp.int32(1), add=add)
+                plain = gpu_activations.rms_norm_quantize(res, scales, 1e-5, bits, layer=jnp.int32(1))
+            np.testing.assert_array_equal(np.asarray(res).view(np.uint16), want[:m].view(np.uint16),
+                                          err_msg=f"bits={bits} M={m}")
+            for g, p in zip(got, plain, strict=True):
+                np.testing.assert_array_equal(np.asarray(g), np.asarray(p), err_msg=f"bits={bits} M={m}")
+            rows = [np.asarray(g)[:, 0] if g.ndim == 3 else np.asarray(g)[0] for g in got]
+            full = rows if full is None else full
+            for a, b in zip(rows, full):
+                np.testing.assert_array_equal(a, b, err_msg=f"row 0, bits={bits} M={m}")
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

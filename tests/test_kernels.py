@@ -102,12 +102,15 @@ def test_w4ax_bitwise_and_group_accumulations(rng, n, k, group, symmetric, block
         assert acc.dtype == jnp.int32
         np.testing.assert_array_equal(np.asarray(acc), np.asarray(want_acc), err_msg=f"rows_first={rows_first}")
         units = k // max(group, gm.default_config(n, k, group, "w4ax", BN, block_k)[1])
-        for split in (1, 2)[:units]:  # a bf16 result: the float32 one rounded once
+        for split in (1, 2)[:units]:  # a bf16 result: the float32 one rounded once; the partial sums unscaled
             f32 = gm.w4ax_quantized(qx, sa, w, **{**kw, "split_k": split})
             b16 = gm.w4ax_quantized(qx, sa, w, out_dtype=jnp.bfloat16, **{**kw, "split_k": split})
             assert b16.dtype == jnp.bfloat16
             np.testing.assert_array_equal(np.asarray(b16).view(np.uint16),
                                           np.asarray(f32.astype(jnp.bfloat16)).view(np.uint16))
+            parts = gm.w4ax_quantized(qx, sa, w, parts=True, **{**kw, "split_k": split})
+            assert parts.shape == (split, 5, n) and parts.dtype == jnp.float32
+            np.testing.assert_array_equal(np.asarray(ref.split_sum(parts, sa)), np.asarray(f32))
 
 
 @pytest.mark.parametrize("group,symmetric,block_k", [(32, False, 128), (128, True, 256), (256, True, 128)])
@@ -150,6 +153,9 @@ def test_w4a16_against_float64(rng, n, k, group, symmetric, block_k):
         assert b16.dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(b16).view(np.uint16),
                                       np.asarray(f32.astype(jnp.bfloat16)).view(np.uint16))
+        parts = gm.w4a16_matmul(x, w, block_n=BN, block_k=block_k, split_k=split, parts=True, interpret=True)
+        assert parts.shape == (split, 5, n)
+        np.testing.assert_array_equal(np.asarray(ref.split_sum(parts)), np.asarray(f32))
 
 
 def test_w4a16_weights_are_bf16_products_rounded_once(rng):
@@ -412,16 +418,18 @@ def rope_numpy(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, dtype) -> np.nda
     return np.concatenate([(r(lo * c) - r(hi * s)).astype(np_dtype), (r(hi * c) + r(lo * s)).astype(np_dtype)], -1)
 
 
-def rope_store_case(rng, dtype, b=2, t=3, heads=6, kv=2, d=64, slots=32, layers=3, parts=0, bits=None):
+def rope_store_case(rng, dtype, b=2, t=3, heads=6, kv=2, d=64, slots=32, layers=3, parts=0, bits=None, scale=None):
     """Random inputs of :func:`gpu_rope.rope_store` (positions include the cache's last slot and
     one past it) and what it must give: ``(args, q, cache)`` as numpy, computed without the kernel.
-    ``parts``: qkv as that many float32 partial sums (added left to right, then rounded); ``bits``:
-    the cache is a draft's shadow, its codes and scales :func:`ref.quantize_kv` of the rotated keys
-    and the values."""
+    ``parts``: qkv as that many float32 partial sums (added left to right, times the row ``scale
+    [b, t, 1]`` if given, then rounded); ``bits``: the cache is a draft's shadow, its codes and scales
+    :func:`ref.quantize_kv` of the rotated keys and the values."""
     split = rng.standard_normal((max(parts, 1), b, t, (heads + 2 * kv) * d)).astype(np.float32)
     qkv = split[0]
     for p in split[1:]:
         qkv = qkv + p
+    if scale is not None:
+        qkv = scale * qkv
     pos = np.stack([rng.choice(slots - 1, t, replace=False) for _ in range(b)]).astype(np.int32)
     pos[-1, -2:] = (slots - 1, slots)  # the last slot is written, one past the end dropped
     freqs = pos[..., None].astype(np.float32) * (1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32)
@@ -454,26 +462,29 @@ def as_jnp(args):
     return tuple(tuple(map(jnp.asarray, a)) if isinstance(a, tuple) else jnp.asarray(a) for a in args)
 
 
-@pytest.mark.parametrize("dtype,heads,kv,parts,bits", [
-    *((dtype, *case) for dtype in (jnp.float32, jnp.bfloat16) for case in ((6, 2, 0, None), (4, 4, 1, None),
-                                                                          (9, 3, 3, None))),
-    (jnp.bfloat16, 6, 2, 2, 8), (jnp.bfloat16, 4, 4, 0, 4)])  # a shadow of float32 keys could differ by an ulp
-def test_rope_store_bitwise(rng, dtype, heads, kv, parts, bits):
+@pytest.mark.parametrize("dtype,heads,kv,parts,bits,scaled", [
+    *((dtype, *case) for dtype in (jnp.float32, jnp.bfloat16) for case in ((6, 2, 0, None, False), (4, 4, 1, None, False),
+                                                                          (9, 3, 3, None, True))),
+    (jnp.bfloat16, 6, 2, 2, 8, True), (jnp.bfloat16, 4, 4, 0, 4, False)])  # a shadow of float32 keys could differ by an ulp
+def test_rope_store_bitwise(rng, dtype, heads, kv, parts, bits, scaled):
     """The RoPE + KV-write kernel: bf16 queries and written keys bitwise as numpy's op-by-op rounding
     (float32: to its rounding, as XLA and Triton may fuse a product into an FMA), values copied,
     every other cache slot (other layers, positions, and a position past the end) untouched; the
     model's reference rotation gives the same bits. With ``parts``, qkv comes as float32 partial
-    sums that the kernel adds left to right and rounds; with ``bits`` the cache is a draft's shadow,
-    its words and scales bitwise as the reference quantization of the expected keys and values."""
-    args, q, want = rope_store_case(rng, dtype, heads=heads, kv=kv, parts=parts, bits=bits)
-    got_q, got = gpu_rope.rope_store(*as_jnp(args), heads=heads, layer=jnp.int32(1), interpret=True)
+    sums that the kernel adds left to right (``scaled``: then multiplies by a W4AX row scale) and
+    rounds; with ``bits`` the cache is a draft's shadow, its words and scales bitwise as the
+    reference quantization of the expected keys and values."""
+    scale = rng.uniform(0.5, 2.0, (2, 3, 1)).astype(np.float32) if scaled else None
+    args, q, want = rope_store_case(rng, dtype, heads=heads, kv=kv, parts=parts, bits=bits, scale=scale)
+    got_q, got = gpu_rope.rope_store(*as_jnp(args), heads=heads, layer=jnp.int32(1), interpret=True,
+                                     scale=None if scale is None else jnp.asarray(scale))
     for g, w in zip((got_q, *got), (q, *want)):
         if dtype == jnp.bfloat16:
             np.testing.assert_array_equal(np.asarray(g).view(np.uint8), w.view(np.uint8))
         else:
             np.testing.assert_allclose(np.asarray(g), w, rtol=1e-6, atol=1e-6)
     half = args[0].shape[-1] // (heads + 2 * kv) // 2
-    x = jnp.asarray(sum(args[0][1:], args[0][0]) if parts else args[0]).astype(dtype)[..., :half * 2]
+    x = jnp.asarray(ref.split_sum(args[0], scale) if parts else args[0]).astype(dtype)[..., :half * 2]
     lo, hi = ref.rope(x[..., :half], x[..., half:], jnp.asarray(args[1]), jnp.asarray(args[2]))
     np.testing.assert_array_equal(np.asarray(jnp.concatenate([lo, hi], -1)).view(np.uint8), q[:, :, 0].view(np.uint8))
 
@@ -494,12 +505,66 @@ def test_rope_store_rejects_bad_input(rng):
         call(qkv, cos, sin, pos, (kc[0], vc[0]))
     with pytest.raises(ValueError, match="float32"):
         call(qkv[None], cos, sin, pos, (kc, vc))
+    with pytest.raises(ValueError, match="row scale"):
+        call(qkv, cos, sin, pos, (kc, vc), scale=jnp.ones((2, 3, 1), jnp.float32))  # no partial sums to scale
+    with pytest.raises(ValueError, match="row scale"):
+        call(qkv.astype(jnp.float32)[None], cos, sin, pos, (kc, vc), scale=jnp.ones((2, 3), jnp.float32))
     shadow = as_jnp(rope_store_case(rng, jnp.bfloat16, bits=8)[0])[4]
     with pytest.raises(ValueError, match="scales"):
         call(qkv, cos, sin, pos, (*shadow[:2], shadow[2][..., :-1], shadow[3]))
     odd = as_jnp(rope_store_case(rng, jnp.bfloat16, d=48)[0])
     with pytest.raises(ValueError, match="power of two"):
         call(*odd)
+
+
+def residual_numpy(x, parts, scale, dtype):
+    """``x + linear output`` in numpy float32, each step rounded to ``dtype`` (ml_dtypes' bfloat16):
+    the parts summed left to right, times the row scale, rounded; then the sum with ``x`` rounded."""
+    np_dtype = np.dtype(dtype)
+    y = parts[0].astype(np.float32)
+    for p in parts[1:]:
+        y = y + p
+    if scale is not None:
+        y = scale * y
+    y = y.astype(np_dtype).astype(np.float32)
+    return (x.astype(np.float32) + y).astype(np_dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("bits,splits,scaled", [(None, 3, False), (None, 1, False), (8, 2, True), (4, 1, True)])
+def test_prologue_adds_the_residual(rng, dtype, bits, splits, scaled):
+    """The RMSNorm prologues with ``add``: the residual they return (and ``reference.residual_add``'s)
+    is bitwise numpy's op-by-op bf16 ``x + round(scale * sum(parts))`` (float32: to its rounding),
+    also with -0.0 rows in x and in the parts, which adding -0.0 keeps; their planes / codes are
+    bitwise those of the same prologue on that sum."""
+    m, h = 5, 576
+    x = np.array(jnp.asarray(rng.standard_normal((m, h)), dtype))
+    x[1] = -0.0
+    parts = rng.standard_normal((splits, m, h)).astype(np.float32)
+    parts[:, 1], parts[:, 2, :7] = -0.0, -0.0
+    scale = rng.uniform(0.5, 2.0, (m, 1)).astype(np.float32) if scaled else None
+    want = residual_numpy(x, parts, scale, dtype)
+    scales = jnp.asarray(rng.random((3, h)) + 0.5, dtype)
+    kw = dict(layer=jnp.int32(2), interpret=True)
+    add = (jnp.asarray(parts), None if scale is None else jnp.asarray(scale))
+    if bits is None:
+        *got, res = gq.rms_norm_planes(jnp.asarray(x), scales, 1e-5, add=add, **kw)
+        plain = [gq.rms_norm_planes(res, scales, 1e-5, **kw)]
+    else:
+        *got, res = gq.rms_norm_quantize(jnp.asarray(x), scales, 1e-5, bits, add=add, **kw)
+        plain = gq.rms_norm_quantize(res, scales, 1e-5, bits, **kw)
+    for g, p in zip(got, plain, strict=True):  # the planes / codes of the sum it returns
+        np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(p).view(np.uint8))
+    np.testing.assert_array_equal(np.signbit(np.asarray(res)[1]), True)  # x + (-0.0) kept -0.0
+    for got_res in (res, ref.residual_add(jnp.asarray(x), jnp.asarray(parts), add[1])):
+        if dtype == jnp.bfloat16:
+            np.testing.assert_array_equal(np.asarray(got_res).view(np.uint8), want.view(np.uint8))
+        else:  # float32: XLA may fuse scale * y + x into an FMA
+            np.testing.assert_allclose(np.asarray(got_res), want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="partial sums"):
+        gq.rms_norm_planes(jnp.asarray(x), scales, 1e-5, add=(add[0][:, :, :64], None), **kw)
+    with pytest.raises(ValueError, match="row scale"):
+        gq.rms_norm_planes(jnp.asarray(x), scales, 1e-5, add=(add[0], jnp.ones((m,), jnp.float32)), **kw)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
