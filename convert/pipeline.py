@@ -17,7 +17,6 @@ from convert.quantize import QuantScheme, quantize_rtn
 from convert.rotate import rotate
 from convert.sources import SourceModel, Tensor, as_float, read_source
 from pallas_kernels.layout import QuantizedWeight
-from pallas_kernels.reference import residual_add
 from qspec_jax.checkpoint import save_checkpoint
 from qspec_jax.config import LlamaConfig
 from qspec_jax.model import DecoderLayer, Linear, rope_frequencies, rope_tables
@@ -74,8 +73,7 @@ def _linear_inputs_hessians(layer_params, x, positions, config, seed):
 
     rope = rope_tables(positions, rope_frequencies(config), x.dtype)
     with nn.intercept_methods(intercept):
-        y, add, _ = DecoderLayer(config, "w16a16", seed).apply({"params": layer_params}, x, None, None, positions, rope)
-    y = residual_add(y, add.parts, add.scale)
+        y, _ = DecoderLayer(config, "w16a16", seed).apply({"params": layer_params}, x, None, positions, rope)
     hess = {p: jnp.einsum("...k,...l->kl", a, a, precision=jax.lax.Precision.HIGHEST)
             for p, a in captured.items()}
     return y, hess

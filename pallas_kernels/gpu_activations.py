@@ -42,7 +42,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_kernels import reference
-from pallas_kernels.gpu_norm import NUM_WARPS, inv_rms, normalized, rounder
+from pallas_kernels.gpu_norm import NUM_WARPS, inv_rms, normalized
 from pallas_kernels.launch import LAYER_SPEC, at_layer, call_kernel, pl_triton, stacked_input, stacked_spec
 from pallas_kernels.layout import PACK_BLOCK
 
@@ -114,40 +114,21 @@ def _store_rows(ref, plane: int, first: jax.Array, tb: int, v: jax.Array) -> Non
 
 
 def _prologue_kernel(l_ref, x_ref, x2_ref, *rest, h: int, eps: float | None, swiglu: bool, bits: int | None,
-                     max_blocks: int, add: int, scaled: bool, interpret: bool):
+                     max_blocks: int, interpret: bool):
     """Row ``x_ref[H]`` (also as ``x2_ref[H / 64, 64]``), its RMSNorm when ``eps`` is set (scale
     ``s_ref[L, H / 64, 64]`` at the layer), or with ``swiglu`` the SwiGLU of its halves (``x_ref[2H]``,
     gate then up), then W4AX codes ``q_ref[2, H / 64, 32]`` and their scale ``sa_ref[1]``
-    (``bits``), or bf16 W4A16 planes ``p_ref[4, H / 64, 16]`` (``bits`` None). With ``add`` partial
-    sums ``a_ref[add, H]`` (also ``a2_ref[add, H / 64, 64]``; ``scaled``: and their row scale
-    ``as_ref[1]``) the row is first :func:`pallas_kernels.reference.residual_add` of them, written
-    to ``r_ref[H]`` (after the other outputs) by the RMSNorm's first pass."""
-    a_ref, a2_ref, as_ref, rest = ((*rest[:2], rest[2] if scaled else None, rest[2 + scaled:]) if add
-                                   else (None, None, None, rest))
+    (``bits``), or bf16 W4A16 planes ``p_ref[4, H / 64, 16]`` (``bits`` None)."""
     norm = eps is not None
     s_ref, *outs = rest if norm else (None, *rest)
-    r_ref = outs.pop() if add else None
     layer = l_ref[0]
     blocks = h // PACK_BLOCK
     tb = tile_blocks(blocks, max_blocks)
-    rounded = rounder(x_ref.dtype, interpret)
-
-    def with_add(v, load_part):
-        """``v`` plus the partial sums (``load_part(p)``: part ``p`` at ``v``'s columns)."""
-        if not add:
-            return v
-        return reference.residual_add(v, [load_part(p) for p in range(add)], as_ref[...] if scaled else None, rounded)
-
-    def store(cols, v):
-        r_ref[cols] = v
-
-    r = inv_rms(lambda cols: with_add(x_ref[cols], lambda p: at_layer(a_ref, p, (cols,), interpret)[...]),
-                h, eps, store if add else None) if norm else None
+    r = inv_rms(x_ref, h, eps) if norm else None
 
     def values(i, half, byte=None):
         """The prepared values of tile ``i``, plane ``(half, byte)``, in the input's dtype."""
-        v = with_add(_load_cols(x2_ref, None, i * tb, tb, half, byte, interpret),
-                     lambda p: _load_cols(a2_ref, p, i * tb, tb, half, byte, interpret))
+        v = _load_cols(x2_ref, None, i * tb, tb, half, byte, interpret)
         if norm:
             v = normalized(v, r, _load_cols(s_ref, layer, i * tb, tb, half, byte, interpret), interpret)
         if swiglu:
@@ -345,45 +326,20 @@ def _call_shape(x: jax.Array, parts: int) -> None:
                          f"got shape {x.shape}")
 
 
-def _add_inputs(add, m: int, h: int) -> tuple[list, list, int, bool]:
-    """Specs and arrays of the residual-add inputs ``add = (parts [S, M, H] float32, scale [M, 1] float32
-    or None)``: the parts flat and as 64-blocks, then the scale; with their count and whether scaled."""
-    parts, scale = add
-    if parts.ndim != 3 or parts.shape[1:] != (m, h) or parts.dtype != jnp.float32:
-        raise ValueError(f"the residual's addend must be float32 partial sums [S, M, H] = [S, {m}, {h}], got "
-                         f"{parts.dtype}{parts.shape}")
-    if scale is not None and (scale.shape != (m, 1) or scale.dtype != jnp.float32):
-        raise ValueError(f"the addend's row scale must be float32 [M, 1] = [{m}, 1], got {scale.dtype}{scale.shape}")
-    s, blocks = parts.shape[0], h // PACK_BLOCK
-    specs = [pl.BlockSpec((s, None, h), lambda i: (0, i, 0)),
-             pl.BlockSpec((s, None, blocks, PACK_BLOCK), lambda i: (0, i, 0, 0))]
-    args = [parts, parts.reshape(s, m, blocks, PACK_BLOCK)]
-    if scale is not None:
-        specs.append(pl.BlockSpec((None, 1), lambda i: (i, 0)))
-        args.append(scale)
-    return specs, args, s, scale is not None
-
-
 def _call(x: jax.Array, bits: int | None, scale: jax.Array | None, eps: float | None, layer,
-          max_blocks: int | None, interpret: bool, swiglu: bool = False, add=None):
+          max_blocks: int | None, interpret: bool, swiglu: bool = False):
     """``bits`` None: W4A16 planes; ``eps`` None: no RMSNorm (the public functions check both);
-    ``swiglu``: the rows are ``[gate | up]``, the values their SwiGLU; ``add``: the residual's addend
-    (:func:`rms_norm_planes`; the RMSNorm's only), the sum returned after the other outputs."""
+    ``swiglu``: the rows are ``[gate | up]``, the values their SwiGLU."""
     max_blocks = _max_blocks(max_blocks, MAX_BLOCKS)
     parts = 2 if swiglu else 1
     _call_shape(x, parts)
     m, h = x.shape[0], x.shape[1] // parts
     blocks = h // PACK_BLOCK
+    kernel = functools.partial(_prologue_kernel, h=h, eps=eps, swiglu=swiglu, bits=bits, max_blocks=max_blocks,
+                               interpret=interpret)
     in_specs = [LAYER_SPEC, pl.BlockSpec((None, parts * h), lambda i: (i, 0)),
                 pl.BlockSpec((None, parts * blocks, PACK_BLOCK), lambda i: (i, 0, 0))]
     args = [x, x.reshape(m, parts * blocks, PACK_BLOCK)]
-    added, scaled = 0, False
-    if add is not None:
-        add_specs, add_args, added, scaled = _add_inputs(add, m, h)
-        in_specs += add_specs
-        args += add_args
-    kernel = functools.partial(_prologue_kernel, h=h, eps=eps, swiglu=swiglu, bits=bits, max_blocks=max_blocks,
-                               add=added, scaled=scaled, interpret=interpret)
     lidx = jnp.zeros((1,), jnp.int32)
     if eps is not None:
         want = (h,) if layer is None else (scale.shape[0], h)
@@ -395,15 +351,11 @@ def _call(x: jax.Array, bits: int | None, scale: jax.Array | None, eps: float | 
         args.append(scale.reshape(scale.shape[0], blocks, PACK_BLOCK))
     if bits is None:
         out_shape, out_specs = _planes_out(m, blocks, lambda i: i)
-        out_shape, out_specs = (out_shape,), (out_specs,)
-    else:
-        out_shape, out_specs = _codes_out(m, blocks, lambda i: i)
-    if add is not None:
-        out_shape += (jax.ShapeDtypeStruct((m, h), x.dtype),)
-        out_specs += (pl.BlockSpec((None, h), lambda i: (i, 0)),)
-    planes, *rest = call_kernel(kernel, out_shape, (m,), in_specs, out_specs, interpret, NUM_WARPS, 1, lidx, *args)
-    n = 4 if bits is None else 2
-    return (planes.reshape(n, m, h // n), *rest) if rest else planes.reshape(n, m, h // n)
+        planes = call_kernel(kernel, out_shape, (m,), in_specs, out_specs, interpret, NUM_WARPS, 1, lidx, *args)
+        return planes.reshape(4, m, h // 4)
+    out_shape, out_specs = _codes_out(m, blocks, lambda i: i)
+    planes, sa = call_kernel(kernel, out_shape, (m,), in_specs, out_specs, interpret, NUM_WARPS, 1, lidx, *args)
+    return planes.reshape(2, m, h // 2), sa
 
 
 def quantize_rows(x: jax.Array, bits: int, *, max_blocks: int | None = None,
@@ -416,24 +368,17 @@ def quantize_rows(x: jax.Array, bits: int, *, max_blocks: int | None = None,
 
 
 def rms_norm_quantize(x: jax.Array, scale: jax.Array, eps: float, bits: int, *, layer: jax.Array | None = None,
-                      add: tuple[jax.Array, jax.Array | None] | None = None, max_blocks: int | None = None,
-                      interpret: bool = False) -> tuple[jax.Array, ...]:
+                      max_blocks: int | None = None, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """:func:`quantize_rows` of ``gpu_norm.rms_norm(x, scale, eps, layer=layer)``, in one kernel (the
-    normalized rows are never written out); ``add``: as in :func:`rms_norm_planes` (the sum is
-    returned third)."""
-    return _call(x, _check_bits(bits), scale, _check_eps(eps), layer, max_blocks, interpret, add=add)
+    normalized rows are never written out)."""
+    return _call(x, _check_bits(bits), scale, _check_eps(eps), layer, max_blocks, interpret)
 
 
 def rms_norm_planes(x: jax.Array, scale: jax.Array, eps: float, *, layer: jax.Array | None = None,
-                    add: tuple[jax.Array, jax.Array | None] | None = None, max_blocks: int | None = None,
-                    interpret: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+                    max_blocks: int | None = None, interpret: bool = False) -> jax.Array:
     """``gpu_norm.rms_norm(x, scale, eps, layer=layer)`` cast to bf16 and laid out as the W4A16
-    kernel's planes ``[4, M, K/4]`` (``activation_planes(y.astype(bf16), 4)``), in one kernel.
-    ``add = (parts, row scale)``: a linear layer's float32 partial sums ``[S, M, K]`` (and its W4AX
-    row scales ``[M, 1]``, or None) that the kernel first adds to the residual stream ``x``
-    (:func:`pallas_kernels.reference.residual_add`), normalizing the sum, which it also returns
-    (``(planes, sum)``): the residual add and the split sum take no pass of their own."""
-    return _call(x, None, scale, _check_eps(eps), layer, max_blocks, interpret, add=add)
+    kernel's planes ``[4, M, K/4]`` (``activation_planes(y.astype(bf16), 4)``), in one kernel."""
+    return _call(x, None, scale, _check_eps(eps), layer, max_blocks, interpret)
 
 
 def swiglu_quantize(gate_up: jax.Array, bits: int, *, max_blocks: int | None = None, spread: bool | None = None,

@@ -33,18 +33,13 @@ def _chunk(h: int) -> int:
     return c
 
 
-def inv_rms(load, h: int, eps: float, store=None) -> jax.Array:
-    """``rsqrt(mean(x^2) + eps)`` in float32 of the row ``x[H]`` given by ``load(cols)`` (its values at
-    ``cols``): squares summed chunk-wise in a fixed order, then across the chunk (a function of H
-    only). ``store(cols, v)`` sees each chunk as it is read."""
+def inv_rms(x_ref, h: int, eps: float) -> jax.Array:
+    """``rsqrt(mean(x^2) + eps)`` of the row ``x_ref[H]`` in float32: squares summed chunk-wise in a
+    fixed order, then across the chunk (a function of H only)."""
     chunk = _chunk(h)
 
     def sq(i, acc):
-        cols = pl.ds(i * chunk, chunk)
-        v = load(cols)
-        if store is not None:
-            store(cols, v)
-        v = v.astype(jnp.float32)
+        v = x_ref[pl.ds(i * chunk, chunk)].astype(jnp.float32)
         return acc + v * v
 
     ss = jnp.sum(jax.lax.fori_loop(0, h // chunk, sq, jnp.zeros((chunk,), jnp.float32)))
@@ -67,7 +62,7 @@ def normalized(v: jax.Array, r: jax.Array, s: jax.Array, interpret: bool) -> jax
 def _rms_norm_kernel(l_ref, x_ref, s_ref, o_ref, *, h: int, eps: float, interpret: bool):
     chunk = _chunk(h)
     layer = l_ref[0]
-    r = inv_rms(lambda cols: x_ref[cols], h, eps)
+    r = inv_rms(x_ref, h, eps)
 
     def write(i, carry):
         cols = pl.ds(i * chunk, chunk)

@@ -110,14 +110,6 @@ def split_sum(parts, scale: jax.Array | None = None) -> jax.Array:
     return y if scale is None else scale * y
 
 
-def residual_add(x: jax.Array, parts, scale: jax.Array | None = None, rounded=None) -> jax.Array:
-    """The residual stream ``x`` plus a linear layer's output, in ``x``'s dtype: the output
-    (:func:`split_sum` of ``parts``, ``scale``) rounded to that dtype, then the sum rounded (float32
-    arithmetic), as ``x + linear(...)`` computes it op by op. ``rounded``: as in :func:`rope`."""
-    rounded = round_to(x.dtype) if rounded is None else rounded
-    return rounded(x.astype(jnp.float32) + rounded(split_sum(parts, scale))).astype(x.dtype)
-
-
 def rope(lo: jax.Array, hi: jax.Array, cos: jax.Array, sin: jax.Array, rounded=None) -> tuple[jax.Array, jax.Array]:
     """Rotate-half RoPE of a vector's halves: ``(lo cos - hi sin, hi cos + lo sin)`` in ``lo``'s dtype,
     each product and the sum rounded to it (float32 arithmetic), as ``x * cos + rotate_half(x) * sin``

@@ -77,16 +77,12 @@ class _OnRows(Pending):
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class PreparedNorm(_OnRows):
-    """The RMSNorm of ``x``, already laid out by the fused kernel of :func:`add_rms_norm` as the input
-    of an INT4 linear layer: ``prepared`` holds W4A16 planes ``(planes,)`` or W4AX ``(codes, scales)``
-    of ``bits``; :meth:`value` computes the norm itself (for a consumer that runs off the kernels)."""
+class PendingNorm(_OnRows):
+    """The RMSNorm of ``x``."""
 
     x: jax.Array
     scale: Any  # [H] or a Layer of stacked scales
-    prepared: tuple[jax.Array, ...]
     eps: float = dataclasses.field(metadata=dict(static=True))
-    bits: int | None = dataclasses.field(metadata=dict(static=True))
     row_tile: int | None = dataclasses.field(metadata=dict(static=True))
     kernels: str = dataclasses.field(metadata=dict(static=True))
 
@@ -97,15 +93,15 @@ class PreparedNorm(_OnRows):
     def value(self) -> jax.Array:
         return rms_norm(self.x, self.scale, self.eps, self.row_tile, self.kernels)
 
+    def _norm(self) -> dict:
+        scale, layer = _split_layer(self.scale)
+        return dict(scale=scale, eps=self.eps, layer=layer, interpret=self.kernels == "interpret")
+
     def planes(self) -> jax.Array:
-        if self.bits is not None:
-            raise ValueError(f"this input was prepared for a W4A{self.bits} layer, not W4A16")
-        return self.prepared[0]
+        return gpu_activations.rms_norm_planes(self.rows(), **self._norm())
 
     def quantized(self, bits: int) -> tuple[jax.Array, jax.Array]:
-        if bits != self.bits:
-            raise ValueError(f"this input was prepared for {self.bits or 16}-bit activations, not {bits}")
-        return self.prepared
+        return gpu_activations.rms_norm_quantize(self.rows(), bits=bits, **self._norm())
 
 
 @jax.tree_util.register_dataclass
@@ -162,26 +158,12 @@ class PendingAttention(Pending):
 @dataclasses.dataclass(frozen=True)
 class SplitSum:
     """A linear layer's float32 result not yet summed over its K splits nor rounded, for a consumer
-    kernel that adds and rounds it itself (:func:`rope_store`, :func:`add_rms_norm`):
+    kernel that adds and rounds it itself (:func:`rope_store`):
     :func:`pallas_kernels.reference.split_sum` of ``parts [S, ..., N]`` (one part where K is not
     split) and the W4AX row ``scale [..., 1]`` (None where the parts are already scaled)."""
 
     parts: jax.Array
     scale: jax.Array | None
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.parts.shape[1:]
-
-    def value(self, dtype) -> jax.Array:
-        """The result rounded to ``dtype``, as :func:`linear` would return it."""
-        return reference.split_sum(self.parts, self.scale).astype(dtype)
-
-    def rows(self) -> tuple[jax.Array, jax.Array | None]:
-        """``parts`` as ``[S, M, N]`` and ``scale`` as ``[M, 1]``: the kernels' row view."""
-        n = self.parts.shape[-1]
-        scale = None if self.scale is None else self.scale.reshape(-1, 1)
-        return self.parts.reshape(self.parts.shape[0], -1, n), scale
 
 
 def unstack(v: Any) -> Any:
@@ -358,37 +340,13 @@ def swiglu(gate_up: jax.Array, row_tile: int | None = None, kernels: str = "refe
     return reference.swiglu(*jnp.split(gate_up, 2, axis=-1))
 
 
-def add_rms_norm(x: jax.Array, add: jax.Array | SplitSum | None, scale: jax.Array | Layer, eps: float,
-                 mode: str = "w16a16", row_tile: int | None = None,
-                 kernels: str = "reference") -> tuple[jax.Array, jax.Array | PreparedNorm]:
-    """``(x + add, its RMSNorm)``: the residual stream ``x`` plus a linear layer's output ``add`` (a
-    :class:`SplitSum`, or an array in x's dtype; None adds nothing), as
-    :func:`pallas_kernels.reference.residual_add` defines it, and :func:`rms_norm` of the sum. When
-    the norm feeds an INT4 ``mode`` linear layer, on the kernel path one kernel adds, normalizes and
-    prepares that layer's activation input (a :class:`PreparedNorm`): the split sum, the add and the
-    norm take no XLA op or launch of their own."""
-    check_mode(mode)
-    if add is None:
-        return x, rms_norm(x, scale, eps, row_tile, kernels)
-    if not isinstance(add, SplitSum):
-        add = SplitSum(add.astype(jnp.float32)[None], None)
-    if mode != "w16a16" and _on_kernels(kernels, row_tile) and x.shape[-1] % gpu_activations.PACK_BLOCK == 0:
-        stacked, layer = _split_layer(scale)
-        bits = reference.ACT_BITS.get(mode)
-        kw = dict(layer=layer, add=add.rows(), interpret=kernels == "interpret")
-        rows = x.reshape(-1, x.shape[-1])
-        *prepared, out = (gpu_activations.rms_norm_planes(rows, stacked, eps, **kw) if bits is None
-                          else gpu_activations.rms_norm_quantize(rows, stacked, eps, bits, **kw))
-        out = out.reshape(x.shape)
-        return out, PreparedNorm(out, scale, tuple(prepared), eps, bits, row_tile, kernels)
-    x = reference.residual_add(x, add.parts, add.scale)
-    return x, rms_norm(x, scale, eps, row_tile, kernels)
-
-
 def rms_norm(x: jax.Array, scale: jax.Array | Layer, eps: float, row_tile: int | None = None,
-             kernels: str = "reference") -> jax.Array:
+             kernels: str = "reference", defer: bool = False) -> jax.Array | PendingNorm:
     """``scale * (x * rsqrt(mean(x^2) + eps))`` over the last axis, statistics in float32; ``scale``
-    may be a :class:`Layer` of stacked scales."""
+    may be a :class:`Layer` of stacked scales. ``defer`` (its consumer is an INT4 linear layer): on
+    the kernel path a :class:`PendingNorm`, for that layer to fuse with its activation prologue."""
+    if defer and _on_kernels(kernels, row_tile) and x.shape[-1] % gpu_activations.PACK_BLOCK == 0:
+        return PendingNorm(x, scale, eps, row_tile, kernels)
     if _on_kernels(kernels, row_tile) and x.shape[-1] % 16 == 0:
         stacked, layer = _split_layer(scale)
         y = gpu_norm.rms_norm(x.reshape(-1, x.shape[-1]), stacked, eps, layer=layer,  # cast in the kernel

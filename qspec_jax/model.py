@@ -30,14 +30,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from qspec_jax.config import LlamaConfig
-from qspec_jax.kernels import (Layer, PreparedNorm, SplitSum, add_rms_norm, attention, check_mode, fuses_rope_store,
-                               linear, resolve_kernels, rope_store, swiglu, unstack)
+from qspec_jax.kernels import (Layer, PendingNorm, SplitSum, attention, check_mode, fuses_rope_store, linear,
+                               resolve_kernels, rms_norm, rope_store, swiglu, unstack)
 from pallas_kernels import reference
 from pallas_kernels.layout import QuantizedWeight
 from pallas_kernels.rows import map_row_tiles
 from qspec_jax.rotation import apply_transform
 
-LAYER_UNROLL = 1  # decoder layers per iteration of the layer scan (lax.scan unroll)
 KVCache = tuple[jax.Array, ...]  # (k, v), or (k, v, k_words, v_words, k_scales, v_scales) with the shadow (init_cache)
 
 
@@ -116,20 +115,18 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """The RMSNorm of the residual stream ``x`` plus a linear layer's output ``add``, and that sum:
-    :func:`qspec_jax.kernels.add_rms_norm`; ``mode``: the linear layer the norm feeds, whose
-    activation prologue may run fused with the add and the norm."""
+    """``defer``: the output feeds an INT4 linear layer, which may fuse the norm with its activation
+    prologue (:class:`qspec_jax.kernels.PendingNorm`)."""
 
     eps: float
     row_tile: int | None = None
     kernels: str = "reference"
-    mode: str = "w16a16"
+    defer: bool = False
 
     @nn.compact
-    def __call__(self, x: jax.Array, add: jax.Array | SplitSum | None = None
-                 ) -> tuple[jax.Array, jax.Array | PreparedNorm]:
+    def __call__(self, x: jax.Array) -> jax.Array | PendingNorm:
         scale = _param(self, "scale", nn.initializers.ones, (x.shape[-1],))
-        return add_rms_norm(x, add, scale, self.eps, self.mode, self.row_tile, self.kernels)
+        return rms_norm(x, scale, self.eps, self.row_tile, self.kernels, self.defer)
 
 
 class _Block(nn.Module):
@@ -143,8 +140,7 @@ class _Block(nn.Module):
 
 
 class Attention(_Block):
-    """Fused qkv projection, RoPE, the KV cache write and grouped-query attention, then o (its result
-    a :class:`~qspec_jax.kernels.SplitSum`, added to the residual stream by the next norm)."""
+    """Fused qkv projection, RoPE, the KV cache write and grouped-query attention, then o."""
 
     read_shadow: bool = False
 
@@ -182,7 +178,7 @@ class Attention(_Block):
         if self.online_rotation_seed is not None:  # per head: [.., hq*d] -> [.., hq, d] rows
             per_head = lambda r: apply_transform(r.reshape(r.shape[0], hq, d), self.online_rotation_seed)  # noqa: E731
             out = map_row_tiles(lambda r: per_head(r).reshape(r.shape), out, self.row_tile)
-        out = Linear(c.hidden_size, self.mode, row_tile=self.row_tile, kernels=self.kernels, parts=True, name="o")(out)
+        out = Linear(c.hidden_size, self.mode, row_tile=self.row_tile, kernels=self.kernels, name="o")(out)
         return out, cache
 
 
@@ -226,8 +222,7 @@ def _store_shadow(shadow: tuple[jax.Array, ...], layer, rows: jax.Array, positio
 
 class MLP(_Block):
     """SwiGLU: fused gate/up projection, ``silu(gate) * up``, then down (on the kernel path the
-    SwiGLU runs in down's activation prologue, unless a rotation comes between; down's result a
-    :class:`~qspec_jax.kernels.SplitSum`, added to the residual stream by the next norm)."""
+    SwiGLU runs in down's activation prologue, unless a rotation comes between)."""
 
     @nn.compact
     def __call__(self, x):
@@ -237,27 +232,25 @@ class MLP(_Block):
         h = swiglu(gate_up, self.row_tile, self.kernels, defer=fuse)
         if self.online_rotation_seed is not None:
             h = map_row_tiles(lambda r: apply_transform(r, self.online_rotation_seed), h, self.row_tile)
-        return Linear(self.config.hidden_size, self.mode, row_tile=self.row_tile, kernels=self.kernels, parts=True,
+        return Linear(self.config.hidden_size, self.mode, row_tile=self.row_tile, kernels=self.kernels,
                       name="down")(h)
 
 
 class DecoderLayer(_Block):
-    """Pre-norm residual block: attention, then the MLP. Each sublayer's output is added to the
-    residual stream by the norm after it, in one kernel with the norm (and the next INT4 layer's
-    activation prologue) on the kernel path; so the layer takes the previous layer's MLP output
-    ``add`` not yet added to ``x`` (None: nothing to add) and returns its own."""
+    """Pre-norm residual block: attention, then the MLP."""
 
     read_shadow: bool = False
 
     @nn.compact
-    def __call__(self, x, add: SplitSum | None, cache: tuple[Layer, ...] | None, positions,
-                 rope: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, SplitSum, tuple[Layer, ...] | None]:
-        c, tile, kern, mode = self.config, self.row_tile, self.kernels, self.mode
-        x, normed = RMSNorm(c.rms_norm_eps, tile, kern, mode, name="attn_norm")(x, add)
-        h, cache = Attention(c, mode, self.online_rotation_seed, tile, kern, self.read_shadow, name="attn")(
-            normed, positions, rope, cache)
-        x, normed = RMSNorm(c.rms_norm_eps, tile, kern, mode, name="mlp_norm")(x, h)
-        return x, MLP(c, mode, self.online_rotation_seed, tile, kern, name="mlp")(normed), cache
+    def __call__(self, x, cache: tuple[Layer, ...] | None, positions, rope: tuple[jax.Array, jax.Array]):
+        c, tile, kern = self.config, self.row_tile, self.kernels
+        fuse = self.mode != "w16a16"  # the norms feed INT4 linears: their activation prologue in the norm kernel
+        h, cache = Attention(c, self.mode, self.online_rotation_seed, tile, kern, self.read_shadow, name="attn")(
+            RMSNorm(c.rms_norm_eps, tile, kern, fuse, name="attn_norm")(x), positions, rope, cache)
+        x = x + h
+        x = x + MLP(c, self.mode, self.online_rotation_seed, tile, kern, name="mlp")(
+            RMSNorm(c.rms_norm_eps, tile, kern, fuse, name="mlp_norm")(x))
+        return x, cache
 
 
 class Llama(nn.Module):
@@ -290,35 +283,28 @@ class Llama(nn.Module):
                              parent=None)
 
         def init_layers(rng):
-            init_one = lambda key: layer.init(key, x, None, None, positions, rope)["params"]  # noqa: E731
+            init_one = lambda key: layer.init(key, x, None, positions, rope)["params"]  # noqa: E731
             return jax.vmap(init_one)(jax.random.split(rng, c.num_layers))
 
         def body(carry, i, layer_params=None):
-            h, add, kv = carry
+            h, kv = carry
             if layer_params is None:
                 layer_params = jax.tree.map(lambda a: Layer(a, i), stacked,
                                             is_leaf=lambda a: isinstance(a, QuantizedWeight))
-            h, add, kv = layer.apply({"params": layer_params}, h, add,
-                                     None if kv is None else tuple(Layer(a, i) for a in kv), positions, rope)
-            return (h, add, None if kv is None else tuple(a.stacked for a in kv)), None
+            h, kv = layer.apply({"params": layer_params}, h,
+                                None if kv is None else tuple(Layer(a, i) for a in kv), positions, rope)
+            return (h, None if kv is None else tuple(a.stacked for a in kv)), None
 
         stacked = _param(self, "layers", init_layers)
         _check_layer_counts(c, stacked, cache)
-        # the first layer's norm adds -0.0, which leaves every x as it is (also -0.0): the carry's structure
-        # is the MLP output's (its K splits, its row scales)
-        first = stacked[0] if isinstance(stacked, (list, tuple)) else None
-        out = jax.eval_shape(lambda h, kv: body((h, None, kv), 0, first)[0][1], x, cache)
-        carry = (x, SplitSum(jnp.full(out.parts.shape, -0.0, out.parts.dtype),
-                             None if out.scale is None else jnp.ones(out.scale.shape, out.scale.dtype)), cache)
         if isinstance(stacked, (list, tuple)):  # per-layer trees: an unrolled loop (see unstack_layers)
             for i, layer_params in enumerate(stacked):
-                carry, _ = body(carry, i, layer_params)
+                (x, cache), _ = body((x, cache), i, layer_params)
         else:
             # a plain lax.scan over the layer index (flax's nn.scan cannot hold a pallas_call); each
             # layer sees Layer views of the stacked weights and cache, which the kernels read in place
-            carry, _ = jax.lax.scan(body, carry, jnp.arange(c.num_layers), unroll=LAYER_UNROLL)
-        x, add, cache = carry
-        _, x = RMSNorm(c.rms_norm_eps, self.row_tile, self.kernels, name="final_norm")(x, add)
+            (x, cache), _ = jax.lax.scan(body, (x, cache), jnp.arange(c.num_layers))
+        x = RMSNorm(c.rms_norm_eps, self.row_tile, self.kernels, name="final_norm")(x)
         head = embed if c.tie_word_embeddings else self.param(
             "lm_head", _dense_init, (c.vocab_size, c.hidden_size))
         return linear(x, head.astype(self.dtype), "w16a16", self.row_tile, self.kernels), cache

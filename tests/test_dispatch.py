@@ -15,11 +15,10 @@ from convert.pipeline import convert_model
 from convert.quantize import QuantScheme
 from qspec_jax.api import generate
 from qspec_jax.decode import ROW_TILE
-from qspec_jax.kernels import (Layer, PendingAttention, PendingSwiGLU, PreparedNorm, SplitSum, add_rms_norm, attention,
-                               linear, resolve_kernels, rms_norm, swiglu)
+from qspec_jax.kernels import (Layer, PendingAttention, PendingNorm, PendingSwiGLU, attention, linear,
+                               resolve_kernels, swiglu)
 from qspec_jax.model import forward, init_cache
 from pallas_kernels import gpu_attention, gpu_matmul
-from pallas_kernels import reference as ref
 from tests.conftest import TINY, memory_model, random_source
 from tests.test_kernels import _attention64
 
@@ -89,36 +88,21 @@ def test_shapes_the_kernels_cannot_tile_fall_back_to_the_references(rng):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_fused_add_norm_equals_add_then_norm_then_linear(rng, dtype):
-    """add_rms_norm on the kernel path (the residual add, the RMSNorm and the next layer's activation
-    prologue in one kernel) returns the bits of the residual add done first (a SplitSum of 3 K splits;
-    bf16 also with a W4AX row scale, which float32 may contract into an FMA) and a PreparedNorm that
-    the linear layer turns into the bits of the same layer on the norm kernel's output, in every INT4
-    mode, stacked weights and norm scales read at a layer index; off the kernels it returns arrays."""
+def test_pending_norm_fused_equals_norm_then_linear(rng, dtype):
+    """A linear layer handed a PendingNorm (the RMSNorm fused with its activation prologue) gives
+    the bits of the same layer on the norm computed first, in every INT4 mode, stacked weights and
+    norm scales read at a layer index."""
     params, cfg = _model(rng)
     layers = params["layers"]
     w = Layer(layers["mlp"]["gate_up"]["w"], jnp.int32(1))
-    scale = Layer(layers["mlp_norm"]["scale"], jnp.int32(1))
     x = jnp.asarray(rng.standard_normal((2, 3, cfg.hidden_size)), dtype)
-    parts = jnp.asarray(rng.standard_normal((3, 2, 3, cfg.hidden_size)), jnp.float32)
-    sc = jnp.asarray(rng.uniform(0.5, 2, (2, 3, 1)), jnp.float32) if dtype == jnp.bfloat16 else None
-    added = ref.residual_add(x, parts, sc)
-    normed = rms_norm(added, scale, cfg.rms_norm_eps, ROW_TILE, "interpret")
+    pending = PendingNorm(x, Layer(layers["mlp_norm"]["scale"], jnp.int32(1)), cfg.rms_norm_eps,
+                          ROW_TILE, "interpret")
     for mode in ("w4a16", "w4a8", "w4a4"):
-        out, prepared = add_rms_norm(x, SplitSum(parts, sc), scale, cfg.rms_norm_eps, mode, ROW_TILE, "interpret")
-        assert isinstance(prepared, PreparedNorm) and prepared.shape == x.shape
-        np.testing.assert_array_equal(np.asarray(out), np.asarray(added), err_msg=mode)
-        np.testing.assert_array_equal(np.asarray(prepared.value()), np.asarray(normed), err_msg=mode)
-        fused = linear(prepared, w, mode, ROW_TILE, "interpret")
-        plain = linear(normed, w, mode, ROW_TILE, "interpret")
+        fused = linear(pending, w, mode, ROW_TILE, "interpret")
+        plain = linear(pending.value(), w, mode, ROW_TILE, "interpret")
         assert fused.shape == (2, 3, 2 * cfg.intermediate_size)
         np.testing.assert_array_equal(np.asarray(fused), np.asarray(plain), err_msg=mode)
-        other = "w4a8" if mode == "w4a16" else "w4a16"
-        with pytest.raises(ValueError, match="prepared for"):
-            linear(prepared, w, other, ROW_TILE, "interpret")
-    out, normed_ref = add_rms_norm(x, SplitSum(parts, sc), scale, cfg.rms_norm_eps, "w4a16", ROW_TILE, "reference")
-    assert isinstance(normed_ref, jax.Array)
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(added))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

@@ -293,42 +293,6 @@ def test_activation_prologue_kernels(rng, dtype, h):
         np.testing.assert_array_equal(np.asarray(bf, np.float32), np.asarray(want, np.float32), err_msg=f"planes M={m}")
 
 
-@pytest.mark.parametrize("h", [576, 4096])
-def test_prologue_residual_add(rng, h):
-    """On the GPU, bf16: the RMSNorm prologues with a residual addend (3 float32 K splits; W4AX: and
-    row scales) return numpy's op-by-op ``x + round(scale * sum(parts))`` bitwise, and the planes /
-    codes of the same prologue run on that sum; a row's results do not depend on the row count."""
-    from pallas_kernels import gpu_activations
-    from tests.test_kernels import residual_numpy
-
-    scales = jnp.asarray(rng.random((3, h)) + 0.5, jnp.bfloat16)
-    x = np.asarray(_x(rng, 40, h, jnp.bfloat16))
-    parts = rng.standard_normal((3, 40, h)).astype(np.float32)
-    row_scale = rng.uniform(0.5, 2.0, (40, 1)).astype(np.float32)
-    for bits in (None, 8, 4):
-        sc = None if bits is None else row_scale
-        want = residual_numpy(x, parts, sc, jnp.bfloat16)
-        full = None
-        for m in (1, 7, 40):
-            add = (jnp.asarray(parts[:, :m]), None if sc is None else jnp.asarray(sc[:m]))
-            if bits is None:
-                *got, res = gpu_activations.rms_norm_planes(jnp.asarray(x[:m]), scales, 1e-5, layer=jnp.int32(1),
-                                                            add=add)
-                plain = [gpu_activations.rms_norm_planes(res, scales, 1e-5, layer=jnp.int32(1))]
-            else:
-                *got, res = gpu_activations.rms_norm_quantize(jnp.asarray(x[:m]), scales, 1e-5, bits,
-                                                              layer=jnp.int32(1), add=add)
-                plain = gpu_activations.rms_norm_quantize(res, scales, 1e-5, bits, layer=jnp.int32(1))
-            np.testing.assert_array_equal(np.asarray(res).view(np.uint16), want[:m].view(np.uint16),
-                                          err_msg=f"bits={bits} M={m}")
-            for g, p in zip(got, plain, strict=True):
-                np.testing.assert_array_equal(np.asarray(g), np.asarray(p), err_msg=f"bits={bits} M={m}")
-            rows = [np.asarray(g)[:, 0] if g.ndim == 3 else np.asarray(g)[0] for g in got]
-            full = rows if full is None else full
-            for a, b in zip(rows, full):
-                np.testing.assert_array_equal(a, b, err_msg=f"row 0, bits={bits} M={m}")
-
-
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("heads,kv", [(32, 8), (40, 40)])
 def test_attention_merge_prologue(rng, dtype, heads, kv):

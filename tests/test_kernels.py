@@ -517,56 +517,6 @@ def test_rope_store_rejects_bad_input(rng):
         call(*odd)
 
 
-def residual_numpy(x, parts, scale, dtype):
-    """``x + linear output`` in numpy float32, each step rounded to ``dtype`` (ml_dtypes' bfloat16):
-    the parts summed left to right, times the row scale, rounded; then the sum with ``x`` rounded."""
-    np_dtype = np.dtype(dtype)
-    y = parts[0].astype(np.float32)
-    for p in parts[1:]:
-        y = y + p
-    if scale is not None:
-        y = scale * y
-    y = y.astype(np_dtype).astype(np.float32)
-    return (x.astype(np.float32) + y).astype(np_dtype)
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("bits,splits,scaled", [(None, 3, False), (None, 1, False), (8, 2, True), (4, 1, True)])
-def test_prologue_adds_the_residual(rng, dtype, bits, splits, scaled):
-    """The RMSNorm prologues with ``add``: the residual they return (and ``reference.residual_add``'s)
-    is bitwise numpy's op-by-op bf16 ``x + round(scale * sum(parts))`` (float32: to its rounding),
-    also with -0.0 rows in x and in the parts, which adding -0.0 keeps; their planes / codes are
-    bitwise those of the same prologue on that sum."""
-    m, h = 5, 576
-    x = np.array(jnp.asarray(rng.standard_normal((m, h)), dtype))
-    x[1] = -0.0
-    parts = rng.standard_normal((splits, m, h)).astype(np.float32)
-    parts[:, 1], parts[:, 2, :7] = -0.0, -0.0
-    scale = rng.uniform(0.5, 2.0, (m, 1)).astype(np.float32) if scaled else None
-    want = residual_numpy(x, parts, scale, dtype)
-    scales = jnp.asarray(rng.random((3, h)) + 0.5, dtype)
-    kw = dict(layer=jnp.int32(2), interpret=True)
-    add = (jnp.asarray(parts), None if scale is None else jnp.asarray(scale))
-    if bits is None:
-        *got, res = gq.rms_norm_planes(jnp.asarray(x), scales, 1e-5, add=add, **kw)
-        plain = [gq.rms_norm_planes(res, scales, 1e-5, **kw)]
-    else:
-        *got, res = gq.rms_norm_quantize(jnp.asarray(x), scales, 1e-5, bits, add=add, **kw)
-        plain = gq.rms_norm_quantize(res, scales, 1e-5, bits, **kw)
-    for g, p in zip(got, plain, strict=True):  # the planes / codes of the sum it returns
-        np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(p).view(np.uint8))
-    np.testing.assert_array_equal(np.signbit(np.asarray(res)[1]), True)  # x + (-0.0) kept -0.0
-    for got_res in (res, ref.residual_add(jnp.asarray(x), jnp.asarray(parts), add[1])):
-        if dtype == jnp.bfloat16:
-            np.testing.assert_array_equal(np.asarray(got_res).view(np.uint8), want.view(np.uint8))
-        else:  # float32: XLA may fuse scale * y + x into an FMA
-            np.testing.assert_allclose(np.asarray(got_res), want, rtol=1e-6, atol=1e-6)
-    with pytest.raises(ValueError, match="partial sums"):
-        gq.rms_norm_planes(jnp.asarray(x), scales, 1e-5, add=(add[0][:, :, :64], None), **kw)
-    with pytest.raises(ValueError, match="row scale"):
-        gq.rms_norm_planes(jnp.asarray(x), scales, 1e-5, add=(add[0], jnp.ones((m,), jnp.float32)), **kw)
-
-
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("bits", [8, 4])
 def test_activation_prologue_kernels(rng, dtype, bits):
