@@ -571,7 +571,7 @@ def _w4ax_kernel(l_ref, qx_ref, sa_ref, p_ref, s_ref, *rest, m: int, k: int, gro
     tots = jax.lax.fori_loop(0, steps, body, tuple(jnp.zeros(tile, jnp.float32) for _ in range(tiles)))
     if return_acc:
         return
-    if split_k > 1 or parts:  # partial sums; the wrapper (or their consumer) adds them and applies the row scales
+    if split_k > 1 or parts:  # partial sums; the wrapper or their consumer adds them, applies the row scales
         _store_tiles(o_ref, masks, tots, rows_first)
     else:
         sas = [pl_triton.load(sa_ref.at[pl.ds(r * bm, bm), :], mask=masks[r], other=1.0)

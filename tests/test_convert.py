@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from convert import cli
-from convert.pipeline import LINEAR_PATHS, _gptq_layers, _linear_inputs_hessians, _map_linears, convert, convert_model, layer_tree
+from convert.pipeline import (LINEAR_PATHS, _gptq_layers, _linear_inputs_hessians, _map_linears, convert, convert_model,
+                              layer_tree)
 from convert.quantize import QuantScheme
 from convert.sources import as_float, read_source
 from pallas_kernels.layout import QuantizedWeight, dequantize
@@ -268,4 +269,5 @@ def test_gptq_layers_run_on_calibration_tokens(rng):
     _, hess = _linear_inputs_hessians(_map_linears(trees[0], lambda _p, w: as_float(w)),
                                       jnp.asarray(src.embed)[tokens], positions, TINY, None)
     want = np.einsum("btk,btl->kl", normed, normed)
-    np.testing.assert_allclose(np.asarray(hess[("attn", "qkv")], np.float64), want, rtol=1e-4, atol=1e-4 * abs(want).max())
+    np.testing.assert_allclose(np.asarray(hess[("attn", "qkv")], np.float64), want, rtol=1e-4,
+                               atol=1e-4 * abs(want).max())

@@ -463,9 +463,9 @@ def as_jnp(args):
 
 
 @pytest.mark.parametrize("dtype,heads,kv,parts,bits,scaled", [
-    *((dtype, *case) for dtype in (jnp.float32, jnp.bfloat16) for case in ((6, 2, 0, None, False), (4, 4, 1, None, False),
-                                                                          (9, 3, 3, None, True))),
-    (jnp.bfloat16, 6, 2, 2, 8, True), (jnp.bfloat16, 4, 4, 0, 4, False)])  # a shadow of float32 keys could differ by an ulp
+    *((dtype, *case) for dtype in (jnp.float32, jnp.bfloat16)
+      for case in ((6, 2, 0, None, False), (4, 4, 1, None, False), (9, 3, 3, None, True))),
+    (jnp.bfloat16, 6, 2, 2, 8, True), (jnp.bfloat16, 4, 4, 0, 4, False)])  # float32 keys' shadow: an ulp apart
 def test_rope_store_bitwise(rng, dtype, heads, kv, parts, bits, scaled):
     """The RoPE + KV-write kernel: bf16 queries and written keys bitwise as numpy's op-by-op rounding
     (float32: to its rounding, as XLA and Triton may fuse a product into an FMA), values copied,
