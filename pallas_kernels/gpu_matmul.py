@@ -261,6 +261,15 @@ def _split_out(m: int, n: int, block_n: int, split_k: int, rows: int, dtype=jnp.
             pl.BlockSpec((None, rows, block_n), lambda i, j, s: (s, i, j)))
 
 
+def _result(out: jax.Array, split_k: int, parts: bool, out_dtype, scale: jax.Array | None = None) -> jax.Array:
+    """A matmul kernel's output as the wrapper returns it: with ``parts`` the partial sums ``[split_k, M,
+    N]`` as they are (one part where K is not split); else the result in ``out_dtype``, the split
+    partials summed (and scaled by ``scale``) after the kernel, which stored an unsplit one itself."""
+    if parts:
+        return out if split_k > 1 else out[None]
+    return out if split_k == 1 else split_sum(out, scale).astype(out_dtype)
+
+
 def _k_range(units: int, split_k: int) -> tuple[jax.Array | int, jax.Array | int]:
     """(first unit, units) of this program's K range: ``ceil(units / split_k)`` per split, the last
     split the rest (a function of the shape only)."""
@@ -422,9 +431,7 @@ def w4a16_matmul(x: jax.Array, w: QuantizedWeight, *, layer: jax.Array | None = 
     out_shape, out_spec = _split_out(m, n, block_n, split_k, rows, jnp.float32 if parts else out_dtype)
     out = call_kernel(kernel, out_shape, (-(-m // rows), n // block_n, split_k), in_specs, out_spec,
                       interpret, num_warps or WARPS, num_stages or stages, *args)
-    if parts:
-        return out if split_k > 1 else out[None]
-    return out if split_k == 1 else split_sum(out).astype(out_dtype)
+    return _result(out, split_k, parts, out_dtype)
 
 
 # ----------------------------------------------------------------------------------------- W4AX
@@ -639,11 +646,7 @@ def w4ax_quantized(qx: jax.Array, sa: jax.Array, w: QuantizedWeight, *, layer: j
         out_shape, out_spec = _split_out(m, n, block_n, split_k, rows, jnp.float32 if parts else out_dtype)
     out = call_kernel(kernel, out_shape, (-(-m // rows), n // block_n, split_k), in_specs, out_spec,
                       interpret, num_warps or WARPS, num_stages or stages, *args)
-    if parts:
-        return out if split_k > 1 else out[None]
-    if return_acc or split_k == 1:
-        return out
-    return split_sum(out, sa.astype(jnp.float32)).astype(out_dtype)
+    return out if return_acc else _result(out, split_k, parts, out_dtype, sa.astype(jnp.float32))
 
 
 def w4ax_matmul(x: jax.Array, w: QuantizedWeight, bits: int, *, layer: jax.Array | None = None,
@@ -714,4 +717,4 @@ def dense_matmul(x: jax.Array, w: jax.Array, *, block_m: int | None = None, num_
                       [pl.BlockSpec((rows, k), lambda i, j, s: (i, 0)),
                        pl.BlockSpec((block_n, k), lambda i, j, s: (j, 0))],
                       out_spec, interpret, num_warps or WARPS, num_stages or stages, x.astype(w.dtype), w)
-    return out if split_k == 1 else split_sum(out)
+    return _result(out, split_k, False, jnp.float32)
