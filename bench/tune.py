@@ -72,6 +72,11 @@ def _flip_sides(kind: str, m: int) -> list[dict]:
 
 def variants(kind: str, m: int, n: int, k: int) -> list[dict]:
     """The configurations tried at one (kind, M, shape); the first, ``{}``, is the default."""
+    # scales loaded one K iteration ahead or not (the default follows the iterations per program)
+    return _variants(kind, m, n, k) + ([{"prefetch": True}, {"prefetch": False}] if kind != "dense" else [])
+
+
+def _variants(kind: str, m: int, n: int, k: int) -> list[dict]:
     if m <= 16:
         out = [{}, {"num_warps": 8}, {"num_stages": 4}, {"num_stages": 5}, {"num_warps": 8, "num_stages": 4},
                {"num_warps": 2}]
@@ -112,7 +117,7 @@ def variants(kind: str, m: int, n: int, k: int) -> list[dict]:
     return out
 
 
-MATMUL_KEYS = {"num_warps", "num_stages", "block_n", "block_k", "split_k", "block_m", "rows_first"}
+MATMUL_KEYS = {"num_warps", "num_stages", "block_n", "block_k", "split_k", "block_m", "rows_first", "prefetch"}
 
 
 def select(configs: list[dict], only: set[str] | None) -> list[dict]:

@@ -81,6 +81,11 @@ PLANE_ELEMS = 16  # uint16 elements of a 64-block, each holding 4 nibbles (W4A16
 ROW_TILES = 1  # row tiles per program at most (>1: a weight tile unpacked once for more rows)
 MIN_PROGRAMS = 264  # split K until N / block_n * split_k reaches this (2 programs per H200 SM)
 WARPS = 4
+# Programs that loop over at least this many K iterations load each iteration's scales one iteration ahead
+# (:func:`_w4a16_kernel`): 1.0-1.2x faster on the H200 with 5 or more, 0.94-1.01x with 2 (the o
+# projections, whose loop the carried scales keep from being unrolled) and 0.97-1.02x with 4
+# (bench/results/kernels_history.md, session 19).
+PREFETCH_MIN_ITERATIONS = 5
 
 
 def _is_pow2(v: int) -> bool:
@@ -219,9 +224,13 @@ def _plane_rows(ref, plane: int, r: int, cols, mask, interpret: bool):
     return _load_rows(at_layer(ref, plane, (pl.ds(r * bm, bm), cols), interpret), mask)
 
 
-def _load_layer(ref, layer, cols, interpret: bool, **kw):
-    """Columns ``cols`` of ``ref[layer]`` (``ref`` itself if ``layer`` is None): scales, minimums."""
-    return pl_triton.load(at_layer(ref, layer, (slice(None), cols), interpret), **kw)
+def _load_layer(ref, layer, cols, interpret: bool, valid=None, **kw):
+    """Columns ``cols`` of ``ref[layer]`` (``ref`` itself if ``layer`` is None): scales, minimums;
+    with ``valid`` (a scalar bool) nothing is read where it is false (zeros)."""
+    view = at_layer(ref, layer, (slice(None), cols), interpret)
+    if valid is not None:
+        kw.update(mask=jnp.broadcast_to(valid, view.shape), other=0)
+    return pl_triton.load(view, **kw)
 
 
 def _load_weight(ref, layer, cols, interpret: bool):
@@ -270,6 +279,12 @@ def _result(out: jax.Array, split_k: int, parts: bool, out_dtype, scale: jax.Arr
     return out if split_k == 1 else split_sum(out, scale).astype(out_dtype)
 
 
+def _prefetch(prefetch: bool | None, iterations: int, split_k: int) -> bool:
+    """Whether to load scales one K iteration ahead: as given, else where a program has at least
+    :data:`PREFETCH_MIN_ITERATIONS` of the ``iterations`` (timing only: the same bits either way)."""
+    return -(-iterations // split_k) >= PREFETCH_MIN_ITERATIONS if prefetch is None else prefetch
+
+
 def _k_range(units: int, split_k: int) -> tuple[jax.Array | int, jax.Array | int]:
     """(first unit, units) of this program's K range: ``ceil(units / split_k)`` per split, the last
     split the rest (a function of the shape only)."""
@@ -314,35 +329,43 @@ def _w4a16_operand(p, t, s, mn, interpret):
         pack=2, result_shape_dtypes=[jax.ShapeDtypeStruct(p.shape, jnp.bfloat16)])[0]
 
 
-def _plane_group_values(ref, layer, i, t, block_k, group, words, interpret):
-    """Per-element bf16 scale (or minimum) tile ``[bn, words]`` of plane ``t`` in K chunk ``i``.
+def _chunk_group_values(ref, layer, i, block_k, group, interpret, valid=None):
+    """The scale (or minimum) tiles of K chunk ``i`` as loaded, before :func:`_plane_group_values`
+    spreads them over a plane: ``([bn, 1],)`` for a group spanning the chunk, ``([bn, groups],)`` for
+    groups of >= 64, and the even and odd groups ``([bn, blocks], [bn, blocks])`` for groups of 32
+    (the low and high half of each 64-block); ``valid``: as in :func:`_load_layer`."""
+    if group >= block_k:  # one group for the whole chunk
+        return (_load_layer(ref, layer, pl.ds((i * block_k) // group, 1), interpret, valid),)
+    per = block_k // group  # groups in the chunk
+    if group != 32:
+        return (_load_layer(ref, layer, pl.ds(i * per, per), interpret, valid),)
+    if interpret:
+        v = _load_layer(ref, layer, pl.ds(i * per, per), interpret, valid)
+        return v[:, 0::2], v[:, 1::2]
+    return tuple(_load_layer(ref, layer, pl.ds(i * per + h, per // 2, stride=2), interpret, valid) for h in (0, 1))
+
+
+def _plane_group_values(tiles, t, block_k, group, words):
+    """Per-element bf16 tile ``[bn, words]`` of plane ``t`` from its chunk's :func:`_chunk_group_values`.
 
     Element ``e`` of a chunk's plane ``t`` lies in K block ``e // 16``; with groups of 32 its group
     is ``2 * block + t % 2`` (low / high half), with groups of >= 64, ``block * 64 // group``."""
-    bn = ref.shape[1]
-    if group >= block_k:  # one group for the whole chunk
-        v = _load_layer(ref, layer, pl.ds((i * block_k) // group, 1), interpret)
-        return jnp.broadcast_to(v.astype(jnp.bfloat16), (bn, words))
-    per = block_k // group  # groups in the chunk
-    if group == 32:  # every other group: the plane's half of each block
-        blocks = per // 2
-        if interpret:
-            v = _load_layer(ref, layer, pl.ds(i * per, per), interpret)[:, t % 2::2]
-        else:
-            v = _load_layer(ref, layer, pl.ds(i * per + t % 2, blocks, stride=2), interpret)
-        rep = PLANE_ELEMS
-    else:
-        blocks, v, rep = per, _load_layer(ref, layer, pl.ds(i * per, per), interpret), group // 4
-    v = v.astype(jnp.bfloat16)
-    return jnp.broadcast_to(v[:, :, None], (bn, blocks, rep)).reshape(bn, words)
+    v = (tiles[t % 2] if group == 32 else tiles[0]).astype(jnp.bfloat16)
+    bn = v.shape[0]
+    if group >= block_k:
+        return jnp.broadcast_to(v, (bn, words))
+    rep = PLANE_ELEMS if group == 32 else group // 4
+    return jnp.broadcast_to(v[:, :, None], (bn, v.shape[1], rep)).reshape(bn, words)
 
 
 def _w4a16_kernel(l_ref, x_ref, p_ref, s_ref, *rest, m: int, k: int, group: int, block_k: int,
-                  split_k: int, bm: int, tiles: int, rows_first: bool, interpret: bool):
+                  split_k: int, bm: int, tiles: int, rows_first: bool, prefetch: bool, interpret: bool):
     """Weight rows ``[bn]`` x up to ``tiles`` row tiles: ``acc_r[bn, bm] += sum_t W_t @ x_t,r.T``
     over the 4 nibble planes ``t`` of the chunk's uint16 elements; with ``rows_first`` the tokens are
     the MMA's M side instead, ``acc_r[bm, bn] += sum_t x_t,r @ W_t.T`` (the dequantized weights its
-    shared-memory operand)."""
+    shared-memory operand). With ``prefetch`` each iteration loads the next chunk's scales (and
+    minimums) and carries them: Triton's pipeline does not take these small strided loads, so loaded
+    in the iteration that uses them they stall its dequantization for a memory round trip."""
     symmetric = len(rest) == 1
     m_ref, o_ref = (None, rest[0]) if symmetric else rest
     layer = l_ref[0]
@@ -352,22 +375,31 @@ def _w4a16_kernel(l_ref, x_ref, p_ref, s_ref, *rest, m: int, k: int, group: int,
     base, steps = _k_range(k // block_k, split_k)
     dims = (((1,), (1,)), ((), ()))
 
-    def body(j, accs):
+    def group_values(i, valid=None):
+        return tuple(None if r is None else _chunk_group_values(r, layer, i, block_k, group, interpret, valid)
+                     for r in (s_ref, m_ref))
+
+    def body(j, carry):
+        accs, values = carry
         i = base + j
+        if prefetch:  # the next chunk's (none after this program's last)
+            values, carry_on = values, group_values(jnp.minimum(i + 1, k // block_k - 1), j + 1 < steps)
+        else:
+            values, carry_on = group_values(i), values
         p = _load_weight(p_ref, layer, pl.ds(i * words, words), interpret)  # uint16 [bn, words]
         accs = list(accs)
         for t in range(4):
-            s = _plane_group_values(s_ref, layer, i, t, block_k, group, words, interpret)
-            mn = None if symmetric else _plane_group_values(m_ref, layer, i, t, block_k, group, words, interpret)
+            s, mn = (None if v is None else _plane_group_values(v, t, block_k, group, words) for v in values)
             w_t = _w4a16_operand(p, t, s, mn, interpret)
             for r in range(tiles):
                 x_t = _plane_rows(x_ref, t, r, pl.ds(i * words, words), masks[r], interpret)
                 a, b = (x_t, w_t) if rows_first else (w_t, x_t)
                 accs[r] = accs[r] + jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
-        return tuple(accs)
+        return tuple(accs), carry_on
 
     zeros = tuple(jnp.zeros((bm, bn) if rows_first else (bn, bm), jnp.float32) for _ in range(tiles))
-    accs = jax.lax.fori_loop(0, steps, body, zeros)
+    first = group_values(base) if prefetch else (None, None)
+    accs, _ = jax.lax.fori_loop(0, steps, body, (zeros, first))
     _store_tiles(o_ref, masks, accs, rows_first)
 
 
@@ -386,9 +418,9 @@ def activation_planes(x: jax.Array, planes: int) -> jax.Array:
 def w4a16_matmul(x: jax.Array, w: QuantizedWeight, *, layer: jax.Array | None = None,
                  block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
                  block_m: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                 rows_first: bool | None = None, out_dtype=jnp.float32, parts: bool = False,
-                 interpret: bool = False) -> jax.Array:
-    """``x[M, K] @ w4a16_weights(w).T`` with bf16 activations and float32 accumulation -> ``[M, N]`` in
+                 rows_first: bool | None = None, prefetch: bool | None = None, out_dtype=jnp.float32,
+                 parts: bool = False, interpret: bool = False) -> jax.Array:
+    """``x[M, K] @ w4a16_weights(w).T with bf16 activations and float32 accumulation -> ``[M, N]`` in
     ``out_dtype`` (the float32 result rounded once: by the kernel's store where K is not split); with
     ``parts``, the float32 partial sums of the K splits ``[split_k, M, N]`` unsummed (their sum left to
     right is the result), for a consumer kernel that adds them itself;
@@ -401,7 +433,8 @@ def w4a16_matmul(x: jax.Array, w: QuantizedWeight, *, layer: jax.Array | None = 
     ``rows_first`` (tokens on the MMA's M side, see :func:`_w4a16_kernel`; default: for row tiles of at
     most :data:`ROWS_FIRST_MAX` rows) gives the same bits as the weights-first kernel on the GPU, which
     row-count invariance needs since it follows M (tests/test_gpu.py checks M = 1..256 bitwise;
-    interpret mode cannot tell)."""
+    interpret mode cannot tell). ``prefetch``: the next K chunk's scales loaded one iteration
+    ahead (default: :func:`_prefetch`; timing only, the same bits)."""
     if x.ndim == 3 and (x.shape[0] != 4 or x.dtype != jnp.bfloat16):
         raise ValueError(f"activation planes must be bfloat16 [4, M, K/4], got {x.dtype}{x.shape}")
     xp = x if x.ndim == 3 else None
@@ -420,7 +453,8 @@ def w4a16_matmul(x: jax.Array, w: QuantizedWeight, *, layer: jax.Array | None = 
     if xp is None:
         xp = activation_planes(x.astype(jnp.bfloat16), 4)
     kernel = functools.partial(_w4a16_kernel, m=m, k=k, group=g, block_k=block_k, split_k=split_k,
-                               bm=bm, tiles=tiles, rows_first=rows_first, interpret=interpret)
+                               bm=bm, tiles=tiles, rows_first=rows_first,
+                               prefetch=_prefetch(prefetch, k // block_k, split_k), interpret=interpret)
     sspec = stacked_spec(nl, (block_n, k // g), lambda i, j, s: (j, 0))
     in_specs = [LAYER_SPEC, pl.BlockSpec((4, rows, k // 4), lambda i, j, s: (0, i, 0)),
                 stacked_spec(nl, (block_n, k // 4), lambda i, j, s: (j, 0)), sspec]
@@ -474,7 +508,7 @@ def _word_codes_int8(p16: jax.Array, byte: int, high: bool, symmetric: bool, int
 
 def _w4ax_kernel(l_ref, qx_ref, sa_ref, p_ref, s_ref, *rest, m: int, k: int, group: int, block_k: int,
                  split_k: int, bm: int, tiles: int, words: bool, rows_first: bool, return_acc: bool,
-                 parts: bool, interpret: bool):
+                 parts: bool, prefetch: bool, interpret: bool):
     """Weight rows ``[bn]`` x row tiles: per weight group, int8 MMAs into int32, then the epilogue.
     Tiles are ``[bn, bm]`` (weights on the MMA's M side), or ``[bm, bn]`` with ``rows_first``.
 
@@ -525,15 +559,22 @@ def _w4ax_kernel(l_ref, qx_ref, sa_ref, p_ref, s_ref, *rest, m: int, k: int, gro
     def both(res):
         return tuple((a0 + a1, None if s0 is None else s0 + s1) for (a0, s0), (a1, s1) in zip(*res))
 
-    def epilogue(tots, res, gi):
-        """``tot += f32(acc_g) * s_g (+ f32(sum_g) * m_g)`` per row tile. Symmetric: the accumulator
-        holds 16 * acc_g and the scale is taken / 16, exact powers of two, so ``t`` has the same bits."""
-        s = _load_layer(s_ref, layer, pl.ds(gi, 1), interpret).astype(jnp.float32)  # [bn, 1]
+    def group_values(gi, valid=None):
+        """The epilogue's float32 ``(s_g, m_g or None)`` of group ``gi``: ``[bn, 1]``, ``[1, bn]`` with
+        ``rows_first``. Symmetric: ``s_g / 16`` (the accumulator holds 16 * acc_g; exact powers of two,
+        so the epilogue's ``t`` has the same bits). ``valid``: as in :func:`_load_layer`."""
+        s = _load_layer(s_ref, layer, pl.ds(gi, 1), interpret, valid).astype(jnp.float32)  # [bn, 1]
         if symmetric:
             s = s * np.float32(1 / SIGNED_SCALE)
-        mn = None if symmetric else _load_layer(m_ref, layer, pl.ds(gi, 1), interpret).astype(jnp.float32)
+        mn = None if symmetric else _load_layer(m_ref, layer, pl.ds(gi, 1), interpret, valid).astype(jnp.float32)
         if rows_first:  # per output column: [1, bn]
             s, mn = s.reshape(1, bn), None if mn is None else mn.reshape(1, bn)
+        return s, mn
+
+    def epilogue(tots, res, gi, values):
+        """``tot += f32(acc_g) * s_g (+ f32(sum_g) * m_g)`` per row tile, ``values`` being group
+        ``gi``'s :func:`group_values`."""
+        s, mn = values
         out = []
         for r, (acc, xs) in enumerate(res):
             if return_acc:
@@ -549,33 +590,49 @@ def _w4ax_kernel(l_ref, qx_ref, sa_ref, p_ref, s_ref, *rest, m: int, k: int, gro
             out.append(tots[r] + t)
         return tuple(out)
 
-    if group <= block_k:
+    if group <= block_k:  # a loop iteration per K chunk: one or more groups (pairs of groups of 32)
         unit = max(group, PACK_BLOCK) // 2  # bytes per group (or per 64-block for groups of 32)
         base, steps = _k_range(k // block_k, split_k)
+        iterations = k // block_k
+        units = [j * unit for j in range(block_k // 2 // unit)]  # a unit's first byte in its chunk
 
-        def body(i, tots):
-            for j in range(block_k // 2 // unit):
-                byte0 = (base + i) * (block_k // 2) + j * unit
-                res = planes(byte0, unit)
-                if group == 32:
-                    tots = epilogue(tots, res[0], byte0 // 16)
-                    tots = epilogue(tots, res[1], byte0 // 16 + 1)
-                else:
-                    tots = epilogue(tots, both(res), byte0 * 2 // group)
+        def groups(i):
+            return [g for u in units for g in ((i * (block_k // 2) + u) // 16 + h for h in (0, 1))] \
+                if group == 32 else [(i * (block_k // 2) + u) * 2 // group for u in units]
+
+        def accumulate(i, tots, values):
+            gis = iter(zip(groups(i), values))
+            for u in units:
+                res = planes(i * (block_k // 2) + u, unit)
+                for r in (res if group == 32 else [both(res)]):
+                    tots = epilogue(tots, r, *next(gis))
             return tots
-    else:
-        gbase, steps = _k_range(k // group, split_k)
+    else:  # a loop iteration per group, in K chunks
+        base, steps = _k_range(k // group, split_k)
+        iterations = k // group
 
-        def body(i, tots):
-            gi = gbase + i
+        def groups(i):
+            return [i]
 
+        def accumulate(gi, tots, values):
             def chunk(c, carry):
                 res = both(planes(gi * (group // 2) + c * (block_k // 2), block_k // 2))
                 return tuple((a + ra, None if s is None else s + rs) for (a, s), (ra, rs) in zip(carry, res))
 
-            return epilogue(tots, jax.lax.fori_loop(0, group // block_k, chunk, zeros), gi)
+            return epilogue(tots, jax.lax.fori_loop(0, group // block_k, chunk, zeros), gi, values[0])
 
-    tots = jax.lax.fori_loop(0, steps, body, tuple(jnp.zeros(tile, jnp.float32) for _ in range(tiles)))
+    def load(i, valid=None):
+        return tuple(group_values(g, valid) for g in groups(i))
+
+    def body(j, carry):
+        tots, values = carry
+        i = base + j
+        if prefetch:  # the next iteration's (none after this program's last); see _w4a16_kernel
+            return accumulate(i, tots, values), load(jnp.minimum(i + 1, iterations - 1), j + 1 < steps)
+        return accumulate(i, tots, load(i)), values
+
+    zeros_f32 = tuple(jnp.zeros(tile, jnp.float32) for _ in range(tiles))
+    tots, _ = jax.lax.fori_loop(0, steps, body, (zeros_f32, load(base) if prefetch else ()))
     if return_acc:
         return
     if split_k > 1 or parts:  # partial sums; the wrapper or their consumer adds them, applies the row scales
@@ -589,8 +646,9 @@ def _w4ax_kernel(l_ref, qx_ref, sa_ref, p_ref, s_ref, *rest, m: int, k: int, gro
 def w4ax_quantized(qx: jax.Array, sa: jax.Array, w: QuantizedWeight, *, layer: jax.Array | None = None,
                    block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
                    block_m: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                   words: bool | None = None, rows_first: bool = False, out_dtype=jnp.float32,
-                   parts: bool = False, interpret: bool = False, return_acc: bool = False) -> jax.Array:
+                   words: bool | None = None, rows_first: bool = False, prefetch: bool | None = None,
+                   out_dtype=jnp.float32, parts: bool = False, interpret: bool = False,
+                   return_acc: bool = False) -> jax.Array:
     """The W4AX kernel on pre-quantized rows (``qx`` int8[M, K], ``sa`` f32[M, 1], as
     :func:`pallas_kernels.reference.quantize_activations` returns them, or ``qx`` already in the
     kernel's plane layout ``[2, M, K/2]`` as :mod:`pallas_kernels.gpu_activations` writes it) ->
@@ -605,7 +663,7 @@ def w4ax_quantized(qx: jax.Array, sa: jax.Array, w: QuantizedWeight, *, layer: j
     is no longer one left-to-right chain as in the reference: ~1e-7 relative, not bitwise). ``layer``,
     ``block_m``, ``num_warps``, ``num_stages``: as in :func:`w4a16_matmul`. ``rows_first``: the tokens
     on the MMA's M side (a tuning variant; the int32 accumulation is exact and the epilogue
-    elementwise, so it gives the same bits).
+    elementwise, so it gives the same bits). ``prefetch``: as in :func:`w4a16_matmul`.
 
     ``words`` (default: where needed): read the packed bytes as uint16 words, their even and odd
     bytes' codes interleaved back into the tile the byte path reads (the same MMAs, the same bits).
@@ -630,7 +688,8 @@ def w4ax_quantized(qx: jax.Array, sa: jax.Array, w: QuantizedWeight, *, layer: j
     gcount = k // g
     kernel = functools.partial(_w4ax_kernel, m=m, k=k, group=g, block_k=block_k, split_k=split_k,
                                bm=bm, tiles=tiles, words=words, rows_first=rows_first, return_acc=return_acc,
-                               parts=parts, interpret=interpret)
+                               parts=parts, prefetch=_prefetch(prefetch, k // max(g, block_k), split_k),
+                               interpret=interpret)
     sspec = stacked_spec(nl, (block_n, gcount), lambda i, j, s: (j, 0))
     in_specs = [LAYER_SPEC, pl.BlockSpec((2, rows, k // 2), lambda i, j, s: (0, i, 0)),
                 pl.BlockSpec((rows, 1), lambda i, j, s: (i, 0)),
@@ -652,7 +711,7 @@ def w4ax_quantized(qx: jax.Array, sa: jax.Array, w: QuantizedWeight, *, layer: j
 def w4ax_matmul(x: jax.Array, w: QuantizedWeight, bits: int, *, layer: jax.Array | None = None,
                 block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
                 block_m: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                rows_first: bool = False, interpret: bool = False) -> jax.Array:
+                rows_first: bool = False, prefetch: bool | None = None, interpret: bool = False) -> jax.Array:
     """W4A8 (``bits=8``) / W4A4 (``bits=4``): per-row activation quantization
     (:func:`pallas_kernels.gpu_activations.quantize_rows`: ``reference.quantize_activations`` in one
     kernel that writes the plane layout), then the int8 kernel with int32 group accumulation and the
@@ -662,7 +721,7 @@ def w4ax_matmul(x: jax.Array, w: QuantizedWeight, bits: int, *, layer: jax.Array
     qx, sa = quantize_rows(x, bits, interpret=interpret)
     return w4ax_quantized(qx, sa, w, layer=layer, block_n=block_n, block_k=block_k, split_k=split_k,
                           block_m=block_m, num_warps=num_warps, num_stages=num_stages, rows_first=rows_first,
-                          interpret=interpret)
+                          prefetch=prefetch, interpret=interpret)
 
 
 # ----------------------------------------------------------------------------------------- dense

@@ -100,6 +100,24 @@ def test_matmul_kernels_match_references(rng, n, k, group, symmetric):
     assert err <= 1e-2
 
 
+@pytest.mark.parametrize("n,k,group,symmetric", MATMUL_SHAPES + [(5120, 13824, 128, True)])
+def test_scale_prefetch_gives_the_same_bits(rng, n, k, group, symmetric):
+    """On the GPU: the matmuls with each K iteration's scales loaded one iteration ahead or in the
+    iteration itself give the same outputs (W4A16, W4A8) and int32 group accumulations, bitwise, at
+    1 and 13 rows (Llama-2-13B's down: 54 K chunks split 8, the default prefetching)."""
+    w = _weight(rng, n, k, group, symmetric)
+    x = _x(rng, 13, k)
+    qx, sa = reference.quantize_activations(x, 8)
+    calls = {"w4a16": lambda a, q, s, pf: gpu_matmul.w4a16_matmul(a, w, prefetch=pf),
+             "w4a8": lambda a, q, s, pf: gpu_matmul.w4ax_quantized(q, s, w, prefetch=pf),
+             "w4a8 acc": lambda a, q, s, pf: gpu_matmul.w4ax_quantized(q, s, w, return_acc=True, prefetch=pf)}
+    for name, call in calls.items():
+        for rows in (slice(0, 13), slice(4, 5)):
+            on, off = (np.asarray(jax.jit(call, static_argnums=3)(x[rows], qx[rows], sa[rows], pf))
+                       for pf in (True, False))
+            np.testing.assert_array_equal(on, off, err_msg=f"{name} rows {rows}")
+
+
 @pytest.mark.parametrize("n,k,group,symmetric", [(4096, 4096, 128, True), (1024, 1536, 32, False)])
 def test_w4ax_words_match_bytes(rng, n, k, group, symmetric):
     """On the GPU: the W4AX kernel reading a stack's packed bytes as uint16 words (how it reads

@@ -202,6 +202,25 @@ def test_row_count_invariance(rng, symmetric, row_tiles, monkeypatch):
             np.testing.assert_array_equal(inside[rows], alone[: len(rows)], err_msg=f"{name} M={m}")
 
 
+@pytest.mark.parametrize("n,k,group,symmetric,block_k", CASES)
+def test_scale_prefetch_gives_the_same_bits(rng, n, k, group, symmetric, block_k):
+    """The scales loaded one K iteration ahead (carried through the loop, none loaded after a
+    program's last iteration) or in the iteration that uses them: the same outputs, partial sums and
+    int32 group accumulations, bitwise, for every group layout and with K split."""
+    w = random_weight(rng, n, k, group, symmetric)
+    x = random_x(rng, 5, k)
+    qx, sa = ref.quantize_activations(x, 8)
+    units = k // max(group, gm.default_config(n, k, group, "w4ax", BN, block_k)[1])
+    for split in (1, 2)[:units]:
+        kw = dict(block_n=BN, block_k=block_k, split_k=split, interpret=True)
+        calls = {"w4a16": lambda pf: gm.w4a16_matmul(x, w, parts=True, prefetch=pf, **kw),
+                 "w4ax": lambda pf: gm.w4ax_quantized(qx, sa, w, parts=True, prefetch=pf, **kw),
+                 "w4ax acc": lambda pf: gm.w4ax_quantized(qx, sa, w, return_acc=True, prefetch=pf, **kw)}
+        for name, call in calls.items():
+            np.testing.assert_array_equal(np.asarray(call(True)), np.asarray(call(False)),
+                                          err_msg=f"{name} split {split}")
+
+
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("k,splits", [(512, (2, 4)), (384, (2,)), (896, (4,))])
 def test_split_k(rng, symmetric, k, splits):
