@@ -3,7 +3,8 @@
     python -m bench.sass attention --kv-bits 8 [--batch 16 --heads 32 --kv-heads 32 --head-dim 128
         --slots 4096] [--out FILE]
     python -m bench.sass w4a16 --m 16 --n 28672 --k 4096 [--block-m 32 --num-warps 4 --num-stages 3
-        --rows-first] [--out FILE]
+        --rows-first --prefetch] [--out FILE]
+    python -m bench.sass w4ax --m 16 --n 28672 --k 4096 [... as w4a16]
 
 The kernel is lowered for CUDA on this machine (jax's Triton lowering, with an H200 as the assumed
 target), each Pallas kernel's Triton module is taken as text, compiled for sm_90 by a local
@@ -179,15 +180,21 @@ def _attention(args):
             (q, words, words, scales, scales, pos))
 
 
-def _w4a16(args):
+def _matmul(args):
+    """The W4A16 matmul on bf16 rows, or the W4AX kernel on int8 rows already in its plane layout."""
     from bench.kernels import make_weight
     from pallas_kernels import gpu_matmul
 
     w = jax.eval_shape(lambda: make_weight(jax.random.key(0), args.n, args.k, 128, True))
-    x = jax.ShapeDtypeStruct((args.m, args.k), jnp.bfloat16)
     tiles = {"block_m": args.block_m, "num_warps": args.num_warps, "num_stages": args.num_stages,
-             "rows_first": args.rows_first}  # None: the kernel's defaults for this M
-    return (lambda x, w: gpu_matmul.w4a16_matmul(x, w, **tiles)), (x, w)
+             "prefetch": args.prefetch}  # None: the kernel's defaults for this M and shape
+    if args.kernel == "w4a16":
+        x = jax.ShapeDtypeStruct((args.m, args.k), jnp.bfloat16)
+        return (lambda x, w: gpu_matmul.w4a16_matmul(x, w, rows_first=args.rows_first, **tiles)), (x, w)
+    qx = jax.ShapeDtypeStruct((2, args.m, args.k // 2), jnp.int8)
+    sa = jax.ShapeDtypeStruct((args.m, 1), jnp.float32)
+    return ((lambda q, s, w: gpu_matmul.w4ax_quantized(q, s, w, rows_first=bool(args.rows_first), **tiles)),
+            (qx, sa, w))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -199,14 +206,17 @@ def main(argv: list[str] | None = None) -> None:
     att.add_argument("--kv-bits", type=int, choices=(16, 8, 4), default=16)
     for name, default in (("batch", 16), ("heads", 32), ("kv-heads", 32), ("head-dim", 128), ("slots", 4096)):
         att.add_argument(f"--{name}", type=int, default=default)
-    mm = sub.add_parser("w4a16", parents=[common], help="the W4A16 matmul")
-    for name, default in (("m", 16), ("n", 28672), ("k", 4096), ("block-m", None), ("num-warps", None),
-                          ("num-stages", None)):
-        mm.add_argument(f"--{name}", type=int, default=default)
-    mm.add_argument("--rows-first", action=argparse.BooleanOptionalAction, default=None,
-                    help="the tokens on the MMA's M side (default: the kernel's choice for the row tile)")
+    for kind, help_ in (("w4a16", "the W4A16 matmul"), ("w4ax", "the W4A8 / W4A4 matmul (int8 rows)")):
+        mm = sub.add_parser(kind, parents=[common], help=help_)
+        for name, default in (("m", 16), ("n", 28672), ("k", 4096), ("block-m", None), ("num-warps", None),
+                              ("num-stages", None)):
+            mm.add_argument(f"--{name}", type=int, default=default)
+        mm.add_argument("--rows-first", action=argparse.BooleanOptionalAction, default=None,
+                        help="the tokens on the MMA's M side (default: the kernel's choice)")
+        mm.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=None,
+                        help="scales loaded one K iteration ahead (default: the kernel's choice)")
     args = ap.parse_args(argv)
-    fn, fn_args = (_attention if args.kernel == "attention" else _w4a16)(args)
+    fn, fn_args = (_attention if args.kernel == "attention" else _matmul)(args)
     kernels = triton_modules(fn, *fn_args)
     if not kernels:
         raise SystemExit("no Pallas kernel in this call (a shape the kernels do not take falls back to XLA)")

@@ -3,6 +3,9 @@ listing (hand-written here, so the counts are known); the compile step where a l
 
 from __future__ import annotations
 
+import argparse
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -96,15 +99,15 @@ def test_occupancy_matches_nsight_compute_on_the_h200():
 
 def test_compile_reports_registers_and_shared_memory():
     """With a local triton: the W4A16 kernel at M = 16 and 64 as Nsight Compute saw it on the H200 in
-    session 13, with 512-wide K chunks (the shared memory to the byte; registers within the compilers'
-    difference, XLA's being 92 / 239)."""
+    session 13, with 512-wide K chunks and the scales loaded in the iteration that uses them (the shared
+    memory to the byte; registers within the compilers' difference, XLA's being 92 / 239)."""
     pytest.importorskip("triton")
     from bench.kernels import make_weight
     from pallas_kernels import gpu_matmul
 
     w = jax.eval_shape(lambda: make_weight(jax.random.key(0), 22016, 4096, 128, True))
     for m, shared, registers in ((16, 66560, 92), (64, 230400, 239)):
-        (k,) = sass.triton_modules(lambda x, w: gpu_matmul.w4a16_matmul(x, w, block_k=512),
+        (k,) = sass.triton_modules(lambda x, w: gpu_matmul.w4a16_matmul(x, w, block_k=512, prefetch=False),
                                    jax.ShapeDtypeStruct((m, 4096), jnp.bfloat16), w)
         built = sass.compile_sass(k["module"], k["num_warps"], k["num_stages"])
         assert built["shared"] == shared and abs(built["registers"] - registers) <= 8
@@ -135,3 +138,27 @@ def test_compile_runs_the_ttir_passes_as_xla_does():
     assert "arith.addf" in m["module"]  # what the Pallas lowering hands over
     ttgir = sass.compile_sass(m["module"], m["num_warps"], m["num_stages"])["ttgir"]
     assert "dot" in ttgir and "arith.addf" not in ttgir
+
+
+@pytest.mark.parametrize("kind", ["w4a16", "w4ax"])
+def test_scale_prefetch_carries_the_next_scales(kind):
+    """The CUDA lowering of both matmuls: with the scales prefetched, the K loop carries the next
+    iteration's scale tiles (``[64, groups]`` of the weight tile's rows) beside its accumulator; the
+    default prefetches where a program has 5 or more K iterations (Llama-3-8B's down, 56 chunks in 8
+    splits) and not with 2 (its o, 16 chunks in 8)."""
+    from pallas_kernels import gpu_matmul
+
+    def carried(n: int, k: int, prefetch: bool | None) -> list[str]:
+        args = argparse.Namespace(kernel=kind, m=16, n=n, k=k, block_m=None, num_warps=None, num_stages=None,
+                                  rows_first=None, prefetch=prefetch)
+        fn, fn_args = sass._matmul(args)
+        (m,) = sass.triton_modules(fn, *fn_args)
+        (loop,) = [line for line in m["module"].splitlines() if "scf.for" in line]
+        return re.findall(r"tensor<[^>]*>", loop.split("->")[-1])
+
+    assert len(carried(4096, 14336, False)) == 1  # the accumulator alone
+    with_scales = carried(4096, 14336, True)
+    assert len(with_scales) > 1 and all(re.fullmatch(r"tensor<64x\d+xf(16|32)>", t) for t in with_scales[1:])
+    assert carried(4096, 14336, None) == with_scales
+    assert len(carried(4096, 4096, None)) == 1 and len(carried(4096, 4096, True)) > 1
+    assert gpu_matmul.PREFETCH_MIN_ITERATIONS == 5
