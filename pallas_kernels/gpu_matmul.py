@@ -420,7 +420,7 @@ def w4a16_matmul(x: jax.Array, w: QuantizedWeight, *, layer: jax.Array | None = 
                  block_m: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                  rows_first: bool | None = None, prefetch: bool | None = None, out_dtype=jnp.float32,
                  parts: bool = False, interpret: bool = False) -> jax.Array:
-    """``x[M, K] @ w4a16_weights(w).T with bf16 activations and float32 accumulation -> ``[M, N]`` in
+    """``x[M, K] @ w4a16_weights(w).T`` with bf16 activations and float32 accumulation -> ``[M, N]`` in
     ``out_dtype`` (the float32 result rounded once: by the kernel's store where K is not split); with
     ``parts``, the float32 partial sums of the K splits ``[split_k, M, N]`` unsummed (their sum left to
     right is the result), for a consumer kernel that adds them itself;
@@ -596,9 +596,9 @@ def _w4ax_kernel(l_ref, qx_ref, sa_ref, p_ref, s_ref, *rest, m: int, k: int, gro
         iterations = k // block_k
         units = [j * unit for j in range(block_k // 2 // unit)]  # a unit's first byte in its chunk
 
-        def groups(i):
-            return [g for u in units for g in ((i * (block_k // 2) + u) // 16 + h for h in (0, 1))] \
-                if group == 32 else [(i * (block_k // 2) + u) * 2 // group for u in units]
+        def groups(i):  # the iteration's groups in the order accumulate applies them
+            firsts = [i * (block_k // 2) + u for u in units]
+            return [b // 16 + h for b in firsts for h in (0, 1)] if group == 32 else [b * 2 // group for b in firsts]
 
         def accumulate(i, tots, values):
             gis = iter(zip(groups(i), values))

@@ -202,11 +202,12 @@ def test_row_count_invariance(rng, symmetric, row_tiles, monkeypatch):
             np.testing.assert_array_equal(inside[rows], alone[: len(rows)], err_msg=f"{name} M={m}")
 
 
-@pytest.mark.parametrize("n,k,group,symmetric,block_k", CASES)
+@pytest.mark.parametrize("n,k,group,symmetric,block_k", [CASES[0], CASES[2], CASES[3]])
 def test_scale_prefetch_gives_the_same_bits(rng, n, k, group, symmetric, block_k):
     """The scales loaded one K iteration ahead (carried through the loop, none loaded after a
     program's last iteration) or in the iteration that uses them: the same outputs, partial sums and
-    int32 group accumulations, bitwise, for every group layout and with K split."""
+    int32 group accumulations, bitwise, for each way a chunk holds its groups (groups of 32 with
+    minimums, several groups of 128 with minimums, a group spanning two chunks) and with K split."""
     w = random_weight(rng, n, k, group, symmetric)
     x = random_x(rng, 5, k)
     qx, sa = ref.quantize_activations(x, 8)
