@@ -72,8 +72,11 @@ def _flip_sides(kind: str, m: int) -> list[dict]:
 
 def variants(kind: str, m: int, n: int, k: int) -> list[dict]:
     """The configurations tried at one (kind, M, shape); the first, ``{}``, is the default."""
-    # scales loaded one K iteration ahead or not (the default follows the iterations per program)
-    return _variants(kind, m, n, k) + ([{"prefetch": True}, {"prefetch": False}] if kind != "dense" else [])
+    if kind == "dense":
+        return _variants(kind, m, n, k)
+    # the scales loaded one K iteration ahead or not: the other choice than the shape's default
+    return _variants(kind, m, n, k) + [{"prefetch": not gm.default_prefetch(n, k, GROUP, "w4a16" if kind == "w4a16"
+                                                                         else "w4ax")}]
 
 
 def _variants(kind: str, m: int, n: int, k: int) -> list[dict]:

@@ -279,6 +279,13 @@ def _result(out: jax.Array, split_k: int, parts: bool, out_dtype, scale: jax.Arr
     return out if split_k == 1 else split_sum(out, scale).astype(out_dtype)
 
 
+def default_prefetch(n: int, k: int, group: int, kind: str) -> bool:
+    """Whether a weight shape's default tiles load the scales one K iteration ahead (``kind`` as in
+    :func:`default_config`)."""
+    _, block_k, split_k = default_config(n, k, group, kind)
+    return _prefetch(None, k // (block_k if kind == "w4a16" else max(group, block_k)), split_k)
+
+
 def _prefetch(prefetch: bool | None, iterations: int, split_k: int) -> bool:
     """Whether to load scales one K iteration ahead: as given, else where a program has at least
     :data:`PREFETCH_MIN_ITERATIONS` of the ``iterations`` (timing only: the same bits either way)."""

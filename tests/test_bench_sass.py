@@ -162,3 +162,6 @@ def test_scale_prefetch_carries_the_next_scales(kind):
     assert carried(4096, 14336, None) == with_scales
     assert len(carried(4096, 4096, None)) == 1 and len(carried(4096, 4096, True)) > 1
     assert gpu_matmul.PREFETCH_MIN_ITERATIONS == 5
+    mode = "w4a16" if kind == "w4a16" else "w4ax"  # what bench.tune reads as the default
+    assert gpu_matmul.default_prefetch(4096, 14336, 128, mode)
+    assert not gpu_matmul.default_prefetch(4096, 4096, 128, mode)
