@@ -85,6 +85,11 @@ CHECK_CASES = [("o g128 sym", 4096, 4096, 128, True), ("o g32 asym", 4096, 4096,
                ("down per-channel sym", 4096, 14336, 14336, True)]
 PARTS = ("check", "attn", "table")  # in the order they run
 SUMMARY_MS = (1, 16)
+# Kernels a W4A16 / W4A4 call launches to prepare its activation input, by name: XLA's permutation into
+# bf16 planes (gpu_matmul.activation_planes) and the quantize_rows prologue. In the model the RMSNorm /
+# SwiGLU / attention-merge prologue before each matmul writes that input itself (gpu_activations), so the
+# table also compares the two calls without them.
+ACTIVATION_PREP = {"w4a16": "transpose", "w4a4": "_prologue_kernel"}
 GROUP = 128  # the timed weights: symmetric, group 128
 L2_BYTES = 60e6
 CALLS = 16  # timed calls per configuration, at least
@@ -565,18 +570,31 @@ def _ratio(num: dict, den: dict) -> str:
     return "n/a" if "error" in num or "error" in den else f"{num['us'] / den['us']:.2f}×"
 
 
+def without_prep(e: dict, kind: str) -> dict:
+    """Entry ``e`` of a ``kind`` call ("w4a16" or "w4a4") less its :data:`ACTIVATION_PREP` kernels
+    (``us`` only), or an error where its timing has no such kernel (host wall time: no breakdown)."""
+    if "error" in e:
+        return e
+    kernels = e.get("kernels") or {}
+    prep = [name for name in kernels if ACTIVATION_PREP[kind] in name]
+    if not prep:
+        return {"error": "no per-kernel times"}
+    return {"us": e["us"] - sum(kernels[name] for name in prep)}
+
+
 def _model_table(rows: list[dict]) -> list[str]:
     lines = ["| shape (N×K) | M | W4A16 µs | W4A4 µs | XLA bf16 µs | XLA int4 µs | W4A16 %BW | "
              "W4A4 %BW | XLA bf16 %BW | XLA int4 %BW | W4A16 vs XLA bf16 | W4A16 vs XLA int4 | "
-             "W4A4 vs W4A16 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "W4A4 vs W4A16 | W4A4 vs W4A16, input prep excluded |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     notes: dict[str, list[str]] = {}
     for r in rows:
         lines.append(f"| {r['shape']} {r['N']}×{r['K']} | {r['M']} | "
                      + " | ".join(_us(r[kind]) for kind in KINDS) + " | "
                      + " | ".join(_pct(r[kind]) for kind in KINDS) + " | "
                      + f"{_ratio(r['xla_bf16'], r['w4a16'])} | {_ratio(r['xla_int4'], r['w4a16'])} | "
-                     + f"{_ratio(r['w4a16'], r['w4a4'])} |")
+                     + f"{_ratio(r['w4a16'], r['w4a4'])} | "
+                     + f"{_ratio(without_prep(r['w4a16'], 'w4a16'), without_prep(r['w4a4'], 'w4a4'))} |")
         for kind in KINDS:
             if "error" in r[kind]:
                 notes.setdefault(f"{kind} {r['shape']}: {r[kind]['error']}", []).append(str(r["M"]))
@@ -630,7 +648,10 @@ def markdown(res: dict) -> str:
               "kernels.json, 16+; weights rotated over copies > 2× L2). %BW: bytes the call must move "
               "(weights: 0.5 B each + one 2-byte scale per 128 for INT4, 2 B for bf16; bf16 activations; "
               "f32 output) / µs / the copy bandwidth of its run. Speed-ups are time ratios: \"A vs B\" = "
-              "B's µs / A's µs (> 1: A faster). W4A4 includes its activation-quantization kernels. XLA "
+              "B's µs / A's µs (> 1: A faster). W4A4 includes its activation-quantization kernel and W4A16 the XLA "
+              "permutation of its activations into planes; \"input prep excluded\" compares the two calls "
+              "without these (CUPTI's per-kernel times, in kernels.json), as the model runs them: there the "
+              "RMSNorm / SwiGLU / attention-merge prologue before each matmul writes its input. XLA "
               "int4: `jnp.int4` codes × bf16 group-128 scales, dequantized inside the jit; XLA fuses it as "
               "it chooses.", ""]
     models: dict[str, list[dict]] = {}

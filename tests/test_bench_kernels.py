@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
+
 from bench import kernels
 
 
@@ -30,3 +32,25 @@ def test_kernels_smoke_reports_every_part(tmp_path, monkeypatch):
             assert e["max_rel_diff"] < 1e-2  # against XLA over the dequantized shadow: float16 rounding only
     md = (tmp_path / "kernels.md").read_text()
     assert "INT8 shadow µs (× its floor)" in md and "GPU correctness checks" in md
+
+
+def test_input_prep_excluded_ratio_leaves_out_only_the_prep_kernels():
+    rng = np.random.default_rng()
+    t = {name: float(rng.uniform(0.5, 50)) for name in
+         ("_w4a16_kernel", "loop_transpose_fusion", "loop_add_fusion", "_prologue_kernel", "_w4ax_kernel",
+          "loop_multiply_fusion")}
+    w4a16 = {"us": t["_w4a16_kernel"] + t["loop_transpose_fusion"] + t["loop_add_fusion"], "timing": "kernels",
+             "kernels": {n: t[n] for n in ("_w4a16_kernel", "loop_transpose_fusion", "loop_add_fusion")}}
+    w4a4 = {"us": t["_prologue_kernel"] + t["_w4ax_kernel"] + t["loop_multiply_fusion"], "timing": "kernels",
+            "kernels": {n: t[n] for n in ("_prologue_kernel", "_w4ax_kernel", "loop_multiply_fusion")}}
+    assert np.isclose(kernels.without_prep(w4a16, "w4a16")["us"], t["_w4a16_kernel"] + t["loop_add_fusion"])
+    assert np.isclose(kernels.without_prep(w4a4, "w4a4")["us"], t["_w4ax_kernel"] + t["loop_multiply_fusion"])
+    row = {"shape": "s", "N": 64, "K": 64, "M": 1, "w4a16": w4a16, "w4a4": w4a4,
+           "xla_bf16": {"us": 1.0, "pct_copy": 1.0}, "xla_int4": {"us": 1.0, "pct_copy": 1.0}}
+    for e in (w4a16, w4a4):
+        e["pct_copy"] = 1.0
+    cells = kernels._model_table([row])[2].split(" | ")
+    expect = (t["_w4a16_kernel"] + t["loop_add_fusion"]) / (t["_w4ax_kernel"] + t["loop_multiply_fusion"])
+    assert cells[-1] == f"{expect:.2f}× |"
+    # host wall timing has no per-kernel breakdown: no ratio rather than a wrong one
+    assert "error" in kernels.without_prep({"us": 3.0, "timing": "host wall", "kernels": {}}, "w4a4")
