@@ -25,6 +25,8 @@ def gptq_quantize(w: np.ndarray, hessian: np.ndarray, scheme: QuantScheme,
     w = np.array(w, np.float64)
     h = np.array(hessian, np.float64)
     dead = np.diag(h) == 0
+    if dead.all():
+        raise ValueError("the calibration Hessian is zero (no calibration input reached this layer)")
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
     h[np.diag_indices(k)] += damp * np.mean(np.diag(h))

@@ -86,11 +86,16 @@ def calibration_tokens(path: Path, tokenizer_json: str, n_samples: int, seq_len:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"calibration data {path} not found")
+    if n_samples < 1 or seq_len < 1:
+        raise ValueError(f"GPTQ calibration needs n_samples >= 1 and seq_len >= 1, got {n_samples!r} / {seq_len!r}")
     texts = []
-    for line in path.read_text().splitlines():
+    for i, line in enumerate(path.read_text().splitlines(), 1):
         if line.strip():
-            row = json.loads(line)
-            texts.append(f"Question: {row['question']}\nAnswer: {row['answer']}")
+            try:
+                row = json.loads(line)
+                texts.append(f"Question: {row['question']}\nAnswer: {row['answer']}")
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{i}: not a JSON object with 'question' and 'answer' ({e!r})") from None
     rng = np.random.default_rng(seed)
     rng.shuffle(texts)
     tok = Tokenizer.from_str(tokenizer_json)
@@ -165,6 +170,8 @@ def convert_model(src: SourceModel, scheme: QuantScheme | None, rotation_seed: i
 def convert(source: str | Path, out: str | Path, scheme: QuantScheme | None, rotation_seed: int | None,
             calibration: Path | None = None, n_samples: int = 64, seq_len: int = 512) -> Path:
     """Read ``source`` (HF directory or GGUF), convert, and write a checkpoint directory at ``out``."""
+    if Path(out).exists() and not Path(out).is_dir():
+        raise ValueError(f"output {out} exists and is not a directory")
     src = read_source(source)
     params, config, manifest = convert_model(src, scheme, rotation_seed, calibration, n_samples, seq_len)
     manifest["source"] = {"path": str(Path(source).resolve()), "kind": src.kind}

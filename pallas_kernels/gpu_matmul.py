@@ -176,15 +176,19 @@ def supported(kind: str, n: int, k: int, group: int) -> bool:
         return False
 
 
-def _check(x: jax.Array, w: QuantizedWeight, block_n: int, block_k: int, split_k: int) -> tuple[int, int, int]:
-    if x.ndim != 2:
-        raise ValueError(f"x must be [M, K], got shape {x.shape}")
+def _config(x, w: QuantizedWeight, kind: str, block_n: int | None, block_k: int | None,
+            split_k: int | None) -> tuple[int, int, int]:
+    """Check ``x`` (an ``[M, K]`` array or shape struct) against ``w``, then ``(block_n, block_k,
+    split_k)``: :func:`default_config` with the given values kept, checked by :func:`_check_tiles`."""
+    if x.ndim != 2 or x.shape[0] < 1:
+        raise ValueError(f"x must be [M, K] with M >= 1 rows, got shape {x.shape}")
     w.validate()
     n, k = w.shape
     if x.shape[1] != k:
         raise ValueError(f"x has K={x.shape[1]} but the weight has in_features {k}")
-    _check_tiles(n, k, w.group_size, block_n, block_k, split_k)
-    return n, k, w.group_size
+    tiles = default_config(n, k, w.group_size, kind, block_n, block_k, split_k)
+    _check_tiles(n, k, w.group_size, *tiles)
+    return tiles
 
 
 # ------------------------------------------------------------------------------ shared pieces
@@ -447,8 +451,8 @@ def w4a16_matmul(x: jax.Array, w: QuantizedWeight, *, layer: jax.Array | None = 
     xp = x if x.ndim == 3 else None
     if xp is not None:
         x = jax.ShapeDtypeStruct((xp.shape[1], 4 * xp.shape[2]), jnp.bfloat16)
-    block_n, block_k, split_k = default_config(*w.shape, w.group_size, "w4a16", block_n, block_k, split_k)
-    n, k, g = _check(x, w, block_n, block_k, split_k)
+    block_n, block_k, split_k = _config(x, w, "w4a16", block_n, block_k, split_k)
+    (n, k), g = w.shape, w.group_size
     # read as uint16 elements, before stacking: 2-byte elements keep int32 offsets valid
     (packed, scales, mins), lidx = _stacked_arrays(w, _as_words(w.packed), layer)
     nl = packed.shape[0]
@@ -677,12 +681,13 @@ def w4ax_quantized(qx: jax.Array, sa: jax.Array, w: QuantizedWeight, *, layer: j
     A uint8 stack of 2-4 GiB (Llama-2-13B's gate/up, 2.8 GB) would otherwise be indexed with
     wrapping int32 offsets and has to be sliced, a copy of the layer's weight per call; words keep
     the offsets in range."""
-    block_n, block_k, split_k = default_config(*w.shape, w.group_size, "w4ax", block_n, block_k, split_k)
-    planes = qx if qx.ndim == 3 else activation_planes(qx, 2)
-    if planes.shape[0] != 2 or qx.dtype != jnp.int8:
+    if qx.dtype != jnp.int8 or qx.ndim not in (2, 3) or (qx.ndim == 3 and qx.shape[0] != 2):
         raise ValueError(f"qx must be int8 [M, K] or [2, M, K/2], got {qx.dtype}{qx.shape}")
-    m = planes.shape[1]
-    n, k, g = _check(jax.ShapeDtypeStruct((m, 2 * planes.shape[2]), jnp.int8), w, block_n, block_k, split_k)
+    m, kx = (qx.shape[1], 2 * qx.shape[2]) if qx.ndim == 3 else qx.shape
+    block_n, block_k, split_k = _config(jax.ShapeDtypeStruct((m, kx), jnp.int8), w, "w4ax", block_n, block_k,
+                                        split_k)
+    (n, k), g = w.shape, w.group_size
+    planes = qx if qx.ndim == 3 else activation_planes(qx, 2)
     if sa.shape != (m, 1):
         raise ValueError(f"sa must be float32[M, 1] for M={m} rows, got {sa.shape}")
     if words is None:  # uint8 the lowering would index with wrapping int32 offsets
@@ -723,8 +728,7 @@ def w4ax_matmul(x: jax.Array, w: QuantizedWeight, bits: int, *, layer: jax.Array
     (:func:`pallas_kernels.gpu_activations.quantize_rows`: ``reference.quantize_activations`` in one
     kernel that writes the plane layout), then the int8 kernel with int32 group accumulation and the
     float32 epilogue -> ``f32[M, N]`` (tiling arguments: :func:`w4ax_quantized`)."""
-    if x.ndim != 2:
-        raise ValueError(f"x must be [M, K], got shape {x.shape}")
+    _config(x, w, "w4ax", block_n, block_k, split_k)  # before quantize_rows meets a bad x
     qx, sa = quantize_rows(x, bits, interpret=interpret)
     return w4ax_quantized(qx, sa, w, layer=layer, block_n=block_n, block_k=block_k, split_k=split_k,
                           block_m=block_m, num_warps=num_warps, num_stages=num_stages, rows_first=rows_first,

@@ -17,7 +17,7 @@ from qspec_jax.checkpoint import Checkpoint, load_checkpoint
 from qspec_jax.decode import FINISH_REASONS, DecodeState, Runtime, ar_loop, pad_prompts, prefill
 from qspec_jax.kernels import resolve_kernels
 from qspec_jax.qspec import qspec_loop
-from qspec_jax.sampling import Sampling
+from qspec_jax.sampling import Sampling, is_integer
 
 METHODS = ("qspec", "w4a16", "w4a8", "w4a4", "w16a16")
 DRAFTS = ("w4a4", "w4a8")
@@ -25,6 +25,7 @@ CACHE_MULTIPLE = 64  # KV cache slots are allocated in multiples of this (the at
 # Prompts are padded to a multiple of this: calls whose longest prompts fall in one bucket share the
 # compiled prefill and decode loop (pad tokens sit after a sequence's last position: invisible to it)
 PROMPT_MULTIPLE = 64
+COMPUTE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +67,7 @@ class GenerationResult:
 def _tokenize(model: Model, prompts, chat: bool) -> list[list[int]]:
     if isinstance(prompts, str):
         prompts = [prompts]
-    if isinstance(prompts, np.ndarray) and prompts.ndim == 1:
+    if getattr(prompts, "ndim", None) == 1:  # one token-id prompt as a NumPy or JAX array
         prompts = [prompts]
     out = []
     for p in prompts:
@@ -79,10 +80,13 @@ def _tokenize(model: Model, prompts, chat: bool) -> list[list[int]]:
             else:
                 out.append(model.tokenizer.encode(p, add_special_tokens=False))
         else:
+            if chat:
+                raise ValueError("chat=True wraps string prompts in the chat template; a token-id prompt is used "
+                                 "as given (format it with qspec_jax.tokenizer.chat_prompt first)")
             ids = np.asarray(p)
             if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
                 raise ValueError(f"a token-id prompt must be a 1-D integer sequence, got shape {ids.shape} "
-                                 f"dtype {ids.dtype}")
+                                 f"dtype {ids.dtype} (prompts are a list of them: [[1, 2, 3]])")
             if ids.size and (ids.min() < 0 or ids.max() >= model.config.vocab_size):
                 raise ValueError(f"token ids must lie in [0, {model.config.vocab_size}), got "
                                  f"[{ids.min()}, {ids.max()}]")
@@ -95,13 +99,8 @@ def _prefill(params, prompts, lengths, key, *, rt, buffer_len, cache_len, mode) 
     return prefill(params, prompts, lengths, key, rt, buffer_len, cache_len, mode)
 
 
-def _is_int(x) -> bool:
-    """An integer argument (Python or NumPy), and not a bool."""
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
 def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]] | np.ndarray, *,
-             max_new_tokens: int, method: str = "qspec", draft: str = "w4a4", gamma: int = 3,
+             max_new_tokens: int, method: str = "qspec", draft: str = "w4a8", gamma: int = 3,
              draft_kv: int | None = None,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
              eos_token_id: int | None = None, chat: bool = False, max_len: int | None = None,
@@ -115,6 +114,9 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
     Prefill runs in W4A16 (W16A16 for ``w16a16``). ``max_len`` bounds prompt + new tokens (default:
     the model's max positions).
     ``eos_token_id`` defaults to the tokenizer's (or config's) EOS; ``-1`` never stops on a token.
+    ``temperature`` 0 decodes greedily; above 0 tokens are sampled (key from ``seed``), ``top_k`` /
+    ``top_p`` restricting the distribution. ``chat`` wraps string prompts in the chat template.
+    ``dtype``: the activations' and KV cache's float type (float32, bfloat16 or float16).
     ``kernels`` picks the Pallas GPU kernels or the jnp references (:mod:`qspec_jax.kernels`;
     ``"auto"``: the kernels on a GPU). Prompts are padded to a multiple of :data:`PROMPT_MULTIPLE`
     tokens, so calls whose longest prompts fall in the same bucket reuse the compiled code.
@@ -123,13 +125,21 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
         raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
     if draft not in DRAFTS:
         raise ValueError(f"unknown draft precision {draft!r}; expected one of {DRAFTS}")
-    if draft_kv is not None and (method != "qspec" or not _is_int(draft_kv) or draft_kv not in reference.KV_BITS):
+    if draft_kv is not None and (method != "qspec" or not is_integer(draft_kv) or draft_kv not in reference.KV_BITS):
         raise ValueError(f"draft_kv must be None or one of {reference.KV_BITS}, with method 'qspec'; got "
                          f"draft_kv={draft_kv!r} with method {method!r}")
-    if not _is_int(gamma) or gamma < 1:
+    if not is_integer(gamma) or gamma < 1:
         raise ValueError(f"gamma must be an integer >= 1, got {gamma!r}")
-    if not _is_int(max_new_tokens) or max_new_tokens < 0:
+    if not is_integer(max_new_tokens) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    if not is_integer(seed) or not -2**63 <= seed < 2**63:
+        raise ValueError(f"seed must be an integer in [-2**63, 2**63), got {seed!r}")
+    if max_len is not None and (not is_integer(max_len) or max_len < 1):
+        raise ValueError(f"max_len must be an integer >= 1 or None, got {max_len!r}")
+    if eos_token_id is not None and not is_integer(eos_token_id):
+        raise ValueError(f"eos_token_id must be an integer (-1: never stop on a token) or None, got {eos_token_id!r}")
+    if jnp.dtype(dtype) not in COMPUTE_DTYPES:
+        raise ValueError(f"dtype must be one of {[d.name for d in COMPUTE_DTYPES]}, got {dtype!r}")
     if method != "w16a16" and not model.checkpoint.quantized:
         raise ValueError(f"method {method!r} needs a quantized checkpoint; this one holds float weights")
     kernels = resolve_kernels(kernels)
@@ -139,13 +149,12 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
     cfg = model.config
     if max_len is None:
         max_len = cfg.max_position_embeddings
-    if max_len < 1:
-        raise ValueError(f"max_len must be >= 1, got {max_len}")
     if lengths.max() + max_new_tokens > max_len:
         raise ValueError(f"prompt of {lengths.max()} tokens plus max_new_tokens={max_new_tokens} exceeds the "
                          f"cache length max_len={max_len}")
     if eos_token_id is None:
-        eos_token_id = model.tokenizer.eos_token_id if model.tokenizer is not None else cfg.eos_token_id
+        eos_token_id = getattr(model.tokenizer, "eos_token_id", None)
+        eos_token_id = cfg.eos_token_id if eos_token_id is None else eos_token_id
     elif eos_token_id != -1 and not 0 <= eos_token_id < cfg.vocab_size:
         raise ValueError(f"eos_token_id {eos_token_id} is outside the vocabulary [0, {cfg.vocab_size}) "
                          "(-1: never stop on a token)")
@@ -181,7 +190,9 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
 
 
 def _stats(counters, wall: float) -> dict[str, float]:
-    """Totals over the batch; ``wall_time_s`` spans prefill + decode (compilation too on a first call)."""
+    """Totals over the batch; ``wall_time_s`` spans prefill + decode (compilation too on a first call).
+    ``accepted`` counts the drafts committed: a round cut short by ``max_new_tokens`` or EOS counts all
+    its ``gamma`` drafts as drafted but commits fewer, so short runs understate the acceptance rate."""
     if counters is None:
         return dict(rounds=0, drafted=0, accepted=0, acceptance_rate=0.0, tokens_per_round=0.0,
                     generated=0, wall_time_s=wall, tokens_per_s=0.0)

@@ -169,9 +169,16 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         manifest = json.loads(mpath.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{mpath} is corrupt: {e}") from e
+    if not isinstance(manifest, dict):
+        raise ValueError(f"{mpath} is corrupt: a JSON object expected, got {type(manifest).__name__}")
     if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{mpath}: format {manifest.get('format')!r} v{manifest.get('format_version')} "
                          f"is not {FORMAT!r} v{FORMAT_VERSION}; convert the model again (qspec-convert)")
+    for key in ("files", "config", "packed_weights"):
+        if not isinstance(manifest.get(key), dict):
+            raise ValueError(f"{mpath} is corrupt: {key!r} must be a JSON object")
+    if WEIGHTS not in manifest["files"]:
+        raise ValueError(f"{mpath} is corrupt: it lists no checksum for {WEIGHTS}")
     for name, digest in manifest["files"].items():
         f = path / name
         if not f.is_file():

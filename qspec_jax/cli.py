@@ -1,5 +1,5 @@
-"""``qspec-jax``: ``generate`` (one prompt, any method) and ``demo`` (QSPEC next to W4A16 on the
-embedded SmolLM2, the README's main job)."""
+"""qspec-jax: `generate` (one prompt, any method) and `demo` (QSPEC next to W4A16 on the embedded
+SmolLM2, the README's main job). Converting a checkpoint is `qspec-convert`."""
 
 from __future__ import annotations
 
@@ -57,23 +57,24 @@ def cmd_demo(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     from qspec_jax.api import DRAFTS, METHODS
 
-    ap = argparse.ArgumentParser(prog="qspec-jax", description=__doc__)
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    ap = argparse.ArgumentParser(prog="qspec-jax", description=__doc__, formatter_class=fmt)
     sub = ap.add_subparsers(dest="command", required=True)
-    for name in ("generate", "demo"):
-        p = sub.add_parser(name)
-        p.add_argument("--checkpoint", type=Path, default=None, help="converted checkpoint (default: embedded SmolLM2)")
-        p.add_argument("--max-new-tokens", type=int, default=96)
-        p.add_argument("--gamma", type=int, default=3)
+    for name, text in (("generate", "decode one prompt"), ("demo", "QSPEC next to W4A16 on two chat prompts")):
+        p = sub.add_parser(name, help=text, description=text, formatter_class=fmt)
+        p.add_argument("--checkpoint", type=Path, default=None, help="converted checkpoint (none: the embedded SmolLM2)")
+        p.add_argument("--max-new-tokens", type=int, default=96, help="tokens to generate at most")
+        p.add_argument("--gamma", type=int, default=3, help="qspec: drafted tokens per round")
     g = sub.choices["generate"]
     g.add_argument("--prompt", required=True)
     g.add_argument("--method", choices=METHODS, default="qspec")
-    g.add_argument("--draft", choices=DRAFTS, default="w4a4")
+    g.add_argument("--draft", choices=DRAFTS, default="w4a8", help="qspec: the drafts' activation precision")
     g.add_argument("--draft-kv", type=int, choices=(8, 4), default=None,
                    help="qspec: the drafts read an INT8 / INT4 copy of the KV cache")
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=None)
-    g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--top-k", type=int, default=None, help="with a temperature > 0")
+    g.add_argument("--top-p", type=float, default=None, help="with a temperature > 0")
+    g.add_argument("--seed", type=int, default=0, help="sampling key")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     args = ap.parse_args(argv)
     try:

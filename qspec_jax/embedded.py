@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import shutil
 from pathlib import Path
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -26,20 +28,25 @@ def cache_dir() -> Path:
     return Path(os.environ.get("QSPEC_JAX_CACHE", Path.home() / ".cache" / "qspec-jax"))
 
 
+def _format_version(manifest: Path):
+    """The manifest's format version, or None where it cannot be read."""
+    try:
+        data = json.loads(manifest.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return data.get("format_version") if isinstance(data, dict) else None
+
+
 def default_checkpoint() -> Path:
     """The embedded SmolLM2 converted with the default scheme (converted on first use)."""
     from convert.pipeline import convert
     from convert.quantize import QuantScheme
-
-    import json
-    import shutil
-
     from qspec_jax.checkpoint import FORMAT_VERSION
 
     out = cache_dir() / "smollm2-rtn-asym-g32"
     manifest = out / "manifest.json"
-    if manifest.is_file() and json.loads(manifest.read_text()).get("format_version") != FORMAT_VERSION:
-        print(f"{out} was converted by an older version; converting again", flush=True)
+    if manifest.is_file() and _format_version(manifest) != FORMAT_VERSION:
+        print(f"{out} was converted by an older version or is corrupt; converting again", flush=True)
         shutil.rmtree(out)
     if not manifest.is_file():
         print(f"converting the embedded SmolLM2 into {out} ...", flush=True)

@@ -7,6 +7,8 @@ QSPEC samples exactly from the processed W4A16 distribution (Leviathan et al. / 
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -21,21 +23,41 @@ class Sampling:
     top_p: float | None = None
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if self.top_k is not None and (not is_integer(self.top_k) or self.top_k < 1):
+            raise ValueError(f"top_k must be an integer >= 1 or None, got {self.top_k!r}")
+        if self.top_p is not None and (not is_real(self.top_p) or not 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be a number in (0, 1] or None, got {self.top_p!r}")
+        if self.temperature == 0 and (self.top_k is not None or self.top_p is not None):
+            raise ValueError("top_k / top_p shape the sampled distribution, and temperature=0 decodes greedily: "
+                             "give a temperature > 0 or leave them out")
+        # plain Python numbers: the runtime is a static (hashed) argument of the jitted loops
+        object.__setattr__(self, "temperature", float(self.temperature))
+        object.__setattr__(self, "top_k", None if self.top_k is None else int(self.top_k))
+        object.__setattr__(self, "top_p", None if self.top_p is None else float(self.top_p))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
 
+def is_real(v) -> bool:
+    """A real number (Python or NumPy), not a bool."""
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def is_integer(v) -> bool:
+    """An integer (Python or NumPy), not a bool."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
 def probabilities(logits: jax.Array, s: Sampling) -> jax.Array:
-    """The processed distribution ``[..., V]`` (float32): temperature, then top-k, then top-p."""
-    x = logits.astype(jnp.float32) / s.temperature
+    """The processed distribution ``[..., V]`` (float32): temperature, then top-k, then top-p. The
+    logits are shifted to a maximum of 0 before the division, and the temperature is at least
+    float32's smallest normal number, so that a tiny temperature tends to greedy instead of NaN."""
+    x = logits.astype(jnp.float32)
+    x = (x - jnp.max(x, axis=-1, keepdims=True)) / max(s.temperature, float(jnp.finfo(jnp.float32).tiny))
     if s.top_k is not None and s.top_k < x.shape[-1]:
         kth = jax.lax.top_k(x, s.top_k)[0][..., -1:]
         x = jnp.where(x < kth, -jnp.inf, x)

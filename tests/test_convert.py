@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -162,6 +163,22 @@ def test_unknown_format_version(tiny_ckpt):
         load_checkpoint(tiny_ckpt)
 
 
+@pytest.mark.parametrize("edit", ["not an object", "no files", "no config", "files listed empty"])
+def test_malformed_manifest_is_named(tiny_ckpt, edit):
+    m = json.loads((tiny_ckpt / MANIFEST).read_text())
+    if edit == "not an object":
+        m = [m]
+    elif edit == "no files":
+        del m["files"]
+    elif edit == "no config":
+        m["config"] = None
+    else:  # no checksum left to check: refused rather than loaded unverified
+        m["files"] = {}
+    (tiny_ckpt / MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(ValueError, match=f"{MANIFEST} is corrupt"):
+        load_checkpoint(tiny_ckpt)
+
+
 def test_unknown_architecture_rejected(tmp_path, rng):
     d = write_hf_dir(tmp_path / "hf", random_source(TINY, rng), "{}")
     cfg = json.loads((d / "config.json").read_text())
@@ -248,6 +265,17 @@ def test_cli_converts_and_reports_errors(tmp_path, rng, capsys):
     assert "group size" in capsys.readouterr().err
     assert cli.main([str(src_dir), str(out), "--quant", "gptq"]) == 2
     assert "calibration" in capsys.readouterr().err
+    calib = tmp_path / "calib.jsonl"
+    calib.write_text('{"question": "q", "answer": "a"}\n{"question": "no answer"}\n')
+    gptq = [str(src_dir), str(tmp_path / "out_gptq"), "--quant", "gptq", "--calibration", str(calib)]
+    assert cli.main(gptq) == 2
+    assert "calib.jsonl:2" in capsys.readouterr().err
+    for flag in ("--n-samples", "--seq-len"):
+        assert cli.main([*gptq, flag, "0"]) == 2
+        assert "n_samples >= 1 and seq_len >= 1" in capsys.readouterr().err
+    (tmp_path / "a_file").write_text("")
+    assert cli.main([str(src_dir), str(tmp_path / "a_file")]) == 2
+    assert "not a directory" in capsys.readouterr().err
 
 
 def test_gptq_layers_run_on_calibration_tokens(rng):
@@ -271,3 +299,29 @@ def test_gptq_layers_run_on_calibration_tokens(rng):
     want = np.einsum("btk,btl->kl", normed, normed)
     np.testing.assert_allclose(np.asarray(hess[("attn", "qkv")], np.float64), want, rtol=1e-4,
                                atol=1e-4 * abs(want).max())
+
+
+@pytest.mark.parametrize("content", ["{broken", "[]", '{"format_version": 0}'])
+def test_embedded_cache_converted_again_when_unreadable(tmp_path, monkeypatch, content):
+    """A cached conversion whose manifest is corrupt or of another format version is converted again
+    (the conversion itself stubbed: it is tested above)."""
+    import convert.pipeline
+    from qspec_jax import embedded
+    from qspec_jax.checkpoint import FORMAT_VERSION
+
+    monkeypatch.setenv("QSPEC_JAX_CACHE", str(tmp_path))
+    out = tmp_path / "smollm2-rtn-asym-g32"
+    out.mkdir()
+    (out / "stale.bin").write_text("")
+    (out / MANIFEST).write_text(content)
+    calls = []
+
+    def fake_convert(src, dst, scheme, seed):
+        calls.append(dst)
+        Path(dst).mkdir()
+        (Path(dst) / MANIFEST).write_text(json.dumps({"format_version": FORMAT_VERSION}))
+
+    monkeypatch.setattr(convert.pipeline, "convert", fake_convert)
+    assert embedded.default_checkpoint() == out
+    assert calls == [out] and not (out / "stale.bin").exists()
+    assert embedded.default_checkpoint() == out and calls == [out]  # now current: kept

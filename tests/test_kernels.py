@@ -295,6 +295,19 @@ def test_unsupported_shapes_raise(rng):
         gq.quantize_rows(random_x(rng, 2, 256), 8, max_blocks=-1, interpret=True)
     with pytest.raises(ValueError, match="bits must be 4 or 8"):
         gq.quantize_rows(random_x(rng, 2, 256), 6, interpret=True)
+    for call in (lambda xx: gm.w4a16_matmul(xx, w, interpret=True), lambda xx: gm.w4ax_matmul(xx, w, 8, interpret=True)):
+        with pytest.raises(ValueError, match="M >= 1 rows"):
+            call(x[:0])
+    zero_group = QuantizedWeight(w.packed, w.scales, None, 0)
+    with pytest.raises(ValueError, match="group size 0"):
+        gm.w4a16_matmul(x, zero_group, interpret=True)
+    qx = jnp.zeros((2, 256), jnp.int8)
+    sa = jnp.ones((2, 1), jnp.float32)
+    for bad in (qx[0], qx.astype(jnp.int32), jnp.zeros((3, 2, 128), jnp.int8)):
+        with pytest.raises(ValueError, match="qx must be int8"):
+            gm.w4ax_quantized(bad, sa, w, interpret=True)
+    with pytest.raises(ValueError, match="in_features"):
+        gm.w4ax_quantized(jnp.zeros((2, 192), jnp.int8), sa, w, interpret=True)
 
 
 def _attention64(q, k, v, pos) -> np.ndarray:

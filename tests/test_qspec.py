@@ -393,6 +393,37 @@ def test_invalid_requests_raise(tiny_model):
     for bad in ([3, TINY.vocab_size], [-1, 3]):
         with pytest.raises(ValueError, match="token ids must lie in"):
             generate(tiny_model, [bad], max_new_tokens=4)
+    bad_args = [("seed", v) for v in (1.5, None, 2**70, True)] + [("max_len", v) for v in (10.5, "100", 0)] + [
+        ("eos_token_id", 2.5), ("dtype", np.int32)] + [("temperature", v) for v in (float("nan"), float("inf"), -1.0, "0.7", None)] + [
+        ("top_k", v) for v in (2.5, 0, True)] + [("top_p", v) for v in (0.0, 1.5, float("nan"))]
+    for name, value in bad_args:
+        extra = {"temperature": 1.0} if name in ("top_k", "top_p") else {}
+        with pytest.raises(ValueError, match=name):
+            generate(tiny_model, ok, max_new_tokens=4, **{name: value, **extra})
+    for name, value in (("top_k", 5), ("top_p", 0.9)):  # no effect when greedy: refused rather than ignored
+        with pytest.raises(ValueError, match="temperature=0"):
+            generate(tiny_model, ok, max_new_tokens=4, **{name: value})
+    with pytest.raises(ValueError, match="chat=True"):
+        generate(tiny_model, ok, max_new_tokens=4, chat=True)
+    with pytest.raises(ValueError, match=r"a list of them: \[\[1, 2, 3\]\]"):
+        generate(tiny_model, ok[0], max_new_tokens=4)  # a flat list of ids: a batch of 0-d prompts
+
+
+def test_one_array_prompt_is_one_sequence(tiny_model):
+    ids = [3, 4, 5, 6]
+    want = generate(tiny_model, [ids], max_new_tokens=3, method="w4a16", eos_token_id=-1).sequences
+    for one in (np.asarray(ids), jnp.asarray(ids)):
+        got = generate(tiny_model, one, max_new_tokens=3, method="w4a16", eos_token_id=-1).sequences
+        assert len(got) == 1 and np.array_equal(got[0], want[0])
+
+
+def test_tiny_temperature_tends_to_greedy(rng):
+    """A temperature whose division would overflow float32 still gives a distribution: all its mass on
+    the argmax (numpy's), not NaN."""
+    logits = rng.standard_normal((3, 50)).astype(np.float32) * 10
+    for t in (1e-38, 1e-30):
+        probs = np.asarray(probabilities(jnp.asarray(logits), Sampling(t)))
+        np.testing.assert_array_equal(probs, np.eye(50, dtype=np.float32)[np.argmax(logits, axis=-1)])
 
 
 def test_prompt_filling_max_len_exactly_is_accepted(tiny_model):

@@ -59,6 +59,8 @@ def test_gptq_reduces_output_error_on_correlated_inputs(rng, scheme):
 def test_gptq_hessian_shape_checked(rng):
     with pytest.raises(ValueError, match="Hessian shape"):
         gptq_quantize(rng.standard_normal((4, 32)), np.eye(16), QuantScheme(32, True, "gptq"))
+    with pytest.raises(ValueError, match="Hessian is zero"):  # no calibration input: not an all-zero weight
+        gptq_quantize(rng.standard_normal((4, 32)), np.zeros((32, 32)), QuantScheme(32, True, "gptq"))
 
 
 def test_scheme_validation():
