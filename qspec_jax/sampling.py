@@ -61,7 +61,8 @@ def probabilities(logits: jax.Array, s: Sampling) -> jax.Array:
     if s.top_k is not None and s.top_k < x.shape[-1]:
         kth = jax.lax.top_k(x, s.top_k)[0][..., -1:]
         x = jnp.where(x < kth, -jnp.inf, x)
-    probs = jax.nn.softmax(x, axis=-1)
+    e = jnp.exp(x)  # the maximum is already 0 (top-k keeps it): softmax without a second max
+    probs = e / jnp.sum(e, axis=-1, keepdims=True)
     if s.top_p is not None and s.top_p < 1:
         sorted_p = jnp.sort(probs, axis=-1)[..., ::-1]
         before = jnp.cumsum(sorted_p, axis=-1) - sorted_p  # mass strictly above each sorted entry

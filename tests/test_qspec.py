@@ -76,8 +76,9 @@ def w4a16_refs(smol, smol_batches):
     return {b: generate(smol, p, max_new_tokens=NEW, method="w4a16", chat=True) for b, p in smol_batches.items()}
 
 
-@pytest.mark.parametrize("gamma,draft,batch,draft_kv", [(g, "w4a8", b, None) for g in (1, 3, 5) for b in (1, 4)]
-                         + [(3, "w4a4", 4, None), (3, "w4a8", 4, 8), (1, "w4a8", 4, 4)])
+# each gamma, draft, batch and shadow at least once (not their whole product: CI's 30 minutes)
+@pytest.mark.parametrize("gamma,draft,batch,draft_kv", [(1, "w4a8", 4, None), (3, "w4a8", 1, None), (5, "w4a8", 4, None),
+                                                        (3, "w4a4", 4, None), (3, "w4a8", 4, 8), (1, "w4a8", 4, 4)])
 def test_greedy_qspec_equals_w4a16_smollm2(smol, smol_batches, w4a16_refs, gamma, draft, batch, draft_kv):
     """Bitwise the W4A16 tokens, with the drafts reading the float cache or its INT8 / INT4 shadow."""
     ref = w4a16_refs[batch]
@@ -232,7 +233,7 @@ def _pvalues(setup, draws: np.ndarray) -> tuple[float, float]:
     return chi2_pvalue(c12, p12), chi2_pvalue(c123, p12[..., None] * setup["p3"])
 
 
-@pytest.mark.parametrize("gamma,draft_kv", [(2, None), (3, None), (2, 4)])
+@pytest.mark.parametrize("gamma,draft_kv", [(3, None), (2, 4)])  # gamma 3: a round drafts past the 3 tokens
 def test_stochastic_qspec_samples_target_distribution(dist_setup, gamma, draft_kv):
     draws = _draw(dist_setup, gamma, draft_kv)
     p12, p123 = _pvalues(dist_setup, draws)
@@ -424,6 +425,38 @@ def test_tiny_temperature_tends_to_greedy(rng):
     for t in (1e-38, 1e-30):
         probs = np.asarray(probabilities(jnp.asarray(logits), Sampling(t)))
         np.testing.assert_array_equal(probs, np.eye(50, dtype=np.float32)[np.argmax(logits, axis=-1)])
+
+
+def _processed64(logits: np.ndarray, temperature: float, top_k: int | None, top_p: float | None) -> np.ndarray:
+    """float64 temperature -> top-k -> top-p processing of one row of logits, written from the definitions."""
+    z = logits.astype(np.float64) / temperature
+    if top_k is not None:
+        z = np.where(z >= np.sort(z)[-top_k], z, -np.inf)
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if top_p is not None:
+        order = np.argsort(-p, kind="stable")
+        mass_before = np.cumsum(p[order]) - p[order]
+        keep = np.zeros_like(p, dtype=bool)
+        keep[order[mass_before < top_p]] = True
+        p = np.where(keep, p, 0.0)
+        p /= p.sum()
+    return p
+
+
+def test_processed_distribution_matches_float64(rng):
+    """``probabilities`` against a float64 computation, on fresh logits, temperatures, top-k and top-p (ties
+    are improbable in continuous random logits, so the kept sets agree)."""
+    v = 300
+    logits = (rng.standard_normal((6, v)) * rng.uniform(0.5, 8)).astype(np.float32)
+    for top_k, top_p in ((None, None), (int(rng.integers(1, v)), None), (None, float(rng.uniform(0.05, 0.99))),
+                         (int(rng.integers(2, v)), float(rng.uniform(0.05, 0.99)))):
+        t = float(rng.uniform(0.2, 3))
+        got = np.asarray(probabilities(jnp.asarray(logits), Sampling(t, top_k, top_p)))
+        for row in range(logits.shape[0]):
+            want = _processed64(logits[row], t, top_k, top_p)
+            np.testing.assert_array_equal(got[row] > 0, want > 0)
+            np.testing.assert_allclose(got[row], want, rtol=2e-5, atol=1e-7)
 
 
 def test_prompt_filling_max_len_exactly_is_accepted(tiny_model):
