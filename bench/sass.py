@@ -2,9 +2,9 @@
 
     python -m bench.sass attention --kv-bits 8 [--batch 16 --heads 32 --kv-heads 32 --head-dim 128
         --slots 4096] [--out FILE]
-    python -m bench.sass w4a16 --m 16 --n 28672 --k 4096 [--block-m 32 --num-warps 4 --num-stages 3
+    python -m bench.sass w4a16 --m 16 --n 28672 --k 4096 [--group 128 --block-m 32 --num-warps 4 --num-stages 3
         --rows-first --prefetch] [--out FILE]
-    python -m bench.sass w4ax --m 16 --n 28672 --k 4096 [... as w4a16]
+    python -m bench.sass w4ax --m 16 --n 28672 --k 4096 [... as w4a16, --words]
 
 The kernel is lowered for CUDA on this machine (jax's Triton lowering, with an H200 as the assumed
 target), each Pallas kernel's Triton module is taken as text, compiled for sm_90 by a local
@@ -185,7 +185,7 @@ def _matmul(args):
     from bench.kernels import make_weight
     from pallas_kernels import gpu_matmul
 
-    w = jax.eval_shape(lambda: make_weight(jax.random.key(0), args.n, args.k, 128, True))
+    w = jax.eval_shape(lambda: make_weight(jax.random.key(0), args.n, args.k, args.group, True))
     tiles = {"block_m": args.block_m, "num_warps": args.num_warps, "num_stages": args.num_stages,
              "prefetch": args.prefetch}  # None: the kernel's defaults for this M and shape
     if args.kernel == "w4a16":
@@ -193,7 +193,8 @@ def _matmul(args):
         return (lambda x, w: gpu_matmul.w4a16_matmul(x, w, rows_first=args.rows_first, **tiles)), (x, w)
     qx = jax.ShapeDtypeStruct((2, args.m, args.k // 2), jnp.int8)
     sa = jax.ShapeDtypeStruct((args.m, 1), jnp.float32)
-    return ((lambda q, s, w: gpu_matmul.w4ax_quantized(q, s, w, rows_first=bool(args.rows_first), **tiles)),
+    return ((lambda q, s, w: gpu_matmul.w4ax_quantized(q, s, w, rows_first=bool(args.rows_first), words=args.words,
+                                                       **tiles)),
             (qx, sa, w))
 
 
@@ -208,13 +209,17 @@ def main(argv: list[str] | None = None) -> None:
         att.add_argument(f"--{name}", type=int, default=default)
     for kind, help_ in (("w4a16", "the W4A16 matmul"), ("w4ax", "the W4A8 / W4A4 matmul (int8 rows)")):
         mm = sub.add_parser(kind, parents=[common], help=help_)
-        for name, default in (("m", 16), ("n", 28672), ("k", 4096), ("block-m", None), ("num-warps", None),
-                              ("num-stages", None)):
+        for name, default in (("m", 16), ("n", 28672), ("k", 4096), ("group", 128), ("block-m", None),
+                              ("num-warps", None), ("num-stages", None)):
             mm.add_argument(f"--{name}", type=int, default=default)
         mm.add_argument("--rows-first", action=argparse.BooleanOptionalAction, default=None,
                         help="the tokens on the MMA's M side (default: the kernel's choice)")
         mm.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=None,
                         help="scales loaded one K iteration ahead (default: the kernel's choice)")
+        if kind == "w4ax":
+            mm.add_argument("--words", action=argparse.BooleanOptionalAction, default=None,
+                            help="the packed bytes read as uint16 words (default: only where a uint8 stack "
+                                 "would wrap int32 offsets)")
     args = ap.parse_args(argv)
     fn, fn_args = (_attention if args.kernel == "attention" else _matmul)(args)
     kernels = triton_modules(fn, *fn_args)

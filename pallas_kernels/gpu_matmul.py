@@ -544,7 +544,8 @@ def _w4ax_kernel(l_ref, qx_ref, sa_ref, p_ref, s_ref, *rest, m: int, k: int, gro
         if not words:
             p = _load_weight(p_ref, layer, pl.ds(byte0, nbytes), interpret)  # uint8 [bn, nbytes]
             return lambda high: _codes_int8(p, high, symmetric, interpret)
-        p16 = _load_weight(p_ref, layer, pl.ds(byte0 // 2, nbytes // 2), interpret)  # uint16 [bn, nbytes / 2]
+        word0 = jax.lax.shift_right_logical(byte0, 1)  # not byte0 // 2: floor division hides the alignment
+        p16 = _load_weight(p_ref, layer, pl.ds(word0, nbytes // 2), interpret)  # uint16 [bn, nbytes / 2]
         return lambda high: jnp.stack([_word_codes_int8(p16, b, high, symmetric, interpret) for b in (0, 1)],
                                       axis=-1).reshape(bn, nbytes)
 

@@ -149,8 +149,8 @@ def test_scale_prefetch_carries_the_next_scales(kind):
     from pallas_kernels import gpu_matmul
 
     def carried(n: int, k: int, prefetch: bool | None) -> list[str]:
-        args = argparse.Namespace(kernel=kind, m=16, n=n, k=k, block_m=None, num_warps=None, num_stages=None,
-                                  rows_first=None, prefetch=prefetch)
+        args = argparse.Namespace(kernel=kind, m=16, n=n, k=k, group=128, block_m=None, num_warps=None,
+                                  num_stages=None, rows_first=None, prefetch=prefetch, words=None)
         fn, fn_args = sass._matmul(args)
         (m,) = sass.triton_modules(fn, *fn_args)
         (loop,) = [line for line in m["module"].splitlines() if "scf.for" in line]
@@ -165,3 +165,20 @@ def test_scale_prefetch_carries_the_next_scales(kind):
     mode = "w4a16" if kind == "w4a16" else "w4ax"  # what bench.tune reads as the default
     assert gpu_matmul.default_prefetch(4096, 14336, 128, mode)
     assert not gpu_matmul.default_prefetch(4096, 4096, 128, mode)
+
+
+@pytest.mark.parametrize("group", [128, 32])
+def test_words_weight_tile_goes_through_the_pipeline(group):
+    """The W4AX kernel reading the packed weights as uint16 words (Llama-2-13B's gate/up): Triton's
+    pipeliner turns the word tile's load into a ``cp.async`` copy into shared memory, as it does the
+    byte path's. A word offset computed by floor division hid its alignment and left a plain 2-byte
+    load per element in the loop (session 21: 36 LDG per iteration, 460 instructions against 232)."""
+    pytest.importorskip("triton")
+    args = argparse.Namespace(kernel="w4ax", m=16, n=1024, k=5120, group=group, block_m=None, num_warps=None,
+                              num_stages=None, rows_first=None, prefetch=None, words=True)
+    fn, fn_args = sass._matmul(args)
+    (module,) = sass.triton_modules(fn, *fn_args)
+    ttgir = sass.compile_sass(module["module"], module["num_warps"], module["num_stages"])["ttgir"]
+    words = r"tensor<64x\d+x!tt.ptr<i16>"
+    assert re.search(r"async_copy_global_to_local[^\n]*" + words, ttgir)
+    assert not re.search(r"tt\.load[^\n]*" + words, ttgir)
