@@ -140,6 +140,16 @@ def test_compile_runs_the_ttir_passes_as_xla_does():
     assert "dot" in ttgir and "arith.addf" not in ttgir
 
 
+def _matmul_module(kind: str, n: int, k: int, group: int = 128, prefetch: bool | None = None,
+                   words: bool | None = None) -> dict:
+    """The Triton module of bench.sass's matmul (16 rows, default tiles) as its CLI would build it."""
+    args = argparse.Namespace(kernel=kind, m=16, n=n, k=k, group=group, block_m=None, num_warps=None,
+                              num_stages=None, rows_first=None, prefetch=prefetch, words=words)
+    fn, fn_args = sass._matmul(args)
+    (module,) = sass.triton_modules(fn, *fn_args)
+    return module
+
+
 @pytest.mark.parametrize("kind", ["w4a16", "w4ax"])
 def test_scale_prefetch_carries_the_next_scales(kind):
     """The CUDA lowering of both matmuls: with the scales prefetched, the K loop carries the next
@@ -149,10 +159,7 @@ def test_scale_prefetch_carries_the_next_scales(kind):
     from pallas_kernels import gpu_matmul
 
     def carried(n: int, k: int, prefetch: bool | None) -> list[str]:
-        args = argparse.Namespace(kernel=kind, m=16, n=n, k=k, group=128, block_m=None, num_warps=None,
-                                  num_stages=None, rows_first=None, prefetch=prefetch, words=None)
-        fn, fn_args = sass._matmul(args)
-        (m,) = sass.triton_modules(fn, *fn_args)
+        m = _matmul_module(kind, n, k, prefetch=prefetch)
         (loop,) = [line for line in m["module"].splitlines() if "scf.for" in line]
         return re.findall(r"tensor<[^>]*>", loop.split("->")[-1])
 
@@ -174,10 +181,7 @@ def test_words_weight_tile_goes_through_the_pipeline(group):
     byte path's. A word offset computed by floor division hid its alignment and left a plain 2-byte
     load per element in the loop (session 21: 36 LDG per iteration, 460 instructions against 232)."""
     pytest.importorskip("triton")
-    args = argparse.Namespace(kernel="w4ax", m=16, n=1024, k=5120, group=group, block_m=None, num_warps=None,
-                              num_stages=None, rows_first=None, prefetch=None, words=True)
-    fn, fn_args = sass._matmul(args)
-    (module,) = sass.triton_modules(fn, *fn_args)
+    module = _matmul_module("w4ax", 1024, 5120, group=group, words=True)
     ttgir = sass.compile_sass(module["module"], module["num_warps"], module["num_stages"])["ttgir"]
     words = r"tensor<64x\d+x!tt.ptr<i16>"
     assert re.search(r"async_copy_global_to_local[^\n]*" + words, ttgir)
