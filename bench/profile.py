@@ -44,28 +44,36 @@ def category(name: str) -> str:
     return next((c for c, prefix in CATEGORIES if name.startswith(prefix)), "other XLA ops")
 
 
-def gpu_kernel_times(trace: dict) -> tuple[dict[str, float], dict[str, int]]:
-    """Microseconds and event counts per kernel name, over the events of GPU device processes."""
+LAUNCH_KEYS = ("regist", "grid", "block", "shared", "occupancy")  # the launch facts kept per kernel
+
+
+def gpu_kernel_times(trace: dict) -> tuple[dict[str, float], dict[str, int], dict[str, dict]]:
+    """Microseconds and event counts per kernel name, over the events of GPU device processes, and each
+    kernel's launch facts (registers per thread, grid, block, shared memory, occupancy) where the
+    trace's event arguments carry them."""
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     gpu = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
            and "/device:GPU" in e.get("args", {}).get("name", "")}
     us: dict[str, float] = collections.Counter()
     count: dict[str, int] = collections.Counter()
+    launch: dict[str, dict] = {}
     for e in events:
         if e.get("ph") == "X" and e.get("pid") in gpu:
             us[e["name"]] += float(e.get("dur", 0.0))
             count[e["name"]] += 1
-    return dict(us), dict(count)
+            launch.setdefault(e["name"], {k: v for k, v in e.get("args", {}).items()
+                                          if any(word in k.lower() for word in LAUNCH_KEYS)})
+    return dict(us), dict(count), launch
 
 
-def summarize(us: dict[str, float], count: dict[str, int], reps: int) -> dict:
-    """Per forward: total, per category, and per kernel name (largest first)."""
+def summarize(us: dict[str, float], count: dict[str, int], launch: dict[str, dict], reps: int) -> dict:
+    """Per forward: total, per category, and per kernel name (largest first, with its launch facts)."""
     cats: dict[str, float] = collections.Counter()
     for name, t in us.items():
         cats[category(name)] += t / reps
     kernels = sorted(((n, t / reps, count[n] / reps) for n, t in us.items()), key=lambda r: -r[1])
     return {"total_us": sum(us.values()) / reps, "categories": dict(cats),
-            "kernels": [{"name": n, "us": t, "calls": c} for n, t, c in kernels]}
+            "kernels": [{"name": n, "us": t, "calls": c, "launch": launch.get(n, {})} for n, t, c in kernels]}
 
 
 def profile_run(params, rt: Runtime, state, mode: str, tokens: int, reps: int, read_shadow: bool = False) -> dict:
@@ -78,10 +86,10 @@ def profile_run(params, rt: Runtime, state, mode: str, tokens: int, reps: int, r
         if not files:
             raise SystemExit("the profiler wrote no Perfetto trace")
         trace = json.load(gzip.open(files[0]))
-    us, count = gpu_kernel_times(trace)
+    us, count, launch = gpu_kernel_times(trace)
     if not us:
         raise SystemExit("no GPU events in the trace: bench.profile needs a GPU")
-    return summarize(us, count, reps)
+    return summarize(us, count, launch, reps)
 
 
 def markdown(run: dict) -> str:
@@ -92,8 +100,9 @@ def markdown(run: dict) -> str:
         lines += [f"## {key}: {r['total_us']:.0f} µs per forward", "", "| category | µs | share |", "|---|---|---|"]
         for c, t in sorted(r["categories"].items(), key=lambda kv: -kv[1]):
             lines.append(f"| {c} | {t:.1f} | {100 * t / r['total_us']:.0f}% |")
-        lines += ["", "| kernel | µs | calls |", "|---|---|---|"]
-        lines += [f"| `{k['name']}` | {k['us']:.1f} | {k['calls']:g} |" for k in r["kernels"][:20]]
+        lines += ["", "| kernel | µs | calls | launch |", "|---|---|---|---|"]
+        lines += [f"| `{k['name']}` | {k['us']:.1f} | {k['calls']:g} | "
+                  f"{', '.join(f'{key} {v}' for key, v in k.get('launch', {}).items())} |" for k in r["kernels"][:20]]
         lines.append("")
     return "\n".join(lines)
 

@@ -1,7 +1,7 @@
 """What a Pallas GPU kernel executes per loop iteration, counted without a GPU: SASS instructions.
 
     python -m bench.sass attention --kv-bits 8 [--batch 16 --heads 32 --kv-heads 32 --head-dim 128
-        --slots 4096] [--out FILE]
+        --slots 4096 --queries 1] [--out FILE]
     python -m bench.sass w4a16 --m 16 --n 28672 --k 4096 [--group 128 --block-m 32 --num-warps 4 --num-stages 3
         --rows-first --prefetch] [--out FILE]
     python -m bench.sass w4ax --m 16 --n 28672 --k 4096 [... as w4a16, --words]
@@ -169,8 +169,8 @@ def _attention(args):
     from pallas_kernels import gpu_attention
 
     b, h, kvh, d, s = args.batch, args.heads, args.kv_heads, args.head_dim, args.slots
-    q = jax.ShapeDtypeStruct((b, 1, h, d), jnp.bfloat16)
-    pos = jax.ShapeDtypeStruct((b, 1), jnp.int32)
+    q = jax.ShapeDtypeStruct((b, args.queries, h, d), jnp.bfloat16)
+    pos = jax.ShapeDtypeStruct((b, args.queries), jnp.int32)
     if args.kv_bits == 16:
         kv = jax.ShapeDtypeStruct((b, s, kvh, d), jnp.bfloat16)
         return (lambda q, k, v, p: gpu_attention.decode_attention(q, k, v, p)), (q, kv, kv, pos)
@@ -205,7 +205,8 @@ def main(argv: list[str] | None = None) -> None:
     sub = ap.add_subparsers(dest="kernel", required=True)
     att = sub.add_parser("attention", parents=[common], help="decode attention over the bf16 cache or the draft's shadow")
     att.add_argument("--kv-bits", type=int, choices=(16, 8, 4), default=16)
-    for name, default in (("batch", 16), ("heads", 32), ("kv-heads", 32), ("head-dim", 128), ("slots", 4096)):
+    for name, default in (("batch", 16), ("heads", 32), ("kv-heads", 32), ("head-dim", 128), ("slots", 4096),
+                          ("queries", 1)):
         att.add_argument(f"--{name}", type=int, default=default)
     for kind, help_ in (("w4a16", "the W4A16 matmul"), ("w4ax", "the W4A8 / W4A4 matmul (int8 rows)")):
         mm = sub.add_parser(kind, parents=[common], help=help_)

@@ -233,17 +233,17 @@ def attention_variants(context: int, bits: int) -> list[dict]:
 
 
 def sweep_attention(batches: list[int], contexts: list[int], kv_bits: list[int], tmp: Path, threads: int,
-                    bw: float) -> list[dict]:
+                    bw: float, queries: tuple[int, ...] = (1, 4)) -> list[dict]:
     """Decode attention (the heads of :data:`bench.kernels.ATTN`, ``--attn-heads``) over the caches of
     ``kv_bits`` (16: bf16, 8 / 4: the shadow): the default KV block and cache splits against others,
-    per (batch, context, T);
+    per (batch, context, T of ``queries``);
     ``vs_default`` is the max relative output difference (a split count other than the default merges
     the partial softmaxes in another grouping)."""
     rows = []
     for b in batches:
         for ctx in contexts:
             jobs, meta = [], []
-            for (t, bits), sets in _attn_inputs(b, ctx, (1, 4), kv_bits).items():
+            for (t, bits), sets in _attn_inputs(b, ctx, queries, kv_bits).items():
                 for kw in attention_variants(ctx, bits):
                     jobs.append(Job(lambda *args, kw=kw: attention_call(*args, **kw), sets, pallas=True))
                     meta.append((t, bits, kw))
@@ -294,6 +294,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="also sweep decode attention, e.g. 8,16:1024,2048 (KV block x cache splits)")
     ap.add_argument("--attn-kv", default="16", metavar="BITS",
                     help="with --attn: the caches, of 16 (bf16) and the shadow's 8 and 4, e.g. 16,8,4")
+    ap.add_argument("--attn-queries", default="1,4", metavar="TS",
+                    help="with --attn: the new queries per sequence (T) to time, e.g. 1,2")
     ap.add_argument("--attn-heads", default=",".join(map(str, ATTN["heads"])), metavar="H,KV,D",
                     help="with --attn: query heads, KV heads and head size (default Llama-3-8B's; Llama-2-7B: 32,32,128)")
     ap.add_argument("--prologue", default=None, metavar="MS",
@@ -321,6 +323,9 @@ def main(argv: list[str] | None = None) -> None:
     if len(heads) != 3 or heads[0] % heads[1]:
         raise SystemExit(f"--attn-heads: H,KV,D with KV dividing H, got {args.attn_heads!r}")
     ATTN["heads"] = heads  # read by bench.kernels' attention inputs and byte counts
+    queries = tuple(int(v) if v.isdigit() else 0 for v in args.attn_queries.split(","))
+    if min(queries) < 1:
+        raise SystemExit(f"--attn-queries: new queries per sequence >= 1, got {args.attn_queries!r}")
     if jax.default_backend() != "gpu":
         raise SystemExit("bench.tune times GPU kernels: run it on the GPU machine")
     ms = [int(m) for m in args.ms.split(",")]
@@ -332,7 +337,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.attn:
             batches, contexts = ([int(v) for v in part.split(",")] for part in args.attn.split(":"))
             copy_bandwidth(run, Path(tmp), args.threads)
-            run["rows"] += sweep_attention(batches, contexts, kv_bits, Path(tmp), args.threads, run["copy_bw"])
+            run["rows"] += sweep_attention(batches, contexts, kv_bits, Path(tmp), args.threads, run["copy_bw"],
+                                           queries)
         if args.prologue:
             run["rows"] += sweep_prologue([int(m) for m in args.prologue.split(",")], Path(tmp), args.threads,
                                           prologue_kinds)

@@ -41,6 +41,10 @@ BLOCK_S = 64  # cache slots per KV block
 TARGET_PROGRAMS = 264  # split the cache until B * KV * splits reaches this (2 programs per H200 SM)
 MAX_SPLITS = 16
 SHADOW_STAGES = 3  # software-pipeline stages over a KV shadow's blocks
+# warps per program over a bf16 cache: 2 fit one more program per SM than 4, whose register count
+# left Llama-2-13B's 640 programs at batch 16 (B x KV) a second, nearly empty wave (1.20x against
+# 0.98x the floor); elsewhere 2 and 4 are within 3% (tune_session23_attn_warps.md)
+FLOAT_WARPS, SHADOW_WARPS = 2, 4
 
 
 def _next_pow2(v: int) -> int:
@@ -189,7 +193,7 @@ def _merge(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
 
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, *,
                      layer: jax.Array | None = None, scales: tuple[jax.Array, jax.Array] | None = None,
-                     block_s: int | None = None, splits: int | None = None, num_warps: int = 4,
+                     block_s: int | None = None, splits: int | None = None, num_warps: int | None = None,
                      num_stages: int | None = None, interpret: bool = False) -> jax.Array:
     """Attention of ``q[B, T, H, d]`` over the cache ``k, v[B, S, KV, d]``; slot ``s`` is visible to
     query ``t`` iff ``s <= q_pos[b, t]`` (int32 ``[B, T]``, each ``>= 0``). Output like ``q``.
@@ -229,7 +233,7 @@ def merge(p: Partials) -> jax.Array:
 
 def attention_partials(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, *,
                        layer: jax.Array | None = None, scales: tuple[jax.Array, jax.Array] | None = None,
-                       block_s: int | None = None, splits: int | None = None, num_warps: int = 4,
+                       block_s: int | None = None, splits: int | None = None, num_warps: int | None = None,
                        num_stages: int | None = None, interpret: bool = False) -> Partials:
     """:func:`decode_attention` up to the merge of the cache splits: the kernel's :class:`Partials`
     (for :func:`merge`, or for a consumer that merges them itself,
@@ -262,6 +266,8 @@ def attention_partials(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Arra
     splits = num_splits(b, kvh, s, block_s) if splits is None else splits
     if num_stages is None:  # measured on the H200 (kv_shadow.md): 3 stages beat 2 for the shadow, not for bf16
         num_stages = SHADOW_STAGES if kv_bits else 2
+    if num_warps is None:
+        num_warps = SHADOW_WARPS if kv_bits else FLOAT_WARPS
     blocks_per_split = -(-(s // block_s) // splits)
 
     compute = jnp.float16 if kv_bits else k.dtype  # the shadow's codes are float16 (kv_planes_f16)

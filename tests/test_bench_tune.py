@@ -107,3 +107,11 @@ def test_refuses_without_gpu():
         pytest.skip("runs on a GPU")
     with pytest.raises(SystemExit, match="GPU"):
         tune.main(["--shapes", "o"])
+
+
+@pytest.mark.parametrize("bad, message", [(["--attn-queries", "0,1"], "--attn-queries"),
+                                          (["--attn-queries", "x"], "--attn-queries"),
+                                          (["--attn-heads", "40,3,128"], "--attn-heads")])
+def test_bad_attention_flags_are_clear_errors(bad, message):
+    with pytest.raises(SystemExit, match=message):  # checked before the GPU is looked for
+        tune.main(["--attn", "16:4096", *bad])

@@ -170,7 +170,7 @@ def test_row_count_invariance(rng, kind, n, k, group, symmetric):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("heads,kv,d", [(9, 3, 64), (32, 8, 128), (16, 16, 64)])
+@pytest.mark.parametrize("heads,kv,d", [(9, 3, 64), (32, 8, 128), (16, 16, 64), (40, 40, 128)])
 def test_attention_kernel(rng, dtype, heads, kv, d):
     b, s = 4, 320
     k = jnp.asarray(rng.standard_normal((b, s, kv, d)), dtype)
