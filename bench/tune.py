@@ -37,7 +37,7 @@ import numpy as np
 
 from bench.kernels import (ATTN, CALLS, GROUP, MODELS, Job, _attn_bytes, _attn_inputs, _copies, _max_rel_diff, _weight,
                            _weight_bytes, attention_call, copy_bandwidth, log, measure)
-from pallas_kernels import gpu_activations, gpu_matmul as gm
+from pallas_kernels import gpu_activations, gpu_attention, gpu_matmul as gm
 
 KINDS = {
     "w4a16": lambda x, w, kw: gm.w4a16_matmul(x, w, **kw),
@@ -228,7 +228,8 @@ def attention_variants(context: int, bits: int) -> list[dict]:
     """The attention configurations tried at one context over a cache of ``bits`` (16: bf16; 8 / 4:
     the draft's shadow, whose pipeline depth is swept too); the first, ``{}``, is the default."""
     tiles = [{"block_s": bs, "splits": sp} for bs in (64, 128, 256) for sp in (1, 2, 4, 8, 16, 32) if context // bs >= sp]
-    warps = [{"num_warps": w} for w in (2, 4, 8)]  # one of them the default: timed twice
+    default_warps = gpu_attention.SHADOW_WARPS if bits < 16 else gpu_attention.FLOAT_WARPS
+    warps = [{"num_warps": w} for w in (2, 4, 8) if w != default_warps]
     return [{}] + tiles + warps + ([{"num_stages": n} for n in (2, 4)] if bits < 16 else [])
 
 
