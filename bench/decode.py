@@ -409,7 +409,7 @@ def plan_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None,
     res: dict = {"model": name, "batch": batch, "context": context, "new": args.new, "methods": {},
                  "acceptance": "replayed" if model is None else "measured"}
     gmax = max(args.gammas)
-    rt = Runtime(cfg, args.new, -1, Sampling(), jnp.bfloat16,
+    rt = Runtime(cfg, args.new, (), Sampling(), jnp.bfloat16,
                  None if model is None else model.checkpoint.online_rotation_seed, args.kernels)
     if model is not None:
         prompts = fewshot_prompts(model, args.gsm8k, args.gsm8k_train, batch, context)
@@ -572,7 +572,7 @@ def record_trace(args) -> None:
         mode, bits = parse_draft(draft)
         out[draft] = {}
         for g in args.gammas:
-            rt = Runtime(cfg, args.new, -1, Sampling(), jnp.float32, model.checkpoint.online_rotation_seed, args.kernels,
+            rt = Runtime(cfg, args.new, (), Sampling(), jnp.float32, model.checkpoint.online_rotation_seed, args.kernels,
                          draft_kv=bits)
             st = real_state_maker(model, rt, ids, args.new, g)()
             tr = acceptance_trace(model.checkpoint.params, st, rt=rt, gamma=g, draft_mode=mode)

@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
         runs.append((spec, mode, bits, int(tokens)))
     cfg = MODELS[args.model]
     params = random_params(cfg, jax.random.key(1))
-    rt = Runtime(cfg, 64, -1, Sampling(), jnp.bfloat16, None, "auto")
+    rt = Runtime(cfg, 64, (), Sampling(), jnp.bfloat16, None, "auto")
     out = {"command": " ".join(["python3 -m bench.profile", *(argv if argv is not None else sys.argv[1:])]),
            "device": jax.devices()[0].device_kind, "model": args.model, "batch": args.batch,
            "context": args.context, "reps": args.reps, "runs": {}}

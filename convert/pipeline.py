@@ -17,7 +17,7 @@ from convert.quantize import QuantScheme, quantize_rtn
 from convert.rotate import rotate
 from convert.sources import SourceModel, Tensor, as_float, read_source
 from pallas_kernels.layout import QuantizedWeight
-from qspec_jax.checkpoint import save_checkpoint
+from qspec_jax.checkpoint import MANIFEST, save_checkpoint
 from qspec_jax.config import LlamaConfig
 from qspec_jax.model import DecoderLayer, Linear, rope_frequencies, rope_tables
 
@@ -170,8 +170,14 @@ def convert_model(src: SourceModel, scheme: QuantScheme | None, rotation_seed: i
 def convert(source: str | Path, out: str | Path, scheme: QuantScheme | None, rotation_seed: int | None,
             calibration: Path | None = None, n_samples: int = 64, seq_len: int = 512) -> Path:
     """Read ``source`` (HF directory or GGUF), convert, and write a checkpoint directory at ``out``."""
-    if Path(out).exists() and not Path(out).is_dir():
+    out = Path(out)
+    if out.exists() and not out.is_dir():
         raise ValueError(f"output {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST).is_file():
+        raise ValueError(f"output {out} is a non-empty directory that is not a qspec-jax checkpoint: refusing to "
+                         "write into it (the source itself, or someone's files); give a new directory")
+    if rotation_seed is not None and rotation_seed < 0:
+        raise ValueError(f"the rotation seed must be an integer >= 0, got {rotation_seed}")
     src = read_source(source)
     params, config, manifest = convert_model(src, scheme, rotation_seed, calibration, n_samples, seq_len)
     manifest["source"] = {"path": str(Path(source).resolve()), "kind": src.kind}

@@ -96,10 +96,17 @@ def read_hf(path: Path) -> SourceModel:
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{cfg_path} not found: an HF checkpoint needs config.json")
-    config = LlamaConfig.from_hf(json.loads(cfg_path.read_text()))
+    hf_config = _read_json(cfg_path)
+    if not isinstance(hf_config, dict):
+        raise ValueError(f"{cfg_path} is not a JSON object")
+    config = LlamaConfig.from_hf(hf_config)
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = _read_json(index)
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{index} has no 'weight_map' of tensor names to shard files")
+        files = sorted(set(weight_map.values()))
     else:
         files = ["model.safetensors"]
     tensors: dict[str, np.ndarray] = {}
@@ -109,25 +116,51 @@ def read_hf(path: Path) -> SourceModel:
             raise FileNotFoundError(f"{f} not found (listed by the checkpoint)")
         with safe_open(str(f), framework="flax") as sf:
             for key in sf.keys():
-                tensors[key] = np.asarray(sf.get_tensor(key).astype("float32"))
+                t = sf.get_tensor(key)
+                if not np.issubdtype(t.dtype, np.floating):
+                    raise ValueError(f"{f}: tensor {key!r} is {t.dtype}, not a float: the checkpoint is "
+                                     "already quantized; qspec-jax converts float checkpoints")
+                tensors[key] = np.asarray(t.astype("float32"))
+    used: set[str] = set()
 
     def take(key: str) -> np.ndarray:
         if key not in tensors:
             raise ValueError(f"tensor {key!r} missing from {path}")
+        used.add(key)
         return tensors[key]
 
     layers = []
     for i in range(config.num_layers):
         names = {k: v for k, v in _HF_NAMES.items() if config.attention_bias or not k.endswith("_bias")}
         layers.append({k: take(f"model.layers.{i}.{v}") for k, v in names.items()})
+    embed, norm = take("model.embed_tokens.weight"), take("model.norm.weight")
     lm_head = None if config.tie_word_embeddings else take("lm_head.weight")
+    if config.tie_word_embeddings and "lm_head.weight" in tensors:  # a tied copy saved anyway
+        if not np.array_equal(take("lm_head.weight"), embed):
+            raise ValueError(f"{path}: tie_word_embeddings is set but lm_head.weight differs from the embedding")
+    unread = sorted(k for k in set(tensors) - used if not k.endswith("rotary_emb.inv_freq"))  # derived buffers
+    _refuse_unread(unread, path)
     tok = {n: (path / n).read_text() for n in TOKENIZER_FILES if (path / n).is_file()}
     if "tokenizer.json" not in tok:
         raise FileNotFoundError(f"{path / 'tokenizer.json'} not found: the converted checkpoint needs a tokenizer")
-    src = SourceModel(config, take("model.embed_tokens.weight"), take("model.norm.weight"),
-                      lm_head, layers, tok, "hf")
+    src = SourceModel(config, embed, norm, lm_head, layers, tok, "hf")
     check_source(src)
     return src
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+
+
+def _refuse_unread(unread: list[str], path: Path) -> None:
+    """Raise ``ValueError`` for tensors the model has no place for (a bias, an extra norm, ...)."""
+    if unread:
+        more = f" and {len(unread) - 5} more" if len(unread) > 5 else ""
+        raise ValueError(f"{path} holds tensors the Llama model does not use: {', '.join(unread[:5])}{more}; "
+                         "converting without them would change the model")
 
 
 # --------------------------------------------------------------------------- GGUF
@@ -229,13 +262,22 @@ def read_gguf(path: Path) -> SourceModel:
         raise ValueError(f"unsupported GGUF architecture {arch!r}: qspec-jax reads 'llama' GGUF files")
     if "rope_freqs.weight" in {t.name for t in reader.tensors}:
         raise ValueError("GGUF carries rope_freqs (Llama-3.1 rope scaling); convert from the HF checkpoint instead")
-    a = lambda k, d=None: _gguf_field(reader, f"llama.{k}", d)  # noqa: E731
+    scaling = _gguf_field(reader, "llama.rope.scaling.type", "none")
+    if scaling != "none" or float(_gguf_field(reader, "llama.rope.scaling.factor", 1.0)) != 1.0:
+        raise ValueError(f"GGUF rope scaling {scaling!r} is not supported; convert from the HF checkpoint instead")
+
+    def a(key: str, default=None):
+        value = _gguf_field(reader, f"llama.{key}", default)
+        if value is None:
+            raise ValueError(f"{path} lacks the GGUF field llama.{key}")
+        return value
+
     heads = int(a("attention.head_count"))
     hidden = int(a("embedding_length"))
     tokens = _gguf_field(reader, "tokenizer.ggml.tokens")
     names = {t.name for t in reader.tensors}
     config = LlamaConfig(
-        vocab_size=int(a("vocab_size", len(tokens))), hidden_size=hidden,
+        vocab_size=int(a("vocab_size", None if tokens is None else len(tokens))), hidden_size=hidden,
         intermediate_size=int(a("feed_forward_length")), num_layers=int(a("block_count")),
         num_heads=heads, num_kv_heads=int(a("attention.head_count_kv", heads)),
         head_dim=int(a("rope.dimension_count", hidden // heads)),
@@ -247,12 +289,14 @@ def read_gguf(path: Path) -> SourceModel:
         bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=_gguf_field(reader, "tokenizer.ggml.eos_token_id"),
     )
+    used: set[str] = set()
 
     def tensor(name: str) -> Tensor:
         ts = [t for t in reader.tensors if t.name == name]
         if not ts:
             raise ValueError(f"tensor {name!r} missing from {path}")
         t = ts[0]
+        used.add(name)
         kind = t.tensor_type.name
         if kind in _PACKED_TYPES:
             return _gguf_blocks_to_packed(np.asarray(t.data), kind)
@@ -273,8 +317,9 @@ def read_gguf(path: Path) -> SourceModel:
                 layer[b] = _permute_rows(layer[b], h)
         layers.append(layer)
     lm_head = None if config.tie_word_embeddings else as_float(tensor("output.weight"))
-    src = SourceModel(config, as_float(tensor("token_embd.weight")), as_float(tensor("output_norm.weight")),
-                      lm_head, layers, gguf_tokenizer_files(reader), "gguf")
+    embed, norm = as_float(tensor("token_embd.weight")), as_float(tensor("output_norm.weight"))
+    _refuse_unread(sorted(names - used), path)
+    src = SourceModel(config, embed, norm, lm_head, layers, gguf_tokenizer_files(reader), "gguf")
     check_source(src)
     return src
 

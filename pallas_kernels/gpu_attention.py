@@ -256,15 +256,19 @@ def attention_partials(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Arra
         raise ValueError(f"head_dim must be a power of two >= 16 (>= {16 * 16 // (kv_bits or 16)} for "
                          f"{kv_bits}-bit codes) and the cache length a multiple of 16; got head_dim {d}, "
                          f"cache length {s}")
+    if not isinstance(q_pos, jax.core.Tracer) and q_pos.size and int(jnp.min(q_pos)) < 0:
+        raise ValueError(f"q_pos must be >= 0 (a query's position in its sequence), got {int(jnp.min(q_pos))}")
     if block_s is None:
         block_s = next(c for c in (BLOCK_S, 32, 16) if s % c == 0)
-    if s % block_s:
-        raise ValueError(f"cache length {s} is not a multiple of the KV block {block_s}")
+    if block_s < 16 or block_s % 16 or s % block_s:
+        raise ValueError(f"the KV block must be a multiple of 16 dividing the cache length {s}, got {block_s}")
     g = h // kvh
     rows = t * g
     tiles = -(-rows // ROW_TILE)
     rows_pad = _next_pow2(tiles * ROW_TILE)  # the partials' rows
     splits = num_splits(b, kvh, s, block_s) if splits is None else splits
+    if not 1 <= splits <= s // block_s:
+        raise ValueError(f"splits must lie in [1, {s // block_s}] (the cache's KV blocks), got {splits}")
     if num_stages is None:  # measured on the H200 (kv_shadow.md): 3 stages beat 2 for the shadow, not for bf16
         num_stages = SHADOW_STAGES if kv_bits else 2
     if num_warps is None:

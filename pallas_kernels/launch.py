@@ -50,6 +50,8 @@ def stacked_input(a, layer) -> tuple:
     index is range-checked; a traced one (the model's layer scan) is the caller's to keep in range.
     A stack the lowering could not index correctly (:func:`int32_offsets_wrap`) is sliced after all."""
     if layer is not None:
+        if not jnp.issubdtype(jnp.result_type(layer), jnp.integer) or jnp.ndim(layer):
+            raise ValueError(f"layer must be an integer scalar, got {jnp.result_type(layer)}{jnp.shape(layer)}")
         layers = jax.tree.leaves(a)[0].shape[0]
         if not isinstance(layer, jax.core.Tracer) and not 0 <= int(layer) < layers:
             raise ValueError(f"layer {int(layer)} out of range for a stack of {layers}")

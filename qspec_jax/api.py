@@ -21,6 +21,9 @@ from qspec_jax.sampling import Sampling, is_integer
 
 METHODS = ("qspec", "w4a16", "w4a8", "w4a4", "w16a16")
 DRAFTS = ("w4a4", "w4a8")
+# Drafts per round at most: the expected accepted run is a / (1 - a) at acceptance a (4 at 0.8, 32 at
+# 0.97), so more only adds rejected work, while every draft slot lengthens the cache and the verify
+MAX_GAMMA = 32
 CACHE_MULTIPLE = 64  # KV cache slots are allocated in multiples of this (the attention kernel's block)
 # Prompts are padded to a multiple of this: calls whose longest prompts fall in one bucket share the
 # compiled prefill and decode loop (pad tokens sit after a sequence's last position: invisible to it)
@@ -48,7 +51,7 @@ def load(path: str | Path | None = None) -> Model:
         from qspec_jax.embedded import default_checkpoint
         path = default_checkpoint()
     ck = load_checkpoint(path)
-    tok = load_tokenizer(path) if (Path(path) / "tokenizer_config.json").is_file() else None
+    tok = load_tokenizer(path) if (Path(path) / "tokenizer.json").is_file() else None
     return Model(ck, tok)
 
 
@@ -65,6 +68,7 @@ class GenerationResult:
 
 
 def _tokenize(model: Model, prompts, chat: bool) -> list[list[int]]:
+    """Token ids of each prompt (strings through the tokenizer), checked against the vocabulary."""
     if isinstance(prompts, str):
         prompts = [prompts]
     if getattr(prompts, "ndim", None) == 1:  # one token-id prompt as a NumPy or JAX array
@@ -76,9 +80,9 @@ def _tokenize(model: Model, prompts, chat: bool) -> list[list[int]]:
                 raise ValueError("this checkpoint has no tokenizer: pass token ids instead of strings")
             if chat:
                 from qspec_jax.tokenizer import chat_prompt
-                out.append(chat_prompt(model.tokenizer, p))
+                ids = np.asarray(chat_prompt(model.tokenizer, p), np.int64)
             else:
-                out.append(model.tokenizer.encode(p, add_special_tokens=False))
+                ids = np.asarray(model.tokenizer.encode(p, add_special_tokens=False), np.int64)
         else:
             if chat:
                 raise ValueError("chat=True wraps string prompts in the chat template; a token-id prompt is used "
@@ -87,10 +91,10 @@ def _tokenize(model: Model, prompts, chat: bool) -> list[list[int]]:
             if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
                 raise ValueError(f"a token-id prompt must be a 1-D integer sequence, got shape {ids.shape} "
                                  f"dtype {ids.dtype} (prompts are a list of them: [[1, 2, 3]])")
-            if ids.size and (ids.min() < 0 or ids.max() >= model.config.vocab_size):
-                raise ValueError(f"token ids must lie in [0, {model.config.vocab_size}), got "
-                                 f"[{ids.min()}, {ids.max()}]")
-            out.append(ids.astype(np.int64).tolist())
+        if ids.size and (ids.min() < 0 or ids.max() >= model.config.vocab_size):
+            raise ValueError(f"token ids must lie in [0, {model.config.vocab_size}), got [{ids.min()}, {ids.max()}]"
+                             + (" from the tokenizer: it does not match the model" if isinstance(p, str) else ""))
+        out.append(ids.astype(np.int64).tolist())
     return out
 
 
@@ -103,7 +107,7 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
              max_new_tokens: int, method: str = "qspec", draft: str = "w4a8", gamma: int = 3,
              draft_kv: int | None = None,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-             eos_token_id: int | None = None, chat: bool = False, max_len: int | None = None,
+             eos_token_id: int | Sequence[int] | None = None, chat: bool = False, max_len: int | None = None,
              dtype: Any = jnp.float32, kernels: str = "auto") -> GenerationResult:
     """Generate continuations of ``prompts`` (strings or token-id sequences) with ``method``.
 
@@ -113,7 +117,8 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
     per draft step; the verifier still reads only its own float cache, so the output is unchanged.
     Prefill runs in W4A16 (W16A16 for ``w16a16``). ``max_len`` bounds prompt + new tokens (default:
     the model's max positions).
-    ``eos_token_id`` defaults to the tokenizer's (or config's) EOS; ``-1`` never stops on a token.
+    ``eos_token_id``: the token(s) that end a sequence, by default the tokenizer's EOS and the config's
+    (all of them, where it lists several); ``-1`` never stops on a token.
     ``temperature`` 0 decodes greedily; above 0 tokens are sampled (key from ``seed``), ``top_k`` /
     ``top_p`` restricting the distribution. ``chat`` wraps string prompts in the chat template.
     ``dtype``: the activations' and KV cache's float type (float32, bfloat16 or float16).
@@ -121,6 +126,8 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
     ``"auto"``: the kernels on a GPU). Prompts are padded to a multiple of :data:`PROMPT_MULTIPLE`
     tokens, so calls whose longest prompts fall in the same bucket reuse the compiled code.
     """
+    if not isinstance(model, Model):
+        raise ValueError(f"model must be a qspec_jax.Model (from qspec_jax.load(path)), got {type(model).__name__}")
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
     if draft not in DRAFTS:
@@ -128,16 +135,14 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
     if draft_kv is not None and (method != "qspec" or not is_integer(draft_kv) or draft_kv not in reference.KV_BITS):
         raise ValueError(f"draft_kv must be None or one of {reference.KV_BITS}, with method 'qspec'; got "
                          f"draft_kv={draft_kv!r} with method {method!r}")
-    if not is_integer(gamma) or gamma < 1:
-        raise ValueError(f"gamma must be an integer >= 1, got {gamma!r}")
+    if not is_integer(gamma) or not 1 <= gamma <= MAX_GAMMA:
+        raise ValueError(f"gamma must be an integer in [1, {MAX_GAMMA}], got {gamma!r}")
     if not is_integer(max_new_tokens) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     if not is_integer(seed) or not -2**63 <= seed < 2**63:
         raise ValueError(f"seed must be an integer in [-2**63, 2**63), got {seed!r}")
     if max_len is not None and (not is_integer(max_len) or max_len < 1):
         raise ValueError(f"max_len must be an integer >= 1 or None, got {max_len!r}")
-    if eos_token_id is not None and not is_integer(eos_token_id):
-        raise ValueError(f"eos_token_id must be an integer (-1: never stop on a token) or None, got {eos_token_id!r}")
     if jnp.dtype(dtype) not in COMPUTE_DTYPES:
         raise ValueError(f"dtype must be one of {[d.name for d in COMPUTE_DTYPES]}, got {dtype!r}")
     if method != "w16a16" and not model.checkpoint.quantized:
@@ -152,18 +157,13 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
     if lengths.max() + max_new_tokens > max_len:
         raise ValueError(f"prompt of {lengths.max()} tokens plus max_new_tokens={max_new_tokens} exceeds the "
                          f"cache length max_len={max_len}")
-    if eos_token_id is None:
-        eos_token_id = getattr(model.tokenizer, "eos_token_id", None)
-        eos_token_id = cfg.eos_token_id if eos_token_id is None else eos_token_id
-    elif eos_token_id != -1 and not 0 <= eos_token_id < cfg.vocab_size:
-        raise ValueError(f"eos_token_id {eos_token_id} is outside the vocabulary [0, {cfg.vocab_size}) "
-                         "(-1: never stop on a token)")
+    eos_ids = _eos_ids(model, eos_token_id)
     b = len(ids)
     if max_new_tokens == 0:
         return GenerationResult([np.zeros(0, np.int32)] * b, lengths, np.zeros(b, np.int32), ["length"] * b,
                                 [""] * b if model.tokenizer is not None else None, _stats(None, 0.0))
 
-    rt = Runtime(cfg, int(max_new_tokens), -1 if eos_token_id is None else int(eos_token_id), sampling, dtype,
+    rt = Runtime(cfg, int(max_new_tokens), eos_ids, sampling, dtype,
                  model.checkpoint.online_rotation_seed, kernels, draft_kv=draft_kv)
     extra = gamma + 1 if method == "qspec" else 1
     buffer_len = tokens.shape[1] + max_new_tokens + extra
@@ -187,6 +187,29 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
         texts = [model.tokenizer.decode(s, skip_special_tokens=True) for s in seqs]
     stats = _stats((rounds, drafted, accepted, gen), wall)
     return GenerationResult(seqs, lengths, gen, [FINISH_REASONS[int(f)] for f in finish], texts, stats)
+
+
+def _eos_ids(model: Model, eos_token_id) -> tuple[int, ...]:
+    """The stop tokens: the given id(s) (``-1``: none), else the tokenizer's and the config's EOS ids."""
+    vocab = model.config.vocab_size
+    source = "eos_token_id"
+    if eos_token_id is None:
+        tok_eos = getattr(model.tokenizer, "eos_token_id", None)
+        ids = (*(() if tok_eos is None else (tok_eos,)), *model.config.eos_ids)
+        source = "the tokenizer's / config's eos_token_id"
+    elif is_integer(eos_token_id) and eos_token_id == -1:
+        return ()
+    elif is_integer(eos_token_id):
+        ids = (eos_token_id,)
+    elif isinstance(eos_token_id, (list, tuple)) and eos_token_id:
+        ids = tuple(eos_token_id)
+    else:
+        ids = (eos_token_id,)  # refused below
+    for i in ids:
+        if not is_integer(i) or not 0 <= i < vocab:
+            raise ValueError(f"{source} must be token ids in [0, {vocab}) (or -1: never stop on a token), "
+                             f"got {ids if eos_token_id is None else eos_token_id!r}")
+    return tuple(dict.fromkeys(int(i) for i in ids))
 
 
 def _stats(counters, wall: float) -> dict[str, float]:

@@ -139,11 +139,17 @@ def _path_name(path) -> str:
 
 
 def check_params(params: dict[str, Any], config: LlamaConfig) -> None:
-    """Raise ``ValueError`` naming any param missing, unexpected, or of the wrong shape."""
+    """Raise ``ValueError`` naming any param missing, unexpected, of the wrong shape, or not a float
+    array (packed weights: uint8 codes with float16 scales, :meth:`QuantizedWeight.validate`)."""
     want = expected_param_shapes(config)
     got: dict[str, tuple[int, ...]] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(
             params, is_leaf=lambda x: isinstance(x, QuantizedWeight))[0]:
+        if isinstance(leaf, QuantizedWeight):
+            leaf.validate()
+        elif not jnp.issubdtype(dtype := leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype,
+                                jnp.floating):
+            raise ValueError(f"param {_path_name(path)!r} is {dtype}, expected a float array")
         got[_path_name(path)] = ((*leaf.packed.shape[:-1], leaf.packed.shape[-1] * 2)
                      if isinstance(leaf, QuantizedWeight) else tuple(np.shape(leaf)))
     for name in want.keys() - got.keys():
@@ -185,7 +191,22 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
             raise FileNotFoundError(f"checkpoint file {f} is missing")
         if sha256(f) != digest:
             raise ValueError(f"checksum mismatch for {f}: the file is corrupt or was modified")
+    _check_manifest_schemes(manifest, mpath)
     config = LlamaConfig.from_hf(manifest["config"])
     params = unflatten_params(load_file(str(path / WEIGHTS)), manifest["packed_weights"])
     check_params(params, config)
     return Checkpoint(path, config, jax.device_put(params), manifest)
+
+
+def _check_manifest_schemes(manifest: dict[str, Any], mpath: Path) -> None:
+    """The manifest's ``rotation`` and ``quantization`` entries (None or well-formed objects) and the
+    packed weights' group sizes."""
+    rot, quant = manifest.get("rotation"), manifest.get("quantization")
+    if rot is not None and not (isinstance(rot, dict) and isinstance(rot.get("online"), bool) and (
+            not rot["online"] or (type(rot.get("seed")) is int and rot["seed"] >= 0))):
+        raise ValueError(f"{mpath} is corrupt: 'rotation' must be null or an object with 'online' (true/false) "
+                         f"and, when online, an integer 'seed' >= 0; got {rot!r}")
+    if quant is not None and not isinstance(quant, dict):
+        raise ValueError(f"{mpath} is corrupt: 'quantization' must be null or an object, got {quant!r}")
+    if not all(type(g) is int for g in manifest["packed_weights"].values()):
+        raise ValueError(f"{mpath} is corrupt: 'packed_weights' must map names to integer group sizes")

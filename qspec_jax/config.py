@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
@@ -27,13 +28,20 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     bos_token_id: int | None = None
-    eos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None  # a tuple: generation stops at any of them
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"config {name} must be positive, got {getattr(self, name)}")
+        if not (math.isfinite(self.rms_norm_eps) and self.rms_norm_eps >= 0):
+            raise ValueError(f"config rms_norm_eps must be a finite number >= 0, got {self.rms_norm_eps}")
+        if not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
+            raise ValueError(f"config rope_theta must be a finite number > 0, got {self.rope_theta}")
+        for i in self.eos_ids:
+            if not 0 <= i < self.vocab_size:
+                raise ValueError(f"config eos_token_id {i} is outside the vocabulary [0, {self.vocab_size})")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
@@ -44,6 +52,12 @@ class LlamaConfig:
             if kind not in ("llama3", "default"):
                 raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: llama3)")
 
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """The end-of-sequence token ids (none, one, or several as in Llama-3-Instruct's config)."""
+        eos = self.eos_token_id
+        return () if eos is None else tuple(eos) if isinstance(eos, tuple) else (eos,)
+
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "LlamaConfig":
         """Build from a Hugging Face config dict; unknown architectures raise ``ValueError``."""
@@ -53,6 +67,7 @@ class LlamaConfig:
             raise ValueError(
                 f"unsupported architecture {archs or model_type!r}: qspec-jax handles "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        _check_hf_features(hf, model_type)
         try:
             hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
             scaling = hf.get("rope_scaling")
@@ -63,7 +78,9 @@ class LlamaConfig:
                 if params.get("rope_type", "default") != "default":
                     scaling = params
             eos = hf.get("eos_token_id")
-            return cls(
+            if isinstance(eos, list):  # several stop ids (Llama-3-Instruct); [] means none
+                eos = tuple(int(i) for i in eos) if len(eos) > 1 else eos[0] if eos else None
+            fields = dict(
                 vocab_size=int(hf["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(hf["intermediate_size"]),
@@ -73,15 +90,18 @@ class LlamaConfig:
                 head_dim=int(hf.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
                 rope_theta=float(rope_theta),
-                rope_scaling=None if not scaling else tuple(sorted(scaling.items())),
+                rope_scaling=None if not scaling else tuple(sorted(dict(scaling).items())),
                 max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
                 attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
-                bos_token_id=hf.get("bos_token_id"),
-                eos_token_id=eos[0] if isinstance(eos, list) else eos,
+                bos_token_id=None if hf.get("bos_token_id") is None else int(hf["bos_token_id"]),
+                eos_token_id=eos if eos is None or isinstance(eos, tuple) else int(eos),
             )
         except KeyError as e:
             raise ValueError(f"config.json lacks required field {e.args[0]!r}") from None
+        except (TypeError, ValueError, ZeroDivisionError) as e:
+            raise ValueError(f"config.json has a field of the wrong type or value: {e}") from None
+        return cls(**fields)
 
     def to_hf(self) -> dict[str, Any]:
         """The equivalent Hugging Face ``LlamaForCausalLM`` config dict."""
@@ -102,5 +122,28 @@ class LlamaConfig:
             "tie_word_embeddings": self.tie_word_embeddings,
             "attention_bias": self.attention_bias,
             "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
+            "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id,
         }
+
+
+def _check_hf_features(hf: dict[str, Any], model_type: str | None) -> None:
+    """Refuse HF config features the model does not implement, rather than convert them wrongly."""
+    if hf.get("quantization_config"):
+        q = hf["quantization_config"]
+        method = q.get("quant_method", "?") if isinstance(q, dict) else q
+        raise ValueError(f"the checkpoint is already quantized (quantization_config: {method}); qspec-jax "
+                         "converts float (or GGUF Q4_0 / Q4_1) checkpoints: use the float original")
+    act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
+    if act != "silu":
+        raise ValueError(f"hidden_act {act!r} is not supported: the model's MLP is SwiGLU (silu)")
+    if hf.get("mlp_bias"):
+        raise ValueError("mlp_bias is not supported: the model's MLP linears have no bias")
+    if hf.get("attention_bias") and model_type != "qwen2":
+        raise ValueError("attention_bias on a Llama config adds an o_proj bias, which the model does not "
+                         "implement (only Qwen2's q/k/v biases are)")
+    window = hf.get("sliding_window")
+    active = hf.get("use_sliding_window", model_type == "mistral")
+    if active and isinstance(window, int) and window < int(hf.get("max_position_embeddings", 4096)):
+        raise ValueError(f"sliding-window attention (window {window} < max_position_embeddings "
+                         f"{hf.get('max_position_embeddings')}) is not supported: the model attends to "
+                         "every earlier position")

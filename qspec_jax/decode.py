@@ -51,7 +51,7 @@ class Runtime:
 
     config: LlamaConfig
     max_new_tokens: int
-    eos_id: int  # -1: never stop on a token
+    eos_ids: tuple[int, ...]  # a sequence stops after any of these (none: only at max_new_tokens)
     sampling: Sampling
     dtype: Any = jnp.float32
     online_rotation_seed: int | None = None
@@ -76,7 +76,7 @@ def commit(state: DecodeState, cand: jax.Array, n_new: jax.Array, rt: Runtime) -
     j = jnp.arange(w)[None, :]
     generated = state.lengths - state.prompt_lengths
     room = jnp.minimum(n_new, rt.max_new_tokens - generated)
-    is_eos = (cand == rt.eos_id) & (j < room[:, None])
+    is_eos = jnp.isin(cand, jnp.asarray(rt.eos_ids, cand.dtype)) & (j < room[:, None])
     has_eos = jnp.any(is_eos, axis=-1)
     upto = jnp.where(has_eos, jnp.argmax(is_eos, axis=-1) + 1, room)
     count = jnp.where(state.done, 0, upto).astype(jnp.int32)

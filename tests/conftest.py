@@ -99,8 +99,9 @@ def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_gguf(path: Path, src: SourceModel, linear_type: str = "F32", arch: str = "llama",
-               vocab: list[str] | None = None) -> Path:
-    """Write ``src`` as a llama GGUF file; decoder linears stored as ``linear_type`` (F32, Q4_0, Q4_1, Q5_0, ...)."""
+               vocab: list[str] | None = None, edit=None) -> Path:
+    """Write ``src`` as a llama GGUF file; decoder linears stored as ``linear_type`` (F32, Q4_0, Q4_1, Q5_0, ...);
+    ``edit(writer)`` runs before the header is written (to add or drop metadata)."""
     import gguf
 
     c = src.config
@@ -145,6 +146,8 @@ def write_gguf(path: Path, src: SourceModel, linear_type: str = "F32", arch: str
             add(f"blk.{i}.{names[k]}.weight", t, quantize=True)
         add(f"blk.{i}.attn_norm.weight", layer["attn_norm"])
         add(f"blk.{i}.ffn_norm.weight", layer["mlp_norm"])
+    if edit is not None:
+        edit(w)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

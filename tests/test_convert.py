@@ -179,6 +179,41 @@ def test_malformed_manifest_is_named(tiny_ckpt, edit):
         load_checkpoint(tiny_ckpt)
 
 
+@pytest.mark.parametrize("edit", ["rotation without seed", "rotation as a string", "negative seed",
+                                  "quantization as a string", "group size as a string"])
+def test_malformed_manifest_schemes_are_named(tiny_ckpt, edit):
+    m = json.loads((tiny_ckpt / MANIFEST).read_text())
+    if edit == "rotation without seed":
+        m["rotation"] = {"online": True, "kind": "randomized-hadamard"}
+    elif edit == "rotation as a string":
+        m["rotation"] = "hadamard"
+    elif edit == "negative seed":
+        m["rotation"] = {"online": True, "seed": -3}
+    elif edit == "quantization as a string":
+        m["quantization"] = "rtn"
+    else:
+        m["packed_weights"] = {k: str(v) for k, v in m["packed_weights"].items()}
+    (tiny_ckpt / MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(ValueError, match=f"{MANIFEST} is corrupt"):
+        load_checkpoint(tiny_ckpt)
+
+
+def test_param_dtypes_checked(tiny_ckpt):
+    """A float param stored as integers (or a packed weight's scales as float32) is refused by name."""
+    from qspec_jax.checkpoint import check_params
+
+    ck = load_checkpoint(tiny_ckpt)
+    params = jax.tree.map(lambda a: a, ck.params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    params["final_norm"]["scale"] = np.asarray(params["final_norm"]["scale"]).astype(np.int32)
+    with pytest.raises(ValueError, match="param 'final_norm.scale' is int32, expected a float array"):
+        check_params(params, ck.config)
+    params = jax.tree.map(lambda a: a, ck.params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    w = params["layers"]["mlp"]["down"]["w"]
+    params["layers"]["mlp"]["down"]["w"] = QuantizedWeight(w.packed, w.scales.astype(jnp.float32), w.mins, w.group_size)
+    with pytest.raises(ValueError, match="scales must be float16"):
+        check_params(params, ck.config)
+
+
 def test_unknown_architecture_rejected(tmp_path, rng):
     d = write_hf_dir(tmp_path / "hf", random_source(TINY, rng), "{}")
     cfg = json.loads((d / "config.json").read_text())
@@ -203,6 +238,103 @@ def test_hf_missing_shard_named(tmp_path, rng):
     (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
         "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
     with pytest.raises(FileNotFoundError, match="model-00002-of-00002"):
+        read_source(d)
+
+
+def _hf_dir(tmp_path, rng, config_edit=None, tensors_edit=None) -> Path:
+    """A tiny HF checkpoint directory, its config.json and tensors edited."""
+    from safetensors.numpy import load_file, save_file
+
+    d = write_hf_dir(tmp_path / "hf", random_source(TINY, rng), "{}")
+    if config_edit:
+        cfg = json.loads((d / "config.json").read_text())
+        config_edit(cfg)
+        (d / "config.json").write_text(json.dumps(cfg))
+    if tensors_edit:
+        tensors = load_file(str(d / "model.safetensors"))
+        tensors_edit(tensors)
+        save_file(tensors, str(d / "model.safetensors"))
+    return d
+
+
+@pytest.mark.parametrize("case,match", [
+    ("mlp bias tensor", r"does not use: model\.layers\.0\.mlp\.down_proj\.bias"),
+    ("o_proj bias tensor", r"does not use: model\.layers\.1\.self_attn\.o_proj\.bias"),
+    ("extra norm", r"does not use: model\.layers\.0\.post_feedforward_layernorm\.weight"),
+    ("untied lm_head", "lm_head.weight differs from the embedding"),
+    ("int8 weight", r"'model\.layers\.0\.mlp\.up_proj\.weight' is int8, not a float"),
+    ("quantization_config", "already quantized.*gptq"),
+    ("mlp_bias", "mlp_bias is not supported"),
+    ("llama attention_bias", "o_proj bias"),
+    ("gelu", "hidden_act 'gelu_pytorch_tanh' is not supported"),
+    ("sliding window", "sliding-window attention"),
+    ("negative eps", "rms_norm_eps must be a finite number >= 0"),
+    ("eos out of vocab", "eos_token_id 97 is outside the vocabulary"),
+    ("string field", "config.json has a field of the wrong type"),
+])
+def test_hf_features_the_model_lacks_are_refused(tmp_path, rng, case, match):
+    """A checkpoint the Llama model cannot reproduce (biases, extra tensors, integer or pre-quantized
+    weights, another activation, sliding windows, bad values) is refused, not converted without them."""
+    def put(name, shape, dtype=np.float32):
+        return lambda t: t.update({name: rng.standard_normal(shape).astype(dtype)})
+    tensors_edit = {
+        "mlp bias tensor": put("model.layers.0.mlp.down_proj.bias", (TINY.hidden_size,)),
+        "o_proj bias tensor": put("model.layers.1.self_attn.o_proj.bias", (TINY.hidden_size,)),
+        "extra norm": put("model.layers.0.post_feedforward_layernorm.weight", (TINY.hidden_size,)),
+        "int8 weight": lambda t: t.update({k: (v * 20).astype(np.int8) for k, v in t.items() if "up_proj" in k}),
+    }.get(case)
+    config_edit = {
+        "untied lm_head": lambda c: c.update(tie_word_embeddings=True),  # lm_head.weight is a different matrix
+        "quantization_config": lambda c: c.update(quantization_config={"quant_method": "gptq", "bits": 4}),
+        "mlp_bias": lambda c: c.update(mlp_bias=True),
+        "llama attention_bias": lambda c: c.update(attention_bias=True),
+        "gelu": lambda c: c.update(hidden_act="gelu_pytorch_tanh"),
+        "sliding window": lambda c: c.update(architectures=["MistralForCausalLM"], model_type="mistral",
+                                             sliding_window=64),
+        "negative eps": lambda c: c.update(rms_norm_eps=-1e-6),
+        "eos out of vocab": lambda c: c.update(eos_token_id=[2, TINY.vocab_size]),
+        "string field": lambda c: c.update(intermediate_size="eighty"),
+    }.get(case)
+    with pytest.raises(ValueError, match=match):
+        read_source(_hf_dir(tmp_path, rng, config_edit, tensors_edit))
+
+
+def test_hf_config_variants_accepted(tmp_path, rng):
+    """What is refused above stays accepted where it changes nothing: a tied lm_head saved as the same
+    matrix, derived rotary buffers, a sliding window no shorter than the context or switched off,
+    Qwen2's q/k/v biases, an EOS list (kept whole: generation stops at any) or an empty one."""
+    def tied(t):
+        t["lm_head.weight"] = t["model.embed_tokens.weight"]
+        t["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(TINY.head_dim // 2, np.float32)
+    src = read_source(_hf_dir(tmp_path, rng, lambda c: c.update(tie_word_embeddings=True), tied))
+    assert src.config.tie_word_embeddings and src.lm_head is None
+    base = TINY.to_hf()
+    for edit, eos in ((dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=256), 2),
+                      (dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=None), 2),
+                      (dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", sliding_window=16,
+                            use_sliding_window=False, eos_token_id=[5, 2, 7]), (5, 2, 7)),
+                      (dict(eos_token_id=[]), None), (dict(eos_token_id=[4]), 4)):
+        cfg = LlamaConfig.from_hf({**base, **edit})
+        assert cfg.eos_token_id == eos
+        assert LlamaConfig.from_hf(cfg.to_hf()) == cfg
+    qwen2 = {**base, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
+    del qwen2["attention_bias"]
+    assert LlamaConfig.from_hf(qwen2).attention_bias
+
+
+@pytest.mark.parametrize("case", ["corrupt config", "config not an object", "index without weight_map"])
+def test_malformed_hf_files_are_named(tmp_path, rng, case):
+    d = _hf_dir(tmp_path, rng)
+    if case == "corrupt config":
+        (d / "config.json").write_text('{"hidden_size": 48,')
+        match = "config.json is not valid JSON"
+    elif case == "config not an object":
+        (d / "config.json").write_text("[1, 2]")
+        match = "config.json is not a JSON object"
+    else:
+        (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
+        match = "index.json has no 'weight_map'"
+    with pytest.raises(ValueError, match=match):
         read_source(d)
 
 
@@ -245,6 +377,29 @@ def test_unsupported_gguf_architecture(tmp_path, rng):
         read_source(path)
 
 
+@pytest.mark.parametrize("case,match", [
+    ("rope scaling", "GGUF rope scaling 'linear' is not supported"),
+    ("no head count", "lacks the GGUF field llama.attention.head_count"),
+    ("no vocabulary size", "lacks the GGUF field llama.vocab_size"),
+    ("output bias", r"does not use: blk\.0\.attn_output\.bias"),
+])
+def test_gguf_features_the_model_lacks_are_refused(tmp_path, rng, case, match):
+    import gguf
+
+    def edit(w):
+        if case == "rope scaling":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(4.0)
+        elif case == "no head count":
+            del w.kv_data[0]["llama.attention.head_count"]
+        elif case == "no vocabulary size":
+            del w.kv_data[0]["tokenizer.ggml.tokens"]
+        else:
+            w.add_tensor("blk.0.attn_output.bias", rng.standard_normal(TINY.hidden_size).astype(np.float32))
+    with pytest.raises(ValueError, match=match):
+        read_source(write_gguf(tmp_path / "m.gguf", random_source(TINY, rng), edit=edit))
+
+
 def test_truncated_gguf_is_a_clear_error(tmp_path, rng):
     path = write_gguf(tmp_path / "m.gguf", random_source(TINY, rng))
     path.write_bytes(path.read_bytes()[:1000])
@@ -276,6 +431,13 @@ def test_cli_converts_and_reports_errors(tmp_path, rng, capsys):
     (tmp_path / "a_file").write_text("")
     assert cli.main([str(src_dir), str(tmp_path / "a_file")]) == 2
     assert "not a directory" in capsys.readouterr().err
+    before = {f.name: f.read_bytes() for f in src_dir.iterdir()}
+    assert cli.main([str(src_dir), str(src_dir)]) == 2  # would overwrite the source's model.safetensors
+    assert "non-empty directory that is not a qspec-jax checkpoint" in capsys.readouterr().err
+    assert {f.name: f.read_bytes() for f in src_dir.iterdir()} == before
+    assert cli.main([str(src_dir), str(out), "--rotate", "--seed", "-1"]) == 2
+    assert "rotation seed must be an integer >= 0" in capsys.readouterr().err
+    assert cli.main([str(src_dir), str(out), "--group-size", "16"]) == 0  # over an earlier checkpoint: allowed
 
 
 def test_gptq_layers_run_on_calibration_tokens(rng):

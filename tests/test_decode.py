@@ -62,16 +62,24 @@ def test_greedy_matches_naive_loop(mode, rng):
     assert got == naive
 
 
-def test_eos_stops_only_its_sequence(rng):
+@pytest.mark.parametrize("several", [False, True])
+def test_eos_stops_only_its_sequence(rng, several):
+    """A sequence stops after its first token among the EOS ids (one id, or a list as Llama-3-Instruct's
+    config gives); the other sequences run on. The stops are drawn from the naive continuations: prompt
+    0's 4th token (and, with several, prompt 1's 3rd), which must not occur earlier in them."""
     mode = "w16a16"
-    # eos := the 4th token of prompt 0's greedy continuation, which must not occur in its first three
-    params, cfg, prompts, naive = draw_untied(rng, mode, None, accept=lambda r: r[0][3] not in r[0][:3])
-    eos = naive[0][3]
-    got = _greedy(params, cfg, prompts, mode, eos)
-    assert got[0] == naive[0][:4] and got[0][-1] == eos
-    for i in (1, 2):  # the others: their own continuation, cut after their own first eos (if any)
-        want = naive[i][: naive[i].index(eos) + 1] if eos in naive[i] else naive[i]
-        assert got[i] == want
+    stops_of = lambda r: [r[0][3], r[1][2]] if several else [r[0][3]]  # noqa: E731
+
+    def cut(seq, stops):
+        return next((seq[: i + 1] for i, t in enumerate(seq) if t in stops), seq)
+
+    def accept(r):
+        return len(cut(r[0], stops_of(r))) == 4 and (not several or len(cut(r[1], stops_of(r))) == 3)
+
+    params, cfg, prompts, naive = draw_untied(rng, mode, None, accept=accept)
+    stops = stops_of(naive)
+    got = _greedy(params, cfg, prompts, mode, stops if several else stops[0])
+    assert got == [cut(r, stops) for r in naive]
 
 
 def _greedy(params, cfg, prompts, mode, eos) -> list[list[int]]:

@@ -307,6 +307,17 @@ def test_unsupported_shapes_raise(rng):
             gm.w4ax_quantized(bad, sa, w, interpret=True)
     with pytest.raises(ValueError, match="in_features"):
         gm.w4ax_quantized(jnp.zeros((2, 192), jnp.int8), sa, w, interpret=True)
+    for call in (lambda xx: gm.w4a16_matmul(xx, w, interpret=True), lambda xx: gm.w4ax_matmul(xx, w, 8, interpret=True)):
+        with pytest.raises(ValueError, match="x must be a float array"):
+            call(jnp.ones((2, 256), jnp.int32))
+    for call in (lambda dt: gm.w4a16_matmul(x, w, out_dtype=dt, interpret=True),
+                 lambda dt: gm.w4ax_quantized(qx, sa, w, out_dtype=dt, interpret=True)):
+        with pytest.raises(ValueError, match="out_dtype must be a float"):
+            call(jnp.int32)
+    stack = jax.tree.map(lambda a: a[None], w)
+    for layer in (0.0, jnp.float32(0), jnp.zeros((1,), jnp.int32)):
+        with pytest.raises(ValueError, match="layer must be an integer scalar"):
+            gm.w4a16_matmul(x, stack, layer=layer, interpret=True)
 
 
 def _attention64(q, k, v, pos) -> np.ndarray:
@@ -337,6 +348,14 @@ def test_decode_attention(rng, heads, kv, splits):
         gpu_attention.decode_attention(q[..., :12], k[..., :12], v[..., :12], pos, interpret=True)
     with pytest.raises(ValueError, match="q_pos"):
         gpu_attention.decode_attention(q, k, v, pos[:, :2], interpret=True)
+    with pytest.raises(ValueError, match="q_pos must be >= 0"):
+        gpu_attention.decode_attention(q, k, v, pos - 4, interpret=True)
+    for block in (0, -16, 8, 24):
+        with pytest.raises(ValueError, match="KV block must be a multiple of 16"):
+            gpu_attention.decode_attention(q, k, v, pos, block_s=block, interpret=True)
+    for bad in (0, -1, s // 16 + 1):
+        with pytest.raises(ValueError, match="splits must lie in"):
+            gpu_attention.decode_attention(q, k, v, pos, block_s=16, splits=bad, interpret=True)
 
 
 @pytest.mark.parametrize("bits,d", [(8, 32), (4, 64)])

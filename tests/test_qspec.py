@@ -20,7 +20,7 @@ from convert.pipeline import convert_model
 from convert.quantize import QuantScheme
 from pallas_kernels.reference import quantize_kv as ref_quantize_kv
 from qspec_jax.decode import ROW_TILE, Runtime, prefill
-from qspec_jax.api import generate, load
+from qspec_jax.api import MAX_GAMMA, generate, load
 from qspec_jax.model import forward, init_cache
 from qspec_jax.qspec import qspec_loop, qspec_round
 from qspec_jax.sampling import Sampling, probabilities, sample
@@ -295,7 +295,7 @@ def test_committed_kv_slots_hold_w4a16_values(rng):
     prompts = np.zeros((3, lengths.max()), np.int32)
     for i, n in enumerate(lengths):
         prompts[i, :n] = rng.integers(0, cfg.vocab_size, n)
-    rt = Runtime(cfg, new, -1, Sampling())
+    rt = Runtime(cfg, new, (), Sampling())
     buf = int(lengths.max()) + new + gamma + 1
     state = _prefill_jit(params, prompts, lengths, jax.random.key(0), rt=rt, buffer_len=buf, cache_len=buf,
                          mode="w4a16")
@@ -336,7 +336,7 @@ def test_kv_shadow_follows_the_cache_and_alone_feeds_the_drafts(rng, bits):
     gamma, new = 2, 16
     lengths = rng.choice(np.arange(2, 9), 2, replace=False).astype(np.int32)
     prompts = rng.integers(0, cfg.vocab_size, (2, int(lengths.max()))).astype(np.int32)
-    rt = Runtime(cfg, new, -1, Sampling(), draft_kv=bits)
+    rt = Runtime(cfg, new, (), Sampling(), draft_kv=bits)
     buf = int(lengths.max()) + new + gamma + 1
     state = _prefill_jit(params, prompts, lengths, jax.random.key(0), rt=rt, buffer_len=buf, cache_len=buf,
                          mode="w4a16")
@@ -378,7 +378,7 @@ def test_invalid_requests_raise(tiny_model):
         generate(tiny_model, [list(range(3, 11))], max_new_tokens=5, max_len=12)
     with pytest.raises(ValueError, match="exceeds"):
         generate(tiny_model, ok, max_new_tokens=TINY.max_position_embeddings)
-    for g in (0, -1, True, 2.0):
+    for g in (0, -1, True, 2.0, MAX_GAMMA + 1, 10**7):
         with pytest.raises(ValueError, match="gamma"):
             generate(tiny_model, ok, max_new_tokens=4, gamma=g)
     for new in (-1, True, 4.0):
@@ -395,7 +395,8 @@ def test_invalid_requests_raise(tiny_model):
         with pytest.raises(ValueError, match="token ids must lie in"):
             generate(tiny_model, [bad], max_new_tokens=4)
     bad_args = [("seed", v) for v in (1.5, None, 2**70, True)] + [("max_len", v) for v in (10.5, "100", 0)] + [
-        ("eos_token_id", 2.5), ("dtype", np.int32)] + [("temperature", v) for v in (float("nan"), float("inf"), -1.0, "0.7", None)] + [
+        ("eos_token_id", v) for v in (2.5, TINY.vocab_size, -2, [], [2, TINY.vocab_size], [2, None])] + [
+        ("dtype", np.int32)] + [("temperature", v) for v in (float("nan"), float("inf"), -1.0, "0.7", None)] + [
         ("top_k", v) for v in (2.5, 0, True)] + [("top_p", v) for v in (0.0, 1.5, float("nan"))]
     for name, value in bad_args:
         extra = {"temperature": 1.0} if name in ("top_k", "top_p") else {}
@@ -408,6 +409,32 @@ def test_invalid_requests_raise(tiny_model):
         generate(tiny_model, ok, max_new_tokens=4, chat=True)
     with pytest.raises(ValueError, match=r"a list of them: \[\[1, 2, 3\]\]"):
         generate(tiny_model, ok[0], max_new_tokens=4)  # a flat list of ids: a batch of 0-d prompts
+    with pytest.raises(ValueError, match="must be a qspec_jax.Model"):
+        generate(str(tiny_model.checkpoint.path), ok, max_new_tokens=4)
+
+
+def test_tokenizer_must_match_the_model(tmp_path, rng, smollm2_tokenizer_json):
+    """A checkpoint with tokenizer.json alone loads its tokenizer; a tokenizer whose ids (SmolLM2's
+    49152) or EOS fall outside the model's vocabulary (97) is refused, not gathered out of range."""
+    import json
+    from tokenizers import Tokenizer
+    from qspec_jax.checkpoint import save_checkpoint
+
+    params, cfg, manifest = convert_model(random_source(TINY, rng), QuantScheme(16, False), None)
+    ck = save_checkpoint(tmp_path / "ck", params, cfg, {"tokenizer.json": smollm2_tokenizer_json}, **manifest)
+    model = load(ck)
+    assert model.tokenizer is not None
+    text = "a tokenizer of a bigger model"
+    assert max(model.tokenizer.encode(text, add_special_tokens=False)) >= TINY.vocab_size
+    with pytest.raises(ValueError, match="from the tokenizer: it does not match the model"):
+        generate(model, text, max_new_tokens=2)
+    eos = int(rng.integers(TINY.vocab_size, 49152))
+    (ck / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": Tokenizer.from_str(smollm2_tokenizer_json).id_to_token(eos)}))
+    model = load(ck)
+    assert model.tokenizer.eos_token_id == eos
+    with pytest.raises(ValueError, match="the tokenizer's / config's eos_token_id must be token ids in"):
+        generate(model, [[3, 4]], max_new_tokens=2)
 
 
 def test_one_array_prompt_is_one_sequence(tiny_model):
@@ -572,7 +599,7 @@ def test_sequences_finish_in_different_rounds_smollm2(smol, smol_batches):
 def test_qspec_loop_is_one_while_loop_and_compiles_once(tiny_model, rng):
     cfg, params = tiny_model.config, tiny_model.checkpoint.params
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (4, 7)]
-    rt = Runtime(cfg, 7, -1, Sampling())
+    rt = Runtime(cfg, 7, (), Sampling())
     tokens = np.zeros((2, 7), np.int32)
     tokens[0, :4], tokens[1] = prompts[0], prompts[1]
     state = _prefill_jit(params, tokens, np.array([4, 7], np.int32), jax.random.key(0), rt=rt, buffer_len=19,
@@ -599,7 +626,7 @@ def test_replayed_acceptance_trace(tiny_model, rng):
     """A trace recorded round by round, replayed in the loop, reproduces the greedy run exactly; a
     made-up trace drives the counters (every round accepts what the trace says)."""
     cfg, params = tiny_model.config, tiny_model.checkpoint.params
-    rt = Runtime(cfg, 12, -1, Sampling())
+    rt = Runtime(cfg, 12, (), Sampling())
     tokens = rng.integers(0, cfg.vocab_size, (3, 6)).astype(np.int32)
     lengths = np.array([6, 4, 5], np.int32)
 
