@@ -256,8 +256,8 @@ def attention_partials(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Arra
         raise ValueError(f"head_dim must be a power of two >= 16 (>= {16 * 16 // (kv_bits or 16)} for "
                          f"{kv_bits}-bit codes) and the cache length a multiple of 16; got head_dim {d}, "
                          f"cache length {s}")
-    if not isinstance(q_pos, jax.core.Tracer) and q_pos.size and int(jnp.min(q_pos)) < 0:
-        raise ValueError(f"q_pos must be >= 0 (a query's position in its sequence), got {int(jnp.min(q_pos))}")
+    if not isinstance(q_pos, jax.core.Tracer) and q_pos.size and (low := np.asarray(q_pos).min()) < 0:
+        raise ValueError(f"q_pos must be >= 0 (a query's position in its sequence), got {low}")  # traced: the caller's
     if block_s is None:
         block_s = next(c for c in (BLOCK_S, 32, 16) if s % c == 0)
     if block_s < 16 or block_s % 16 or s % block_s:
