@@ -58,7 +58,8 @@ def _shape(t: Tensor) -> tuple[int, ...]:
 
 
 def check_source(src: SourceModel) -> None:
-    """Raise ``ValueError`` naming the first tensor whose shape does not match the config."""
+    """Raise ``ValueError`` naming the first tensor whose shape does not match the config, or that
+    holds a NaN or infinity (it would spread through every token's forward)."""
     c = src.config
     want = {"embed": (c.vocab_size, c.hidden_size), "final_norm": (c.hidden_size,)}
     got = {"embed": _shape(src.embed), "final_norm": _shape(src.final_norm)}
@@ -74,6 +75,12 @@ def check_source(src: SourceModel) -> None:
     for name, shape in want.items():
         if tuple(got[name]) != tuple(shape):
             raise ValueError(f"tensor {name}: shape {tuple(got[name])} does not match config {shape}")
+    tensors = {"embed": src.embed, "final_norm": src.final_norm, "lm_head": src.lm_head,
+               **{f"layers.{i}.{k}": t for i, layer in enumerate(src.layers) for k, t in layer.items()}}
+    for name, t in tensors.items():
+        parts = (t.scales, t.mins) if isinstance(t, QuantizedWeight) else (t,)
+        if not all(p is None or np.isfinite(p).all() for p in parts):
+            raise ValueError(f"tensor {name} holds NaN or infinite values: the checkpoint is corrupt")
 
 
 # --------------------------------------------------------------------------- HF safetensors

@@ -271,6 +271,7 @@ def _hf_dir(tmp_path, rng, config_edit=None, tensors_edit=None) -> Path:
     ("negative eps", "rms_norm_eps must be a finite number >= 0"),
     ("eos out of vocab", "eos_token_id 97 is outside the vocabulary"),
     ("string field", "config.json has a field of the wrong type"),
+    ("nan weight", r"tensor layers\.1\.o holds NaN or infinite values"),
 ])
 def test_hf_features_the_model_lacks_are_refused(tmp_path, rng, case, match):
     """A checkpoint the Llama model cannot reproduce (biases, extra tensors, integer or pre-quantized
@@ -282,6 +283,7 @@ def test_hf_features_the_model_lacks_are_refused(tmp_path, rng, case, match):
         "o_proj bias tensor": put("model.layers.1.self_attn.o_proj.bias", (TINY.hidden_size,)),
         "extra norm": put("model.layers.0.post_feedforward_layernorm.weight", (TINY.hidden_size,)),
         "int8 weight": lambda t: t.update({k: (v * 20).astype(np.int8) for k, v in t.items() if "up_proj" in k}),
+        "nan weight": lambda t: t["model.layers.1.self_attn.o_proj.weight"].__setitem__((3, 5), np.inf),
     }.get(case)
     config_edit = {
         "untied lm_head": lambda c: c.update(tie_word_embeddings=True),  # lm_head.weight is a different matrix
