@@ -86,10 +86,8 @@ def unflatten_params(tensors: dict[str, np.ndarray], packed: dict[str, int]) -> 
     for name, group in packed.items():
         if name + ".packed" not in tensors or name + ".scales" not in tensors:
             raise ValueError(f"checkpoint lacks the arrays of packed weight {name!r}")
-        w = QuantizedWeight(tensors[name + ".packed"], tensors[name + ".scales"],
-                            tensors.get(name + ".mins"), int(group))
-        w.validate()
-        put(name, w)
+        put(name, QuantizedWeight(tensors[name + ".packed"], tensors[name + ".scales"],
+                                  tensors.get(name + ".mins"), int(group)))  # validated by check_params
     for name, value in tensors.items():
         if name not in parts:
             put(name, value)
