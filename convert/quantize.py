@@ -68,6 +68,10 @@ def quantize_rtn(w: np.ndarray, scheme: QuantScheme) -> QuantizedWeight:
     n, k = w.shape
     g = scheme.group_for(k)
     wg = np.asarray(w, np.float64).reshape(n, k // g, g)
-    s, m = group_params(wg, scheme.symmetric)
+    with np.errstate(over="ignore"):  # an overflow is refused just below
+        s, m = group_params(wg, scheme.symmetric)
+    if not (np.isfinite(s).all() and (m is None or np.isfinite(m).all())):
+        raise ValueError(f"a weight of magnitude {np.abs(wg).max():.3g} overflows the float16 group scale / "
+                         "minimum: the checkpoint holds values INT4 with float16 scales cannot represent")
     codes = quantize_codes(wg, s, m).reshape(n, k)
     return QuantizedWeight(pack_codes(codes), s, m, g)

@@ -11,6 +11,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.layout import QuantizedWeight, dequantize, pack_codes
@@ -124,7 +125,7 @@ def read_hf(path: Path) -> SourceModel:
         with safe_open(str(f), framework="flax") as sf:
             for key in sf.keys():
                 t = sf.get_tensor(key)
-                if not np.issubdtype(t.dtype, np.floating):
+                if not jnp.issubdtype(t.dtype, jnp.floating):  # numpy does not count bfloat16
                     raise ValueError(f"{f}: tensor {key!r} is {t.dtype}, not a float: the checkpoint is "
                                      "already quantized; qspec-jax converts float checkpoints")
                 tensors[key] = np.asarray(t.astype("float32"))

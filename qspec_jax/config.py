@@ -51,6 +51,8 @@ class LlamaConfig:
             kind = dict(self.rope_scaling).get("rope_type", dict(self.rope_scaling).get("type"))
             if kind not in ("llama3", "default"):
                 raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: llama3)")
+            if kind == "llama3":
+                _check_llama3_scaling(dict(self.rope_scaling))
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -143,7 +145,20 @@ def _check_hf_features(hf: dict[str, Any], model_type: str | None) -> None:
                          "implement (only Qwen2's q/k/v biases are)")
     window = hf.get("sliding_window")
     active = hf.get("use_sliding_window", model_type == "mistral")
-    if active and isinstance(window, int) and window < int(hf.get("max_position_embeddings", 4096)):
+    if active and isinstance(window, (int, float)) and window < float(hf.get("max_position_embeddings") or 4096):
         raise ValueError(f"sliding-window attention (window {window} < max_position_embeddings "
                          f"{hf.get('max_position_embeddings')}) is not supported: the model attends to "
                          "every earlier position")
+
+
+
+def _check_llama3_scaling(sc: dict[str, Any]) -> None:
+    """Llama-3 rope_scaling needs factor >= 1 and 0 < low_freq_factor < high_freq_factor, all numbers."""
+    names = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    values = [sc.get(n) for n in names]
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
+        raise ValueError(f"llama3 rope_scaling needs numbers {', '.join(names)}; got {sc}")
+    factor, low, high, old = values
+    if not (factor >= 1 and 0 < low < high and old > 0):
+        raise ValueError(f"llama3 rope_scaling needs factor >= 1, 0 < low_freq_factor < high_freq_factor and "
+                         f"original_max_position_embeddings > 0; got {sc}")

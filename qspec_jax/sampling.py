@@ -66,8 +66,10 @@ def probabilities(logits: jax.Array, s: Sampling) -> jax.Array:
     if s.top_p is not None and s.top_p < 1:
         sorted_p = jnp.sort(probs, axis=-1)[..., ::-1]
         before = jnp.cumsum(sorted_p, axis=-1) - sorted_p  # mass strictly above each sorted entry
-        # keep the smallest prefix whose mass reaches top_p: entries whose preceding mass < top_p
-        cutoff = jnp.min(jnp.where(before < s.top_p, sorted_p, jnp.inf), axis=-1, keepdims=True)
+        # keep the smallest prefix whose mass reaches top_p: entries whose preceding mass < top_p, and
+        # always the most probable one (a top_p below float32's smallest normal would keep nothing)
+        keep = (before < s.top_p) | (jnp.arange(sorted_p.shape[-1]) == 0)
+        cutoff = jnp.min(jnp.where(keep, sorted_p, jnp.inf), axis=-1, keepdims=True)
         probs = jnp.where(probs >= cutoff, probs, 0.0)
         probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
     return probs

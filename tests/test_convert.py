@@ -272,6 +272,9 @@ def _hf_dir(tmp_path, rng, config_edit=None, tensors_edit=None) -> Path:
     ("eos out of vocab", "eos_token_id 97 is outside the vocabulary"),
     ("string field", "config.json has a field of the wrong type"),
     ("nan weight", r"tensor layers\.1\.o holds NaN or infinite values"),
+    ("rope factor 0", "llama3 rope_scaling needs factor >= 1"),
+    ("rope keys missing", "llama3 rope_scaling needs numbers factor"),
+    ("float sliding window", "sliding-window attention"),
 ])
 def test_hf_features_the_model_lacks_are_refused(tmp_path, rng, case, match):
     """A checkpoint the Llama model cannot reproduce (biases, extra tensors, integer or pre-quantized
@@ -296,6 +299,11 @@ def test_hf_features_the_model_lacks_are_refused(tmp_path, rng, case, match):
         "negative eps": lambda c: c.update(rms_norm_eps=-1e-6),
         "eos out of vocab": lambda c: c.update(eos_token_id=[2, TINY.vocab_size]),
         "string field": lambda c: c.update(intermediate_size="eighty"),
+        "rope factor 0": lambda c: c.update(rope_scaling={"rope_type": "llama3", "factor": 0.0, "low_freq_factor": 1.0,
+                                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+        "rope keys missing": lambda c: c.update(rope_scaling={"rope_type": "llama3"}),
+        "float sliding window": lambda c: c.update(architectures=["MistralForCausalLM"], model_type="mistral",
+                                                   sliding_window=16.0),
     }.get(case)
     with pytest.raises(ValueError, match=match):
         read_source(_hf_dir(tmp_path, rng, config_edit, tensors_edit))
@@ -322,6 +330,30 @@ def test_hf_config_variants_accepted(tmp_path, rng):
     qwen2 = {**base, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
     del qwen2["attention_bias"]
     assert LlamaConfig.from_hf(qwen2).attention_bias
+
+
+def test_bfloat16_hf_source_converts(tmp_path, rng):
+    """A bfloat16 checkpoint (the usual HF format) is a float source: read exactly, as float32."""
+    from safetensors.flax import load_file, save_file
+
+    d = _hf_dir(tmp_path, rng)
+    tensors = load_file(str(d / "model.safetensors"))
+    save_file({k: v.astype(jnp.bfloat16) for k, v in tensors.items()}, str(d / "model.safetensors"))
+    src = read_source(d)
+    want = np.asarray(tensors["model.layers.1.mlp.down_proj.weight"].astype(jnp.bfloat16).astype(jnp.float32))
+    np.testing.assert_array_equal(src.layers[1]["down"], want)
+    assert not np.array_equal(want, np.asarray(tensors["model.layers.1.mlp.down_proj.weight"]))  # really rounded
+
+
+def test_rtn_scale_overflow_is_refused(rng):
+    """A weight too large for INT4 with float16 group scales / minimums is refused, not stored as inf."""
+    from convert.quantize import quantize_rtn
+
+    for value, symmetric in ((1e6, False), (-7e4, False), (5e5, True)):
+        w = rng.standard_normal((8, 64)).astype(np.float32)
+        w[0, 0] = value
+        with pytest.raises(ValueError, match="overflows the float16 group scale"):
+            quantize_rtn(w, QuantScheme(32, symmetric))
 
 
 @pytest.mark.parametrize("case", ["corrupt config", "config not an object", "index without weight_map"])
