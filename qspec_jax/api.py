@@ -71,6 +71,9 @@ def _tokenize(model: Model, prompts, chat: bool) -> list[list[int]]:
     """Token ids of each prompt (strings through the tokenizer), checked against the vocabulary."""
     if isinstance(prompts, str):
         prompts = [prompts]
+    if getattr(prompts, "ndim", 1) == 0 or not hasattr(prompts, "__iter__"):
+        raise ValueError(f"prompts must be a string, a list of strings or a list of token-id sequences, "
+                         f"got {type(prompts).__name__}")
     if getattr(prompts, "ndim", None) == 1:  # one token-id prompt as a NumPy or JAX array
         prompts = [prompts]
     out = []
@@ -143,8 +146,13 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
         raise ValueError(f"seed must be an integer in [-2**63, 2**63), got {seed!r}")
     if max_len is not None and (not is_integer(max_len) or max_len < 1):
         raise ValueError(f"max_len must be an integer >= 1 or None, got {max_len!r}")
-    if jnp.dtype(dtype) not in COMPUTE_DTYPES:
+    try:
+        known = jnp.dtype(dtype) in COMPUTE_DTYPES
+    except TypeError:
+        known = False
+    if not known:
         raise ValueError(f"dtype must be one of {[d.name for d in COMPUTE_DTYPES]}, got {dtype!r}")
+    gamma, max_new_tokens = int(gamma), int(max_new_tokens)  # NumPy integers would overflow the cache sizes
     if method != "w16a16" and not model.checkpoint.quantized:
         raise ValueError(f"method {method!r} needs a quantized checkpoint; this one holds float weights")
     kernels = resolve_kernels(kernels)

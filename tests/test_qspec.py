@@ -396,12 +396,13 @@ def test_invalid_requests_raise(tiny_model):
             generate(tiny_model, [bad], max_new_tokens=4)
     bad_args = [("seed", v) for v in (1.5, None, 2**70, True)] + [("max_len", v) for v in (10.5, "100", 0)] + [
         ("eos_token_id", v) for v in (2.5, TINY.vocab_size, -2, [], [2, TINY.vocab_size], [2, None])] + [
-        ("dtype", np.int32)] + [("temperature", v) for v in (float("nan"), float("inf"), -1.0, "0.7", None)] + [
+        ("dtype", np.int32), ("dtype", "foo"), ("prompts", None), ("prompts", 5), ("prompts", np.array(3))] + [("temperature", v) for v in (float("nan"), float("inf"), -1.0, "0.7", None)] + [
         ("top_k", v) for v in (2.5, 0, True)] + [("top_p", v) for v in (0.0, 1.5, float("nan"))]
     for name, value in bad_args:
         extra = {"temperature": 1.0} if name in ("top_k", "top_p") else {}
+        args = {"prompts": ok, "max_new_tokens": 4, name: value, **extra}
         with pytest.raises(ValueError, match=name):
-            generate(tiny_model, ok, max_new_tokens=4, **{name: value, **extra})
+            generate(tiny_model, **args)
     for name, value in (("top_k", 5), ("top_p", 0.9)):  # no effect when greedy: refused rather than ignored
         with pytest.raises(ValueError, match="temperature=0"):
             generate(tiny_model, ok, max_new_tokens=4, **{name: value})
@@ -435,6 +436,14 @@ def test_tokenizer_must_match_the_model(tmp_path, rng, smollm2_tokenizer_json):
     assert model.tokenizer.eos_token_id == eos
     with pytest.raises(ValueError, match="the tokenizer's / config's eos_token_id must be token ids in"):
         generate(model, [[3, 4]], max_new_tokens=2)
+
+
+def test_numpy_integer_arguments(tiny_model):
+    """gamma / max_new_tokens as small NumPy integers decode as Python ints would (np.int8 overflowed the
+    cache size)."""
+    want = generate(tiny_model, [[3, 4, 5]], max_new_tokens=5, gamma=3, eos_token_id=-1).sequences[0]
+    got = generate(tiny_model, [[3, 4, 5]], max_new_tokens=np.int8(5), gamma=np.int8(3), eos_token_id=-1).sequences[0]
+    np.testing.assert_array_equal(got, want)
 
 
 def test_one_array_prompt_is_one_sequence(tiny_model):
