@@ -151,7 +151,6 @@ def _check_hf_features(hf: dict[str, Any], model_type: str | None) -> None:
                          "every earlier position")
 
 
-
 def _check_llama3_scaling(sc: dict[str, Any]) -> None:
     """Llama-3 rope_scaling needs factor >= 1 and 0 < low_freq_factor < high_freq_factor, all numbers."""
     names = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
