@@ -9,6 +9,9 @@ from pathlib import Path
 from convert.quantize import METHODS, QuantScheme
 
 
+GROUP_DEFAULT = object()  # --group-size not given (told apart from an explicit 32)
+
+
 def _group(value: str) -> int | None:
     if value in ("channel", "per-channel", "0"):
         return None
@@ -24,11 +27,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("out", type=Path, help="output checkpoint directory")
     ap.add_argument("--quant", choices=(*METHODS, "none"), default="rtn",
                     help="rtn (round to nearest), gptq (calibrated), none (keep float weights)")
-    ap.add_argument("--group-size", type=_group, default=32, help="32, 64, 128, ... or 'channel'")
+    ap.add_argument("--group-size", type=_group, default=GROUP_DEFAULT, help="32 (default), 64, 128, ... or 'channel'")
     sym = ap.add_mutually_exclusive_group()
     sym.add_argument("--symmetric", dest="symmetric", action="store_true", help="s*q, q in [-8, 7]")
     sym.add_argument("--asymmetric", dest="symmetric", action="store_false", help="s*u + m (GGUF Q4_1), the default")
-    ap.set_defaults(symmetric=False)
+    ap.set_defaults(symmetric=None)
     ap.add_argument("--rotate", action="store_true", help="fold a QuaRot-style rotation into the weights")
     ap.add_argument("--seed", type=int, default=0, help="rotation seed")
     ap.add_argument("--calibration", type=Path, help="GSM8K-style JSONL for GPTQ (e.g. ../shared/data/gsm8k_train.jsonl)")
@@ -40,9 +43,13 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from convert.pipeline import convert
 
-    args = parser().parse_args(argv)
+    ap = parser()
+    args = ap.parse_args(argv)
+    if args.quant == "none" and (args.group_size is not GROUP_DEFAULT or args.symmetric is not None):
+        ap.error("--group-size / --symmetric / --asymmetric set how weights are quantized: not with --quant none")
     try:
-        scheme = None if args.quant == "none" else QuantScheme(args.group_size, args.symmetric, args.quant)
+        group = 32 if args.group_size is GROUP_DEFAULT else args.group_size
+        scheme = None if args.quant == "none" else QuantScheme(group, bool(args.symmetric), args.quant)
         out = convert(args.src, args.out, scheme, args.seed if args.rotate else None,
                       args.calibration, args.n_samples, args.seq_len)
     except (ValueError, FileNotFoundError) as e:

@@ -173,6 +173,8 @@ def convert(source: str | Path, out: str | Path, scheme: QuantScheme | None, rot
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"output {out} exists and is not a directory")
+    if blocker := next((p for p in out.absolute().parents if p.exists() and not p.is_dir()), None):
+        raise ValueError(f"output {out} cannot be created: {blocker} is not a directory")
     if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST).is_file():
         raise ValueError(f"output {out} is a non-empty directory that is not a qspec-jax checkpoint: refusing to "
                          "write into it (the source itself, or someone's files); give a new directory")

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.layout import QuantizedWeight, dequantize, pack_codes
+from qspec_jax.checkpoint import TOKENIZER_FILES, is_plain_name
 from qspec_jax.config import LlamaConfig
 
 LINEARS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -93,14 +94,10 @@ _HF_NAMES = {
     "mlp_norm": "post_attention_layernorm.weight", "q_bias": "self_attn.q_proj.bias",
     "k_bias": "self_attn.k_proj.bias", "v_bias": "self_attn.v_proj.bias",
 }
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json")
 
 
 def read_hf(path: Path) -> SourceModel:
     """Read an HF directory: ``config.json`` plus ``model.safetensors`` or a sharded index."""
-    from safetensors import safe_open
-
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{cfg_path} not found: an HF checkpoint needs config.json")
@@ -114,21 +111,29 @@ def read_hf(path: Path) -> SourceModel:
         weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise ValueError(f"{index} has no 'weight_map' of tensor names to shard files")
+        if outside := sorted({v for v in weight_map.values() if not is_plain_name(v)}):
+            raise ValueError(f"{index} names shard files outside {path}: {outside}")
         files = sorted(set(weight_map.values()))
     else:
-        files = ["model.safetensors"]
+        weight_map, files = None, ["model.safetensors"]
     tensors: dict[str, np.ndarray] = {}
+    where: dict[str, str] = {}
     for name in files:
         f = path / name
         if not f.is_file():
             raise FileNotFoundError(f"{f} not found (listed by the checkpoint)")
-        with safe_open(str(f), framework="flax") as sf:
-            for key in sf.keys():
-                t = sf.get_tensor(key)
-                if not jnp.issubdtype(t.dtype, jnp.floating):  # numpy does not count bfloat16
-                    raise ValueError(f"{f}: tensor {key!r} is {t.dtype}, not a float: the checkpoint is "
-                                     "already quantized; qspec-jax converts float checkpoints")
-                tensors[key] = np.asarray(t.astype("float32"))
+        for key, t in _read_safetensors(f):
+            if key in where:  # which copy a loader takes is up to it: refuse rather than guess
+                raise ValueError(f"tensor {key!r} is in both {where[key]} and {name}")
+            if not jnp.issubdtype(t.dtype, jnp.floating):  # numpy does not count bfloat16
+                raise ValueError(f"{f}: tensor {key!r} is {t.dtype}, not a float: the checkpoint is "
+                                 "already quantized; qspec-jax converts float checkpoints")
+            tensors[key], where[key] = np.asarray(t.astype("float32")), name
+    if weight_map is not None:
+        for key, name in weight_map.items():
+            if where.get(key) != name:
+                raise ValueError(f"{index} puts tensor {key!r} in {name}, but it is "
+                                 + (f"in {where[key]}" if key in where else "in no shard"))
     used: set[str] = set()
 
     def take(key: str) -> np.ndarray:
@@ -151,9 +156,29 @@ def read_hf(path: Path) -> SourceModel:
     tok = {n: (path / n).read_text() for n in TOKENIZER_FILES if (path / n).is_file()}
     if "tokenizer.json" not in tok:
         raise FileNotFoundError(f"{path / 'tokenizer.json'} not found: the converted checkpoint needs a tokenizer")
+    for n in tok:
+        if n.endswith(".json"):
+            _read_json(path / n)  # refused here, by name, not when the checkpoint's tokenizer loads
     src = SourceModel(config, embed, norm, lm_head, layers, tok, "hf")
     check_source(src)
     return src
+
+
+def _read_safetensors(f: Path):
+    """``(name, array)`` of each tensor in a safetensors file; a file that is not one (a Git LFS pointer,
+    a truncated download) is a ``ValueError`` naming it."""
+    from safetensors import SafetensorError, safe_open
+
+    with open(f, "rb") as fh:
+        lfs = fh.read(24) == b"version https://git-lfs."
+    if lfs:
+        raise ValueError(f"{f} is a Git LFS pointer, not the weights: fetch them (git lfs pull)")
+    try:
+        with safe_open(str(f), framework="flax") as sf:
+            for key in sf.keys():
+                yield key, sf.get_tensor(key)
+    except SafetensorError as e:
+        raise ValueError(f"{f} is not a readable safetensors file: {e}") from None
 
 
 def _read_json(path: Path):
@@ -209,6 +234,23 @@ def _gguf_field(reader, key: str, default=None):
     return default if field is None else field.contents()
 
 
+def _gguf_int(reader, key: str, default=None, minimum: int = 1) -> int | None:
+    """An integer GGUF field >= ``minimum`` (``default`` where absent; ``ValueError`` naming it otherwise)."""
+    value = _gguf_field(reader, key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"GGUF field {key} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _gguf_float(reader, key: str, default: float) -> float:
+    value = _gguf_field(reader, key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"GGUF field {key} must be a number, got {value!r}")
+    return float(value)
+
+
 def gguf_tokenizer_files(reader) -> dict[str, str]:
     """Rebuild a ``tokenizers`` BPE tokenizer (and its config) from a GGUF's vocabulary."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -233,6 +275,8 @@ def gguf_tokenizer_files(reader) -> dict[str, str]:
     tokens = list(_gguf_field(reader, "tokenizer.ggml.tokens"))
     types = list(_gguf_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
     merges = [tuple(m.split(" ", 1)) for m in _gguf_field(reader, "tokenizer.ggml.merges", [])]
+    if bad := next((m for m in merges if len(m) != 2), None):
+        raise ValueError(f"GGUF tokenizer.ggml.merges holds {' '.join(bad)!r}, not a pair 'left right'")
     tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre != "llama-bpe")
     tok.pre_tokenizer = pre_tokenizers.Sequence(splits[pre] + [byte_level])
@@ -241,15 +285,17 @@ def gguf_tokenizer_files(reader) -> dict[str, str]:
     tok.add_special_tokens(special)
 
     def token(key: str) -> str | None:
-        i = _gguf_field(reader, f"tokenizer.ggml.{key}_token_id")
-        return None if i is None else tokens[int(i)]
+        i = _gguf_int(reader, f"tokenizer.ggml.{key}_token_id", None, 0)
+        if i is not None and i >= len(tokens):
+            raise ValueError(f"GGUF tokenizer.ggml.{key}_token_id {i} is outside the vocabulary of {len(tokens)}")
+        return None if i is None else tokens[i]
 
     cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": token("bos"), "eos_token": token("eos"), "unk_token": token("unknown"),
         "pad_token": token("padding"), "add_bos_token": bool(_gguf_field(reader, "tokenizer.ggml.add_bos_token", False)),
         "clean_up_tokenization_spaces": False,
-        "model_max_length": int(_gguf_field(reader, "llama.context_length", 2048)),
+        "model_max_length": _gguf_int(reader, "llama.context_length", 2048),
     }
     template = _gguf_field(reader, "tokenizer.chat_template")
     if template:
@@ -271,31 +317,30 @@ def read_gguf(path: Path) -> SourceModel:
     if "rope_freqs.weight" in {t.name for t in reader.tensors}:
         raise ValueError("GGUF carries rope_freqs (Llama-3.1 rope scaling); convert from the HF checkpoint instead")
     scaling = _gguf_field(reader, "llama.rope.scaling.type", "none")
-    if scaling != "none" or float(_gguf_field(reader, "llama.rope.scaling.factor", 1.0)) != 1.0:
+    if scaling != "none" or _gguf_float(reader, "llama.rope.scaling.factor", 1.0) != 1.0:
         raise ValueError(f"GGUF rope scaling {scaling!r} is not supported; convert from the HF checkpoint instead")
 
-    def a(key: str, default=None):
-        value = _gguf_field(reader, f"llama.{key}", default)
+    def a(key: str, default=None) -> int:
+        value = _gguf_int(reader, f"llama.{key}", default)
         if value is None:
             raise ValueError(f"{path} lacks the GGUF field llama.{key}")
         return value
 
-    heads = int(a("attention.head_count"))
-    hidden = int(a("embedding_length"))
+    heads, hidden = a("attention.head_count"), a("embedding_length")
     tokens = _gguf_field(reader, "tokenizer.ggml.tokens")
     names = {t.name for t in reader.tensors}
     config = LlamaConfig(
-        vocab_size=int(a("vocab_size", None if tokens is None else len(tokens))), hidden_size=hidden,
-        intermediate_size=int(a("feed_forward_length")), num_layers=int(a("block_count")),
-        num_heads=heads, num_kv_heads=int(a("attention.head_count_kv", heads)),
-        head_dim=int(a("rope.dimension_count", hidden // heads)),
-        rms_norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(a("rope.freq_base", 10000.0)),
-        max_position_embeddings=int(a("context_length", 4096)),
+        vocab_size=a("vocab_size", None if tokens is None else len(tokens)), hidden_size=hidden,
+        intermediate_size=a("feed_forward_length"), num_layers=a("block_count"),
+        num_heads=heads, num_kv_heads=a("attention.head_count_kv", heads),
+        head_dim=a("rope.dimension_count", hidden // heads),
+        rms_norm_eps=_gguf_float(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta=_gguf_float(reader, "llama.rope.freq_base", 10000.0),
+        max_position_embeddings=a("context_length", 4096),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
-        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=_gguf_field(reader, "tokenizer.ggml.eos_token_id"),
+        bos_token_id=_gguf_int(reader, "tokenizer.ggml.bos_token_id", None, 0),
+        eos_token_id=_gguf_int(reader, "tokenizer.ggml.eos_token_id", None, 0),
     )
     used: set[str] = set()
 

@@ -43,7 +43,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import reference
 from pallas_kernels.gpu_norm import NUM_WARPS, inv_rms, normalized
-from pallas_kernels.launch import LAYER_SPEC, at_layer, call_kernel, pl_triton, stacked_input, stacked_spec
+from pallas_kernels.launch import (LAYER_SPEC, at_layer, call_kernel, check_count, check_eps, check_float, pl_triton,
+                                   stacked_input, stacked_spec)
 from pallas_kernels.layout import PACK_BLOCK
 
 HALF = PACK_BLOCK // 2  # a 64-block's elements in each W4AX plane (and each half of a block)
@@ -307,16 +308,9 @@ def _check_bits(bits) -> int:
     return bits
 
 
-def _check_eps(eps) -> float:
-    if eps is None:
-        raise ValueError("the RMSNorm needs an eps")
-    return eps
-
-
 def _max_blocks(max_blocks: int | None, default: int) -> int:
     max_blocks = default if max_blocks is None else max_blocks
-    if max_blocks < 1:
-        raise ValueError(f"max_blocks must be a positive number of 64-blocks, got {max_blocks}")
+    check_count("max_blocks (64-blocks)", max_blocks)
     return max_blocks
 
 
@@ -324,6 +318,7 @@ def _call_shape(x: jax.Array, parts: int) -> None:
     if x.ndim != 2 or x.shape[1] == 0 or x.shape[1] % (parts * PACK_BLOCK):
         raise ValueError(f"x must be [M, {'2 x ' if parts == 2 else ''}K] with K a multiple of {PACK_BLOCK}, "
                          f"got shape {x.shape}")
+    check_float(x=x)
 
 
 def _call(x: jax.Array, bits: int | None, scale: jax.Array | None, eps: float | None, layer,
@@ -371,14 +366,14 @@ def rms_norm_quantize(x: jax.Array, scale: jax.Array, eps: float, bits: int, *, 
                       max_blocks: int | None = None, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """:func:`quantize_rows` of ``gpu_norm.rms_norm(x, scale, eps, layer=layer)``, in one kernel (the
     normalized rows are never written out)."""
-    return _call(x, _check_bits(bits), scale, _check_eps(eps), layer, max_blocks, interpret)
+    return _call(x, _check_bits(bits), scale, check_eps(eps), layer, max_blocks, interpret)
 
 
 def rms_norm_planes(x: jax.Array, scale: jax.Array, eps: float, *, layer: jax.Array | None = None,
                     max_blocks: int | None = None, interpret: bool = False) -> jax.Array:
     """``gpu_norm.rms_norm(x, scale, eps, layer=layer)`` cast to bf16 and laid out as the W4A16
     kernel's planes ``[4, M, K/4]`` (``activation_planes(y.astype(bf16), 4)``), in one kernel."""
-    return _call(x, None, scale, _check_eps(eps), layer, max_blocks, interpret)
+    return _call(x, None, scale, check_eps(eps), layer, max_blocks, interpret)
 
 
 def swiglu_quantize(gate_up: jax.Array, bits: int, *, max_blocks: int | None = None, spread: bool | None = None,
@@ -505,7 +500,8 @@ def _merge_call(partials, bits: int | None, interpret: bool, head_tile: int | No
         raise ValueError(f"the merge kernel needs a power-of-two group ({g}) and a power-of-two number "
                          f"of 64-blocks per head (head_dim {d})")
     hk = merge_head_tile(kvh, b * t) if head_tile is None else head_tile
-    if hk != kvh and (hk < 1 or hk & (hk - 1) or kvh % hk):
+    check_count("head_tile", hk)
+    if hk != kvh and (hk & (hk - 1) or kvh % hk):
         raise ValueError(f"head_tile must be all {kvh} KV heads or a power of two dividing them, got {hk}")
     tiles, blocks = kvh // hk, h * nb
     tile_blocks_ = blocks // tiles  # 64-blocks of a head tile's output

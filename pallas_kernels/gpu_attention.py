@@ -34,7 +34,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_kernels import reference
-from pallas_kernels.launch import LAYER_SPEC, at_layer, call_kernel, pl_triton, stacked_input, x2
+from pallas_kernels.launch import (LAYER_SPEC, at_layer, call_kernel, check_count, check_float, check_positions, pl_triton,
+                                   stacked_input, x2)
 
 ROW_TILE = 16  # query rows per MMA tile (the MMA's M side)
 BLOCK_S = 64  # cache slots per KV block
@@ -244,6 +245,7 @@ def attention_partials(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Arra
         raise ValueError(f"expected q [B,T,H,d] and k, v {'[B,S,KV,d]' if layer is None else '[L,B,S,KV,d]'}; "
                          f"got {q.shape}, {k.shape}, {v.shape}")
     b, t, h, d = q.shape
+    check_float(q=q)
     kv_bits = _shadow_bits(q, k, v, scales)
     (k, v, *scales), lidx = stacked_input((k, v, *(scales or ())), layer)
     nl, _, s, kvh, dk = k.shape
@@ -256,18 +258,19 @@ def attention_partials(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Arra
         raise ValueError(f"head_dim must be a power of two >= 16 (>= {16 * 16 // (kv_bits or 16)} for "
                          f"{kv_bits}-bit codes) and the cache length a multiple of 16; got head_dim {d}, "
                          f"cache length {s}")
-    if not isinstance(q_pos, jax.core.Tracer) and q_pos.size and (low := np.asarray(q_pos).min()) < 0:
-        raise ValueError(f"q_pos must be >= 0 (a query's position in its sequence), got {low}")  # traced: the caller's
+    check_positions("q_pos", q_pos)  # a query's position in its sequence
     if block_s is None:
         block_s = next(c for c in (BLOCK_S, 32, 16) if s % c == 0)
-    if block_s < 16 or block_s % 16 or s % block_s:
+    check_count("block_s", block_s, 16)
+    if block_s % 16 or s % block_s:
         raise ValueError(f"the KV block must be a multiple of 16 dividing the cache length {s}, got {block_s}")
     g = h // kvh
     rows = t * g
     tiles = -(-rows // ROW_TILE)
     rows_pad = _next_pow2(tiles * ROW_TILE)  # the partials' rows
     splits = num_splits(b, kvh, s, block_s) if splits is None else splits
-    if not 1 <= splits <= s // block_s:
+    check_count("splits", splits)
+    if splits > s // block_s:
         raise ValueError(f"splits must lie in [1, {s // block_s}] (the cache's KV blocks), got {splits}")
     if num_stages is None:  # measured on the H200 (kv_shadow.md): 3 stages beat 2 for the shadow, not for bf16
         num_stages = SHADOW_STAGES if kv_bits else 2

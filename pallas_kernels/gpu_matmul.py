@@ -54,8 +54,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_kernels.layout import PACK_BLOCK, SYMMETRIC_OFFSET, QuantizedWeight
-from pallas_kernels.launch import (LAYER_SPEC, at_layer, call_kernel, int32_offsets_wrap, pl_triton, stacked_input,
-                                   stacked_spec, x2)
+from pallas_kernels.launch import (LAYER_SPEC, at_layer, call_kernel, check_count, check_float, int32_offsets_wrap,
+                                   pl_triton, stacked_input, stacked_spec, x2)
 from pallas_kernels.gpu_activations import quantize_rows
 from pallas_kernels.reference import split_sum
 
@@ -115,6 +115,9 @@ def default_config(n: int, k: int, group: int, kind: str, block_n: int | None = 
     values are kept."""
     if kind not in ("w4a16", "w4ax"):
         raise ValueError(f"kind must be 'w4a16' or 'w4ax', got {kind!r}")
+    for name, value in (("block_n", block_n), ("block_k", block_k), ("split_k", split_k)):
+        if value is not None:
+            check_count(name, value)
     if block_n is None:
         block_n = next((b for b in (64, 32, 16) if n % b == 0), 16)
     if block_k is None:  # 256 rather than 512: W4AX 1.04-1.24x faster at M = 16 (tune.md); W4A16 0.89-1.09x
@@ -210,9 +213,10 @@ def _tiles(m: int, operand: str, block_m: int | None, stage_bytes) -> tuple[int,
     heights = TILE_HEIGHTS[operand]
     if block_m is None:
         bm, stages = next(((h, s) for h, s in heights if m <= h), heights[-1])
-    elif not _is_pow2(block_m) or block_m < 16:
-        raise ValueError(f"block_m must be a power of two >= 16, got {block_m}")
     else:
+        check_count("block_m", block_m, 16)
+        if not _is_pow2(block_m):
+            raise ValueError(f"block_m must be a power of two >= 16, got {block_m}")
         bm, stages = block_m, dict(heights).get(block_m, 2)
     tiles = min(ROW_TILES, -(-m // bm))
     return bm, tiles, max(1, min(stages, 1 + PIPELINE_SMEM // stage_bytes(tiles * bm)))
@@ -484,7 +488,8 @@ def w4a16_matmul(x: jax.Array, w: QuantizedWeight, *, layer: jax.Array | None = 
         args.append(mins)
     out_shape, out_spec = _split_out(m, n, block_n, split_k, rows, jnp.float32 if parts else out_dtype)
     out = call_kernel(kernel, out_shape, (-(-m // rows), n // block_n, split_k), in_specs, out_spec,
-                      interpret, num_warps or WARPS, num_stages or stages, *args)
+                      interpret, WARPS if num_warps is None else num_warps,
+                      stages if num_stages is None else num_stages, *args)
     return _result(out, split_k, parts, out_dtype)
 
 
@@ -727,7 +732,8 @@ def w4ax_quantized(qx: jax.Array, sa: jax.Array, w: QuantizedWeight, *, layer: j
     else:
         out_shape, out_spec = _split_out(m, n, block_n, split_k, rows, jnp.float32 if parts else out_dtype)
     out = call_kernel(kernel, out_shape, (-(-m // rows), n // block_n, split_k), in_specs, out_spec,
-                      interpret, num_warps or WARPS, num_stages or stages, *args)
+                      interpret, WARPS if num_warps is None else num_warps,
+                      stages if num_stages is None else num_stages, *args)
     return out if return_acc else _result(out, split_k, parts, out_dtype, sa.astype(jnp.float32))
 
 
@@ -786,6 +792,7 @@ def dense_matmul(x: jax.Array, w: jax.Array, *, block_m: int | None = None, num_
     reaches :data:`MIN_PROGRAMS`. ``block_m``, ``num_warps``, ``num_stages``: as in :func:`w4a16_matmul`."""
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"expected x [M, K] and w [N, K], got {x.shape} and {w.shape}")
+    check_float(x=x, w=w)
     (m, k), n = x.shape, w.shape[0]
     block_n, block_k, split_k = _dense_config(n, k)
     item = w.dtype.itemsize
@@ -798,5 +805,6 @@ def dense_matmul(x: jax.Array, w: jax.Array, *, block_m: int | None = None, num_
     out = call_kernel(kernel, out_shape, (-(-m // rows), n // block_n, split_k),
                       [pl.BlockSpec((rows, k), lambda i, j, s: (i, 0)),
                        pl.BlockSpec((block_n, k), lambda i, j, s: (j, 0))],
-                      out_spec, interpret, num_warps or WARPS, num_stages or stages, x.astype(w.dtype), w)
+                      out_spec, interpret, WARPS if num_warps is None else num_warps,
+                      stages if num_stages is None else num_stages, x.astype(w.dtype), w)
     return _result(out, split_k, False, jnp.float32)

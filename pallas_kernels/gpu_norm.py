@@ -16,7 +16,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_kernels import reference
-from pallas_kernels.launch import LAYER_SPEC, at_layer, call_kernel, pl_triton, stacked_input, stacked_spec
+from pallas_kernels.launch import (LAYER_SPEC, at_layer, call_kernel, check_eps, check_float, pl_triton, stacked_input,
+                                   stacked_spec)
 
 MAX_CHUNK = 1024
 # Warps per row program. inv_rms' sum across the chunk is a tree over the threads, so its bits depend
@@ -80,6 +81,8 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float, *, layer: jax.Array | N
     if x.ndim != 2 or scale.shape != want:
         raise ValueError(f"expected x [M, H] and scale {'[H]' if layer is None else '[L, H]'}, "
                          f"got {x.shape} and {scale.shape}")
+    check_float(x=x, scale=scale)
+    eps = check_eps(eps)
     m, h = x.shape
     scale, lidx = stacked_input(scale, layer)
     kernel = functools.partial(_rms_norm_kernel, h=h, eps=eps, interpret=interpret)

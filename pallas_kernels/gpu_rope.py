@@ -24,7 +24,8 @@ from jax.experimental import pallas as pl
 from pallas_kernels import reference
 from pallas_kernels.gpu_activations import quant_scale, round_half_even
 from pallas_kernels.gpu_norm import rounder
-from pallas_kernels.launch import LAYER_SPEC, at_layer, call_kernel, int32_offsets_wrap, pl_triton, stacked_input
+from pallas_kernels.launch import (LAYER_SPEC, at_layer, call_kernel, check_float, check_positions, int32_offsets_wrap,
+                                   pl_triton, stacked_input)
 
 NUM_WARPS = 1  # a program moves (G + 2) head vectors: one warp holds a 128-wide head in 4 values per thread
 
@@ -158,6 +159,8 @@ def rope_store(qkv: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Ar
     if positions.shape != (b, t) or cos.shape != (b, t, d // 2) or sin.shape != cos.shape or sin.dtype != dtype:
         raise ValueError(f"expected positions [B, T] = {(b, t)} and cos, sin {(b, t, d // 2)} of one dtype, got "
                          f"{positions.shape}, {cos.shape} {cos.dtype}, {sin.shape} {sin.dtype}")
+    check_float(cos=cos)
+    check_positions("positions", positions)  # one at or past the end is dropped
     want = jnp.int16 if shadow else dtype
     if not supported(d, cache[0], dtype) or any(c.dtype != want for c in cache[:2]) or (
             not partial and qkv.dtype != dtype):

@@ -12,6 +12,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
 _TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
@@ -25,12 +26,42 @@ def call_kernel(kernel, out_shape, grid, in_specs, out_specs, interpret: bool, n
                 num_stages: int, *args, aliases: dict[int, int] | None = None):
     """``pl.pallas_call(kernel, ...)(*args)`` with Triton compiler parameters (none in interpret mode);
     ``aliases``: the ``input_output_aliases`` (an input updated in place)."""
+    check_count("num_warps", num_warps)
+    check_count("num_stages", num_stages)
     params = None if interpret else pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_TRITON_DEPRECATION, category=DeprecationWarning)
         return pl.pallas_call(kernel, out_shape=out_shape, grid=grid, in_specs=in_specs,
                               out_specs=out_specs, input_output_aliases=aliases or {}, compiler_params=params,
                               interpret=interpret)(*args)
+
+
+def check_count(name: str, value, minimum: int = 1) -> None:
+    """A tiling argument (warps, stages, block sizes, splits) must be an integer >= ``minimum``: a
+    float or zero would fail deep in the lowering, or tile nothing."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def check_float(**arrays) -> None:
+    """Each named array (activations, float weights, queries, tables) must have a float dtype."""
+    for name, a in arrays.items():
+        if not jnp.issubdtype(a.dtype, jnp.floating):
+            raise ValueError(f"{name} must be a float array, got {a.dtype}")
+
+
+def check_eps(eps) -> float:
+    """An RMSNorm eps: a number >= 0."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float, np.integer, np.floating)) or not eps >= 0:
+        raise ValueError(f"the RMSNorm's eps must be a number >= 0, got {eps!r}")
+    return float(eps)
+
+
+def check_positions(name: str, pos) -> None:
+    """Concrete positions must be >= 0 (a negative one would index before the cache); traced ones
+    (inside the model's jit) are the caller's to keep in range."""
+    if not isinstance(pos, jax.core.Tracer) and pos.size and (low := np.asarray(pos).min()) < 0:
+        raise ValueError(f"{name} must be >= 0, got {low}")
 
 
 def int32_offsets_wrap(a) -> bool:

@@ -162,6 +162,9 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
     cfg = model.config
     if max_len is None:
         max_len = cfg.max_position_embeddings
+    elif max_len > cfg.max_position_embeddings:
+        raise ValueError(f"max_len={max_len} exceeds the model's max_position_embeddings "
+                         f"{cfg.max_position_embeddings} (the positions it was trained for)")
     if lengths.max() + max_new_tokens > max_len:
         raise ValueError(f"prompt of {lengths.max()} tokens plus max_new_tokens={max_new_tokens} exceeds the "
                          f"cache length max_len={max_len}")
@@ -200,23 +203,19 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
 def _eos_ids(model: Model, eos_token_id) -> tuple[int, ...]:
     """The stop tokens: the given id(s) (``-1``: none), else the tokenizer's and the config's EOS ids."""
     vocab = model.config.vocab_size
-    source = "eos_token_id"
     if eos_token_id is None:
         tok_eos = getattr(model.tokenizer, "eos_token_id", None)
-        ids = (*(() if tok_eos is None else (tok_eos,)), *model.config.eos_ids)
-        source = "the tokenizer's / config's eos_token_id"
+        ids, source = (*(() if tok_eos is None else (tok_eos,)), *model.config.eos_ids), "the tokenizer's / config's"
     elif is_integer(eos_token_id) and eos_token_id == -1:
         return ()
-    elif is_integer(eos_token_id):
-        ids = (eos_token_id,)
-    elif isinstance(eos_token_id, (list, tuple)) and eos_token_id:
-        ids = tuple(eos_token_id)
+    elif is_integer(eos_token_id) or (isinstance(eos_token_id, (list, tuple)) and eos_token_id):
+        ids, source = tuple(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else (eos_token_id,), "the given"
     else:
-        ids = (eos_token_id,)  # refused below
+        raise ValueError(f"eos_token_id must be a token id, a non-empty list of them, -1 or None, got {eos_token_id!r}")
     for i in ids:
         if not is_integer(i) or not 0 <= i < vocab:
-            raise ValueError(f"{source} must be token ids in [0, {vocab}) (or -1: never stop on a token), "
-                             f"got {ids if eos_token_id is None else eos_token_id!r}")
+            raise ValueError(f"{source} eos_token_id must be token ids in [0, {vocab}) (or -1: never stop on a "
+                             f"token), got {ids if eos_token_id is None else eos_token_id!r}")
     return tuple(dict.fromkeys(int(i) for i in ids))
 
 

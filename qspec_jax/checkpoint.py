@@ -28,6 +28,10 @@ FORMAT = "qspec-jax"
 FORMAT_VERSION = 2  # 2: the nibble-planar packed layout of pallas_kernels/layout.py
 MANIFEST = "manifest.json"
 WEIGHTS = "model.safetensors"
+# Every file the tokenizer loader may read: a converted checkpoint holds those its source had, each
+# listed (and checksummed) in the manifest, so a stale or foreign one cannot change the tokenization.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json", "generation_config.json")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +59,8 @@ def flatten_params(tree: dict[str, Any], prefix: str = "") -> tuple[dict[str, np
     packed: dict[str, int] = {}
     for key, value in tree.items():
         name = f"{prefix}{key}"
+        if not isinstance(key, str) or not key or "." in key:  # '.'-joined names must split back the same way
+            raise ValueError(f"param name {name!r}: each key must be a non-empty string without '.'")
         if isinstance(value, dict):
             sub_t, sub_p = flatten_params(value, name + ".")
             tensors.update(sub_t)
@@ -94,6 +100,11 @@ def unflatten_params(tensors: dict[str, np.ndarray], packed: dict[str, int]) -> 
     return tree
 
 
+def is_plain_name(name: Any) -> bool:
+    """Whether ``name`` is a file name inside its directory (no separators, not '.' or '..')."""
+    return isinstance(name, str) and name not in ("", ".", "..") and Path(name).name == name and "\\" not in name
+
+
 def sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -104,12 +115,17 @@ def sha256(path: Path) -> str:
 
 def save_checkpoint(out: str | Path, params: dict[str, Any], config: LlamaConfig,
                     tokenizer_files: dict[str, str], **manifest_fields: Any) -> Path:
-    """Write a checkpoint directory; ``manifest_fields`` (quantization, rotation, source) go in the manifest."""
+    """Write a checkpoint directory; ``manifest_fields`` (quantization, rotation, source) go in the manifest.
+    Tokenizer files an earlier checkpoint left in ``out`` that this one lacks are removed."""
     from safetensors.numpy import save_file
 
     out = Path(out)
+    if unknown := set(tokenizer_files) - set(TOKENIZER_FILES):
+        raise ValueError(f"not tokenizer files: {sorted(unknown)} (expected among {TOKENIZER_FILES})")
     out.mkdir(parents=True, exist_ok=True)
     tensors, packed = flatten_params(params)
+    for name in set(TOKENIZER_FILES) - set(tokenizer_files):
+        (out / name).unlink(missing_ok=True)
     save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(out / WEIGHTS))
     for name, text in tokenizer_files.items():
         (out / name).write_text(text)
@@ -183,15 +199,29 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
             raise ValueError(f"{mpath} is corrupt: {key!r} must be a JSON object")
     if WEIGHTS not in manifest["files"]:
         raise ValueError(f"{mpath} is corrupt: it lists no checksum for {WEIGHTS}")
+    if outside := [n for n in manifest["files"] if not is_plain_name(n)]:
+        raise ValueError(f"{mpath} is corrupt: it lists files outside the checkpoint directory: {outside}")
     for name, digest in manifest["files"].items():
         f = path / name
         if not f.is_file():
             raise FileNotFoundError(f"checkpoint file {f} is missing")
         if sha256(f) != digest:
             raise ValueError(f"checksum mismatch for {f}: the file is corrupt or was modified")
+    for name in TOKENIZER_FILES:
+        if (path / name).exists() and name not in manifest["files"]:
+            raise ValueError(f"{path / name} is not part of the checkpoint (its manifest does not list it) but the "
+                             "tokenizer would read it; remove it, or convert into a new directory")
     _check_manifest_schemes(manifest, mpath)
-    config = LlamaConfig.from_hf(manifest["config"])
-    params = unflatten_params(load_file(str(path / WEIGHTS)), manifest["packed_weights"])
+    try:
+        config = LlamaConfig.from_hf(manifest["config"])
+    except ValueError as e:
+        raise ValueError(f"{mpath}: its 'config' is not valid: {e}") from None
+    tensors = load_file(str(path / WEIGHTS))
+    _check_packed_scheme(tensors, manifest, mpath)
+    for name, t in tensors.items():
+        if jnp.issubdtype(t.dtype, jnp.floating) and not np.isfinite(t).all():
+            raise ValueError(f"{path / WEIGHTS}: tensor {name!r} holds NaN or infinity")
+    params = unflatten_params(tensors, manifest["packed_weights"])
     check_params(params, config)
     return Checkpoint(path, config, jax.device_put(params), manifest)
 
@@ -204,7 +234,21 @@ def _check_manifest_schemes(manifest: dict[str, Any], mpath: Path) -> None:
             not rot["online"] or (type(rot.get("seed")) is int and rot["seed"] >= 0))):
         raise ValueError(f"{mpath} is corrupt: 'rotation' must be null or an object with 'online' (true/false) "
                          f"and, when online, an integer 'seed' >= 0; got {rot!r}")
-    if quant is not None and not isinstance(quant, dict):
-        raise ValueError(f"{mpath} is corrupt: 'quantization' must be null or an object, got {quant!r}")
+    if quant is not None and not (isinstance(quant, dict) and isinstance(quant.get("symmetric"), bool)):
+        raise ValueError(f"{mpath} is corrupt: 'quantization' must be null or an object with 'symmetric' "
+                         f"(true/false), got {quant!r}")
     if not all(type(g) is int for g in manifest["packed_weights"].values()):
         raise ValueError(f"{mpath} is corrupt: 'packed_weights' must map names to integer group sizes")
+
+
+def _check_packed_scheme(tensors: dict[str, np.ndarray], manifest: dict[str, Any], mpath: Path) -> None:
+    """Packed weights need a quantization entry, and carry ``.mins`` exactly when it is asymmetric (the
+    kernels read symmetry off the arrays, so a dropped or extra ``.mins`` would change the weights)."""
+    packed, quant = manifest["packed_weights"], manifest.get("quantization")
+    if packed and quant is None:
+        raise ValueError(f"{mpath} is corrupt: it lists packed weights but no 'quantization'")
+    for name in packed:
+        if (name + ".mins" in tensors) == quant["symmetric"]:
+            raise ValueError(f"{mpath.parent / WEIGHTS}: packed weight {name!r} "
+                             f"{'has' if quant['symmetric'] else 'lacks'} '.mins' but the manifest says "
+                             f"symmetric={quant['symmetric']}")

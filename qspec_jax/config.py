@@ -39,9 +39,9 @@ class LlamaConfig:
             raise ValueError(f"config rms_norm_eps must be a finite number >= 0, got {self.rms_norm_eps}")
         if not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
             raise ValueError(f"config rope_theta must be a finite number > 0, got {self.rope_theta}")
-        for i in self.eos_ids:
-            if not 0 <= i < self.vocab_size:
-                raise ValueError(f"config eos_token_id {i} is outside the vocabulary [0, {self.vocab_size})")
+        for name, i in [("eos_token_id", i) for i in self.eos_ids] + [("bos_token_id", self.bos_token_id)]:
+            if i is not None and not 0 <= i < self.vocab_size:
+                raise ValueError(f"config {name} {i} is outside the vocabulary [0, {self.vocab_size})")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
@@ -62,48 +62,50 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "LlamaConfig":
-        """Build from a Hugging Face config dict; unknown architectures raise ``ValueError``."""
-        archs = hf.get("architectures") or []
-        model_type = hf.get("model_type")
+        """Build from a Hugging Face config dict; unknown architectures, and fields of the wrong JSON
+        type (a string for a number, ``"false"`` for false), raise ``ValueError``."""
+        archs = _hf_value(hf, "architectures", list, [])
+        model_type = _hf_value(hf, "model_type", str, None)
+        if not all(isinstance(a, str) for a in archs):
+            raise ValueError(f"config.json field 'architectures' must be a list of names, got {archs!r}")
         if not any(a in SUPPORTED_ARCHITECTURES for a in archs) and model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"unsupported architecture {archs or model_type!r}: qspec-jax handles "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}")
         _check_hf_features(hf, model_type)
-        try:
-            hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-            scaling = hf.get("rope_scaling")
-            rope_theta = hf.get("rope_theta")
-            if rope_theta is None:  # transformers 5 nests it under rope_parameters
-                params = hf.get("rope_parameters") or {}
-                rope_theta = params.get("rope_theta", 10000.0)
-                if params.get("rope_type", "default") != "default":
-                    scaling = params
-            eos = hf.get("eos_token_id")
-            if isinstance(eos, list):  # several stop ids (Llama-3-Instruct); [] means none
-                eos = tuple(int(i) for i in eos) if len(eos) > 1 else eos[0] if eos else None
-            fields = dict(
-                vocab_size=int(hf["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(hf["intermediate_size"]),
-                num_layers=int(hf["num_hidden_layers"]),
-                num_heads=heads,
-                num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-                head_dim=int(hf.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-                rope_theta=float(rope_theta),
-                rope_scaling=None if not scaling else tuple(sorted(dict(scaling).items())),
-                max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
-                bos_token_id=None if hf.get("bos_token_id") is None else int(hf["bos_token_id"]),
-                eos_token_id=eos if eos is None or isinstance(eos, tuple) else int(eos),
-            )
-        except KeyError as e:
-            raise ValueError(f"config.json lacks required field {e.args[0]!r}") from None
-        except (TypeError, ValueError, ZeroDivisionError) as e:
-            raise ValueError(f"config.json has a field of the wrong type or value: {e}") from None
-        return cls(**fields)
+        hidden, heads = _hf_value(hf, "hidden_size", int), _hf_value(hf, "num_attention_heads", int)
+        if heads < 1:
+            raise ValueError(f"config num_heads must be positive, got {heads}")
+        scaling = _hf_value(hf, "rope_scaling", dict, None)
+        rope_theta = _hf_value(hf, "rope_theta", float, None)
+        if rope_theta is None:  # transformers 5 nests it under rope_parameters
+            params = _hf_value(hf, "rope_parameters", dict, {})
+            rope_theta = _hf_value(params, "rope_theta", float, 10000.0, "rope_parameters.")
+            if params.get("rope_type", "default") != "default":
+                scaling = params
+        eos = hf.get("eos_token_id")
+        if isinstance(eos, list):  # several stop ids (Llama-3-Instruct); [] means none
+            ids = tuple(_hf_value({"eos_token_id": i}, "eos_token_id", int) for i in eos)
+            eos = ids if len(ids) > 1 else ids[0] if ids else None
+        elif eos is not None:
+            eos = _hf_value(hf, "eos_token_id", int)
+        return cls(
+            vocab_size=_hf_value(hf, "vocab_size", int),
+            hidden_size=hidden,
+            intermediate_size=_hf_value(hf, "intermediate_size", int),
+            num_layers=_hf_value(hf, "num_hidden_layers", int),
+            num_heads=heads,
+            num_kv_heads=_hf_value(hf, "num_key_value_heads", int, heads),
+            head_dim=_hf_value(hf, "head_dim", int, hidden // heads),
+            rms_norm_eps=_hf_value(hf, "rms_norm_eps", float, 1e-5),
+            rope_theta=rope_theta,
+            rope_scaling=None if not scaling else tuple(sorted(scaling.items())),
+            max_position_embeddings=_hf_value(hf, "max_position_embeddings", int, 4096),
+            tie_word_embeddings=_hf_value(hf, "tie_word_embeddings", bool, False),
+            attention_bias=_hf_value(hf, "attention_bias", bool, model_type == "qwen2"),
+            bos_token_id=_hf_value(hf, "bos_token_id", int, None),
+            eos_token_id=eos,
+        )
 
     def to_hf(self) -> dict[str, Any]:
         """The equivalent Hugging Face ``LlamaForCausalLM`` config dict."""
@@ -128,6 +130,29 @@ class LlamaConfig:
         }
 
 
+_REQUIRED = object()
+_KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list",
+          dict: "an object"}
+
+
+def _hf_value(hf: dict[str, Any], key: str, kind: type, default: Any = _REQUIRED, prefix: str = "") -> Any:
+    """``hf[key]`` as ``kind``, checked to be that JSON type (an integer may be written 4096.0, a number
+    may be an integer; a bool is neither); absent or null gives ``default``, or names the missing field."""
+    value = hf.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise ValueError(f"config.json lacks required field {prefix + key!r}")
+        return default
+    if kind is bool or kind not in (int, float):
+        ok = isinstance(value, kind)
+    else:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (
+            kind is float or float(value).is_integer())
+    if not ok:
+        raise ValueError(f"config.json field {prefix + key!r} must be {_KINDS[kind]}, got {value!r}")
+    return kind(value) if kind in (int, float) else value
+
+
 def _check_hf_features(hf: dict[str, Any], model_type: str | None) -> None:
     """Refuse HF config features the model does not implement, rather than convert them wrongly."""
     if hf.get("quantization_config"):
@@ -138,14 +163,14 @@ def _check_hf_features(hf: dict[str, Any], model_type: str | None) -> None:
     act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
     if act != "silu":
         raise ValueError(f"hidden_act {act!r} is not supported: the model's MLP is SwiGLU (silu)")
-    if hf.get("mlp_bias"):
+    if _hf_value(hf, "mlp_bias", bool, False):
         raise ValueError("mlp_bias is not supported: the model's MLP linears have no bias")
-    if hf.get("attention_bias") and model_type != "qwen2":
+    if _hf_value(hf, "attention_bias", bool, False) and model_type != "qwen2":
         raise ValueError("attention_bias on a Llama config adds an o_proj bias, which the model does not "
                          "implement (only Qwen2's q/k/v biases are)")
-    window = hf.get("sliding_window")
-    active = hf.get("use_sliding_window", model_type == "mistral")
-    if active and isinstance(window, (int, float)) and window < float(hf.get("max_position_embeddings") or 4096):
+    window = _hf_value(hf, "sliding_window", float, None)
+    active = _hf_value(hf, "use_sliding_window", bool, model_type == "mistral")
+    if active and window is not None and window < _hf_value(hf, "max_position_embeddings", float, 4096):
         raise ValueError(f"sliding-window attention (window {window} < max_position_embeddings "
                          f"{hf.get('max_position_embeddings')}) is not supported: the model attends to "
                          "every earlier position")

@@ -163,7 +163,7 @@ def test_unknown_format_version(tiny_ckpt):
         load_checkpoint(tiny_ckpt)
 
 
-@pytest.mark.parametrize("edit", ["not an object", "no files", "no config", "files listed empty"])
+@pytest.mark.parametrize("edit", ["not an object", "no files", "no config", "files listed empty", "file outside"])
 def test_malformed_manifest_is_named(tiny_ckpt, edit):
     m = json.loads((tiny_ckpt / MANIFEST).read_text())
     if edit == "not an object":
@@ -172,6 +172,9 @@ def test_malformed_manifest_is_named(tiny_ckpt, edit):
         del m["files"]
     elif edit == "no config":
         m["config"] = None
+    elif edit == "file outside":  # a checksum of someone else's file, which the loader would then trust
+        (tiny_ckpt.parent / "other.json").write_text("{}")
+        m["files"]["../other.json"] = json.loads(json.dumps(m["files"][WEIGHTS]))
     else:  # no checksum left to check: refused rather than loaded unverified
         m["files"] = {}
     (tiny_ckpt / MANIFEST).write_text(json.dumps(m))
@@ -196,6 +199,80 @@ def test_malformed_manifest_schemes_are_named(tiny_ckpt, edit):
     (tiny_ckpt / MANIFEST).write_text(json.dumps(m))
     with pytest.raises(ValueError, match=f"{MANIFEST} is corrupt"):
         load_checkpoint(tiny_ckpt)
+
+
+def _rewrite_weights(ckpt: Path, edit) -> None:
+    """Edit a checkpoint's tensors and re-sign them in the manifest, as a hand edit would."""
+    from safetensors.numpy import load_file, save_file
+
+    from qspec_jax.checkpoint import sha256
+
+    tensors = load_file(str(ckpt / WEIGHTS))
+    edit(tensors)
+    save_file(tensors, str(ckpt / WEIGHTS))
+    m = json.loads((ckpt / MANIFEST).read_text())
+    m["files"][WEIGHTS] = sha256(ckpt / WEIGHTS)
+    (ckpt / MANIFEST).write_text(json.dumps(m))
+
+
+@pytest.mark.parametrize("edit,match", [
+    ("nan", r"tensor 'layers\.attn_norm\.scale' holds NaN"),
+    ("inf scale", r"tensor 'layers\.mlp\.down\.w\.scales' holds NaN or infinity"),
+    ("mins dropped", r"packed weight 'layers\.attn\.o\.w' lacks '\.mins' but the manifest says symmetric=False"),
+])
+def test_resigned_weights_checked_at_load(tiny_ckpt, rng, edit, match):
+    """Tensors with a valid checksum are still checked: finite, and ``.mins`` exactly when asymmetric."""
+    def change(t):
+        if edit == "nan":
+            t["layers.attn_norm.scale"][0, int(rng.integers(t["layers.attn_norm.scale"].shape[1]))] = np.nan
+        elif edit == "inf scale":
+            t["layers.mlp.down.w.scales"].flat[int(rng.integers(t["layers.mlp.down.w.scales"].size))] = np.inf
+        else:
+            del t["layers.attn.o.w.mins"]
+    _rewrite_weights(tiny_ckpt, change)
+    with pytest.raises(ValueError, match=match):
+        load_checkpoint(tiny_ckpt)
+
+
+def test_packed_weights_need_a_symmetric_flag(tiny_ckpt):
+    m = json.loads((tiny_ckpt / MANIFEST).read_text())
+    del m["quantization"]["symmetric"]
+    (tiny_ckpt / MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(ValueError, match=f"{MANIFEST} is corrupt: 'quantization' must be null or an object with"):
+        load_checkpoint(tiny_ckpt)
+    m["quantization"] = None
+    (tiny_ckpt / MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(ValueError, match="lists packed weights but no 'quantization'"):
+        load_checkpoint(tiny_ckpt)
+
+
+def test_reconversion_drops_the_old_tokenizer_files(tmp_path, rng):
+    """Converting over a checkpoint removes its tokenizer files the new source lacks; a tokenizer file
+    the manifest does not list is refused at load (the tokenizer would silently read it)."""
+    from qspec_jax.api import load
+
+    src = random_source(TINY, rng)
+    params, config, manifest = convert_model(src, None, None)
+    tok = json.dumps({"model_max_length": 7})
+    out = save_checkpoint(tmp_path / "ck", params, config,
+                          {"tokenizer.json": "{}", "tokenizer_config.json": tok}, **manifest)
+    assert (out / "tokenizer_config.json").read_text() == tok
+    save_checkpoint(out, params, config, {"tokenizer.json": "{}"}, **manifest)
+    assert not (out / "tokenizer_config.json").exists()
+    assert set(load_checkpoint(out).manifest["files"]) == {WEIGHTS, "tokenizer.json"}
+    (out / "special_tokens_map.json").write_text("{}")
+    with pytest.raises(ValueError, match="special_tokens_map.json is not part of the checkpoint"):
+        load(out)
+    with pytest.raises(ValueError, match=r"not tokenizer files: \['config.json'\]"):
+        save_checkpoint(tmp_path / "other", params, config, {"tokenizer.json": "{}", "config.json": "{}"})
+
+
+def test_param_names_must_split_back(tmp_path, rng):
+    """A '.' inside a param key would be read back as nesting: refused when saving."""
+    params, config, manifest = convert_model(random_source(TINY, rng), None, None)
+    params["final_norm"] = {"scale.v2": params["final_norm"]["scale"]}
+    with pytest.raises(ValueError, match=r"param name 'final_norm\.scale\.v2'"):
+        save_checkpoint(tmp_path / "ck", params, config, {"tokenizer.json": "{}"}, **manifest)
 
 
 def test_param_dtypes_checked(tiny_ckpt):
@@ -241,6 +318,46 @@ def test_hf_missing_shard_named(tmp_path, rng):
         read_source(d)
 
 
+@pytest.mark.parametrize("case", ["duplicated", "misplaced"])
+def test_hf_shards_must_match_the_index(tmp_path, rng, case):
+    """A tensor in two shards, or in another shard than the index names, is refused (not last-wins)."""
+    from safetensors.numpy import load_file, save_file
+
+    d = write_hf_dir(tmp_path / "hf", random_source(TINY, rng), "{}")
+    tensors = load_file(str(d / "model.safetensors"))
+    (d / "model.safetensors").unlink()
+    names = sorted(tensors)
+    first, second = names[: len(names) // 2], names[len(names) // 2:]
+    key = first[int(rng.integers(len(first)))]
+    shard2 = {k: tensors[k] for k in second}
+    if case == "duplicated":
+        shard2[key] = tensors[key] + 1.0
+    save_file({k: tensors[k] for k in first if case == "duplicated" or k != key}, str(d / "a.safetensors"))
+    save_file(shard2 if case == "duplicated" else {**shard2, key: tensors[key]}, str(d / "b.safetensors"))
+    weight_map = {**{k: "a.safetensors" for k in first}, **{k: "b.safetensors" for k in second}}
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    match = (f"tensor '{key}' is in both a.safetensors and b.safetensors" if case == "duplicated"
+             else f"puts tensor '{key}' in a.safetensors, but it is in b.safetensors")
+    with pytest.raises(ValueError, match=match):
+        read_source(d)
+
+
+@pytest.mark.parametrize("case", ["lfs pointer", "garbage", "bad tokenizer json"])
+def test_unreadable_hf_files_are_named(tmp_path, rng, case):
+    d = write_hf_dir(tmp_path / "hf", random_source(TINY, rng), "{}")
+    if case == "lfs pointer":
+        (d / "model.safetensors").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:ab\n")
+        match = "model.safetensors is a Git LFS pointer"
+    elif case == "garbage":
+        (d / "model.safetensors").write_bytes(rng.integers(0, 256, 64, dtype=np.uint8).tobytes())
+        match = "model.safetensors is not a readable safetensors file"
+    else:
+        (d / "tokenizer_config.json").write_text('{"model_max_length": ')
+        match = "tokenizer_config.json is not valid JSON"
+    with pytest.raises(ValueError, match=match):
+        read_source(d)
+
+
 def _hf_dir(tmp_path, rng, config_edit=None, tensors_edit=None) -> Path:
     """A tiny HF checkpoint directory, its config.json and tensors edited."""
     from safetensors.numpy import load_file, save_file
@@ -270,7 +387,14 @@ def _hf_dir(tmp_path, rng, config_edit=None, tensors_edit=None) -> Path:
     ("sliding window", "sliding-window attention"),
     ("negative eps", "rms_norm_eps must be a finite number >= 0"),
     ("eos out of vocab", "eos_token_id 97 is outside the vocabulary"),
-    ("string field", "config.json has a field of the wrong type"),
+    ("string field", "config.json field 'intermediate_size' must be an integer, got 'eighty'"),
+    ("numeric string", "config.json field 'num_hidden_layers' must be an integer, got '2'"),
+    ("false as a string", "config.json field 'tie_word_embeddings' must be true or false, got 'false'"),
+    ("fractional int", "config.json field 'head_dim' must be an integer, got 16.5"),
+    ("rope_parameters string", "config.json field 'rope_parameters' must be an object"),
+    ("architectures number", "config.json field 'architectures' must be a list, got 5"),
+    ("bos out of vocab", "bos_token_id 4096 is outside the vocabulary"),
+    ("zero heads", "num_heads must be positive, got 0"),
     ("nan weight", r"tensor layers\.1\.o holds NaN or infinite values"),
     ("rope factor 0", "llama3 rope_scaling needs factor >= 1"),
     ("rope keys missing", "llama3 rope_scaling needs numbers factor"),
@@ -299,6 +423,13 @@ def test_hf_features_the_model_lacks_are_refused(tmp_path, rng, case, match):
         "negative eps": lambda c: c.update(rms_norm_eps=-1e-6),
         "eos out of vocab": lambda c: c.update(eos_token_id=[2, TINY.vocab_size]),
         "string field": lambda c: c.update(intermediate_size="eighty"),
+        "numeric string": lambda c: c.update(num_hidden_layers="2"),
+        "false as a string": lambda c: c.update(tie_word_embeddings="false"),  # bool("false") is True
+        "fractional int": lambda c: c.update(head_dim=16.5),
+        "rope_parameters string": lambda c: (c.pop("rope_theta"), c.update(rope_parameters="default")),
+        "architectures number": lambda c: c.update(architectures=5),
+        "bos out of vocab": lambda c: c.update(bos_token_id=4096),
+        "zero heads": lambda c: c.update(num_attention_heads=0),
         "rope factor 0": lambda c: c.update(rope_scaling={"rope_type": "llama3", "factor": 0.0, "low_freq_factor": 1.0,
                                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
         "rope keys missing": lambda c: c.update(rope_scaling={"rope_type": "llama3"}),
@@ -323,7 +454,8 @@ def test_hf_config_variants_accepted(tmp_path, rng):
                       (dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=None), 2),
                       (dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", sliding_window=16,
                             use_sliding_window=False, eos_token_id=[5, 2, 7]), (5, 2, 7)),
-                      (dict(eos_token_id=[]), None), (dict(eos_token_id=[4]), 4)):
+                      (dict(eos_token_id=[]), None), (dict(eos_token_id=[4]), 4),
+                      (dict(num_hidden_layers=2.0, eos_token_id=2.0), 2)):  # integers written as floats
         cfg = LlamaConfig.from_hf({**base, **edit})
         assert cfg.eos_token_id == eos
         assert LlamaConfig.from_hf(cfg.to_hf()) == cfg
@@ -356,7 +488,8 @@ def test_rtn_scale_overflow_is_refused(rng):
             quantize_rtn(w, QuantScheme(32, symmetric))
 
 
-@pytest.mark.parametrize("case", ["corrupt config", "config not an object", "index without weight_map"])
+@pytest.mark.parametrize("case", ["corrupt config", "config not an object", "index without weight_map",
+                                  "shard outside"])
 def test_malformed_hf_files_are_named(tmp_path, rng, case):
     d = _hf_dir(tmp_path, rng)
     if case == "corrupt config":
@@ -365,9 +498,13 @@ def test_malformed_hf_files_are_named(tmp_path, rng, case):
     elif case == "config not an object":
         (d / "config.json").write_text("[1, 2]")
         match = "config.json is not a JSON object"
-    else:
+    elif case == "index without weight_map":
         (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
         match = "index.json has no 'weight_map'"
+    else:
+        (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+            "model.norm.weight": "../elsewhere/model.safetensors"}}))
+        match = r"names shard files outside .*: \['../elsewhere/model.safetensors'\]"
     with pytest.raises(ValueError, match=match):
         read_source(d)
 
@@ -416,6 +553,12 @@ def test_unsupported_gguf_architecture(tmp_path, rng):
     ("no head count", "lacks the GGUF field llama.attention.head_count"),
     ("no vocabulary size", "lacks the GGUF field llama.vocab_size"),
     ("output bias", r"does not use: blk\.0\.attn_output\.bias"),
+    ("zero heads", "GGUF field llama.attention.head_count must be an integer >= 1, got 0"),
+    ("string heads", "GGUF field llama.attention.head_count must be an integer >= 1, got '4'"),
+    ("string eps", "GGUF field llama.attention.layer_norm_rms_epsilon must be a number"),
+    ("bos beyond vocabulary", "bos_token_id 97 is outside the vocabulary"),
+    ("padding beyond vocabulary", "tokenizer.ggml.padding_token_id 500 is outside the vocabulary of 97"),
+    ("merge without a pair", "merges holds 't1t2', not a pair"),
 ])
 def test_gguf_features_the_model_lacks_are_refused(tmp_path, rng, case, match):
     import gguf
@@ -428,6 +571,17 @@ def test_gguf_features_the_model_lacks_are_refused(tmp_path, rng, case, match):
             del w.kv_data[0]["llama.attention.head_count"]
         elif case == "no vocabulary size":
             del w.kv_data[0]["tokenizer.ggml.tokens"]
+        elif case in ("zero heads", "string heads"):
+            w.add_key_value("llama.attention.head_count", 0 if case == "zero heads" else "4",
+                            gguf.GGUFValueType.UINT32 if case == "zero heads" else gguf.GGUFValueType.STRING)
+        elif case == "string eps":
+            w.add_key_value("llama.attention.layer_norm_rms_epsilon", "1e-5", gguf.GGUFValueType.STRING)
+        elif case == "bos beyond vocabulary":
+            w.add_bos_token_id(TINY.vocab_size)
+        elif case == "padding beyond vocabulary":
+            w.add_pad_token_id(500)
+        elif case == "merge without a pair":
+            w.add_token_merges(["t1 t2", "t1t2"])
         else:
             w.add_tensor("blk.0.attn_output.bias", rng.standard_normal(TINY.hidden_size).astype(np.float32))
     with pytest.raises(ValueError, match=match):
@@ -465,6 +619,8 @@ def test_cli_converts_and_reports_errors(tmp_path, rng, capsys):
     (tmp_path / "a_file").write_text("")
     assert cli.main([str(src_dir), str(tmp_path / "a_file")]) == 2
     assert "not a directory" in capsys.readouterr().err
+    assert cli.main([str(src_dir), str(tmp_path / "a_file" / "sub" / "out")]) == 2  # refused before converting
+    assert "a_file is not a directory" in capsys.readouterr().err
     before = {f.name: f.read_bytes() for f in src_dir.iterdir()}
     assert cli.main([str(src_dir), str(src_dir)]) == 2  # would overwrite the source's model.safetensors
     assert "non-empty directory that is not a qspec-jax checkpoint" in capsys.readouterr().err
@@ -472,6 +628,12 @@ def test_cli_converts_and_reports_errors(tmp_path, rng, capsys):
     assert cli.main([str(src_dir), str(out), "--rotate", "--seed", "-1"]) == 2
     assert "rotation seed must be an integer >= 0" in capsys.readouterr().err
     assert cli.main([str(src_dir), str(out), "--group-size", "16"]) == 0  # over an earlier checkpoint: allowed
+    for flags in (["--group-size", "32"], ["--symmetric"], ["--asymmetric"]):  # would be ignored: refused
+        with pytest.raises(SystemExit):
+            cli.main([str(src_dir), str(tmp_path / "float"), "--quant", "none", *flags])
+        assert "not with --quant none" in capsys.readouterr().err
+    assert cli.main([str(src_dir), str(tmp_path / "float"), "--quant", "none"]) == 0
+    assert load_checkpoint(tmp_path / "float").manifest["quantization"] is None
 
 
 def test_gptq_layers_run_on_calibration_tokens(rng):

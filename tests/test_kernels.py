@@ -290,7 +290,7 @@ def test_unsupported_shapes_raise(rng):
     assert not gm.supported("w4a16", 32, 96, 32) and gm.supported("w4ax", 32, 576, 32)
     with pytest.raises(ValueError, match="multiples of 16"):
         gm.dense_matmul(random_x(rng, 2, 40), jnp.zeros((32, 40)), interpret=True)
-    with pytest.raises(ValueError, match="positive"):
+    with pytest.raises(ValueError, match=r"max_blocks \(64-blocks\) must be an integer >= 1"):
         gq.quantize_rows(random_x(rng, 2, 256), 8, max_blocks=-1, interpret=True)
     with pytest.raises(ValueError, match="bits must be 4 or 8"):
         gq.quantize_rows(random_x(rng, 2, 256), 6, interpret=True)
@@ -314,6 +314,22 @@ def test_unsupported_shapes_raise(rng):
                  lambda dt: gm.w4ax_quantized(qx, sa, w, out_dtype=dt, interpret=True)):
         with pytest.raises(ValueError, match="out_dtype must be a float"):
             call(jnp.int32)
+    for kw, match in [(dict(block_n=16.0), "block_n must be an integer >= 1"),
+                      (dict(block_k=0), "block_k must be an integer >= 1"),
+                      (dict(split_k=2.0), "split_k must be an integer >= 1"),
+                      (dict(block_m=16.0), "block_m must be an integer >= 16"),
+                      (dict(num_warps=0), "num_warps must be an integer >= 1"),
+                      (dict(num_stages=1.5), "num_stages must be an integer >= 1")]:
+        with pytest.raises(ValueError, match=match):
+            gm.w4a16_matmul(x, w, interpret=True, **kw)
+    dense_w = jnp.asarray(rng.standard_normal((32, 256)), jnp.float32)
+    for xx, ww, name in [(x, dense_w.astype(jnp.int8), "w"), (x.astype(jnp.int32), dense_w, "x")]:
+        with pytest.raises(ValueError, match=f"{name} must be a float array"):
+            gm.dense_matmul(xx, ww, interpret=True)
+    for call in (gq.swiglu_planes, lambda a, **kw: gq.swiglu_quantize(a, 8, **kw),
+                 lambda a, **kw: gq.quantize_rows(a, 4, **kw)):
+        with pytest.raises(ValueError, match="x must be a float array"):
+            call(jnp.ones((2, 256), jnp.int32), interpret=True)
     stack = jax.tree.map(lambda a: a[None], w)
     for layer in (0.0, jnp.float32(0), jnp.zeros((1,), jnp.int32)):
         with pytest.raises(ValueError, match="layer must be an integer scalar"):
@@ -350,12 +366,18 @@ def test_decode_attention(rng, heads, kv, splits):
         gpu_attention.decode_attention(q, k, v, pos[:, :2], interpret=True)
     with pytest.raises(ValueError, match="q_pos must be >= 0"):
         gpu_attention.decode_attention(q, k, v, pos - 4, interpret=True)
-    for block in (0, -16, 8, 24):
-        with pytest.raises(ValueError, match="KV block must be a multiple of 16"):
+    for block in (0, -16, 8, 16.0):
+        with pytest.raises(ValueError, match="block_s must be an integer >= 16"):
             gpu_attention.decode_attention(q, k, v, pos, block_s=block, interpret=True)
-    for bad in (0, -1, s // 16 + 1):
-        with pytest.raises(ValueError, match="splits must lie in"):
+    with pytest.raises(ValueError, match="KV block must be a multiple of 16"):
+        gpu_attention.decode_attention(q, k, v, pos, block_s=24, interpret=True)
+    for bad in (0, -1, 1.0):
+        with pytest.raises(ValueError, match="splits must be an integer >= 1"):
             gpu_attention.decode_attention(q, k, v, pos, block_s=16, splits=bad, interpret=True)
+    with pytest.raises(ValueError, match="splits must lie in"):
+        gpu_attention.decode_attention(q, k, v, pos, block_s=16, splits=s // 16 + 1, interpret=True)
+    with pytest.raises(ValueError, match="q must be a float array"):
+        gpu_attention.decode_attention(jnp.round(q * 4).astype(jnp.int8), k, v, pos, interpret=True)
 
 
 @pytest.mark.parametrize("bits,d", [(8, 32), (4, 64)])
@@ -426,8 +448,9 @@ def test_attention_merge_prologue(rng, splits, kv, dtype):
         for got_one, got_spread in zip(gq.attention_quantize(parts, bits, head_tile=kv, interpret=True),
                                        gq.attention_quantize(parts, bits, interpret=True)):
             np.testing.assert_array_equal(np.asarray(got_one), np.asarray(got_spread))
-    with pytest.raises(ValueError, match="head_tile"):
-        gq.attention_quantize(parts, 8, head_tile=kv + 1, interpret=True)
+    for bad in (kv + 1, 0, 1.0):
+        with pytest.raises(ValueError, match="head_tile"):
+            gq.attention_quantize(parts, 8, head_tile=bad, interpret=True)
     odd = gpu_attention.attention_partials(q[:, :, :3 * kv], k, v, pos, block_s=16, interpret=True)  # groups of 3
     with pytest.raises(ValueError, match="power-of-two"):
         gq.attention_quantize(odd, 8, interpret=True)
@@ -456,6 +479,13 @@ def test_rms_norm_kernel(rng):
     np.testing.assert_array_equal(np.asarray(gpu_norm.rms_norm(x[3:4], scale, 1e-5, interpret=True))[0], got[3])
     with pytest.raises(ValueError, match="scale"):
         gpu_norm.rms_norm(x, scale[:10], 1e-5, interpret=True)
+    for eps in (None, -1e-6, float("nan"), "1e-5"):
+        with pytest.raises(ValueError, match="eps must be a number >= 0"):
+            gpu_norm.rms_norm(x, scale, eps, interpret=True)
+        with pytest.raises(ValueError, match="eps must be a number >= 0"):
+            gq.rms_norm_planes(jnp.zeros((2, 128)), jnp.ones(128), eps, interpret=True)
+    with pytest.raises(ValueError, match="x must be a float array"):
+        gpu_norm.rms_norm(jnp.round(x).astype(jnp.int32), scale, 1e-5, interpret=True)
 
 
 def rope_numpy(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, dtype) -> np.ndarray:
@@ -552,6 +582,8 @@ def test_rope_store_rejects_bad_input(rng):
         call(qkv.astype(jnp.float32), cos, sin, pos, (kc, vc))
     with pytest.raises(ValueError, match="positions"):
         call(qkv, cos, sin, pos[:, :1], (kc, vc))
+    with pytest.raises(ValueError, match="positions must be >= 0"):  # would store before the cache
+        call(qkv, cos, sin, pos.at[int(rng.integers(2)), int(rng.integers(3))].set(-1), (kc, vc))
     with pytest.raises(ValueError, match="cache pair"):
         call(qkv, cos, sin, pos, (kc[0], vc[0]))
     with pytest.raises(ValueError, match="float32"):

@@ -378,6 +378,9 @@ def test_invalid_requests_raise(tiny_model):
         generate(tiny_model, [list(range(3, 11))], max_new_tokens=5, max_len=12)
     with pytest.raises(ValueError, match="exceeds"):
         generate(tiny_model, ok, max_new_tokens=TINY.max_position_embeddings)
+    with pytest.raises(ValueError, match=f"max_len=300 exceeds the model's max_position_embeddings "
+                                         f"{TINY.max_position_embeddings}"):
+        generate(tiny_model, ok, max_new_tokens=4, max_len=300)
     for g in (0, -1, True, 2.0, MAX_GAMMA + 1, 10**7):
         with pytest.raises(ValueError, match="gamma"):
             generate(tiny_model, ok, max_new_tokens=4, gamma=g)
@@ -430,8 +433,9 @@ def test_tokenizer_must_match_the_model(tmp_path, rng, smollm2_tokenizer_json):
     with pytest.raises(ValueError, match="from the tokenizer: it does not match the model"):
         generate(model, text, max_new_tokens=2)
     eos = int(rng.integers(TINY.vocab_size, 49152))
-    (ck / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": Tokenizer.from_str(smollm2_tokenizer_json).id_to_token(eos)}))
+    tok_cfg = json.dumps({"eos_token": Tokenizer.from_str(smollm2_tokenizer_json).id_to_token(eos)})
+    save_checkpoint(ck, params, cfg, {"tokenizer.json": smollm2_tokenizer_json, "tokenizer_config.json": tok_cfg},
+                    **manifest)
     model = load(ck)
     assert model.tokenizer.eos_token_id == eos
     with pytest.raises(ValueError, match="the tokenizer's / config's eos_token_id must be token ids in"):
