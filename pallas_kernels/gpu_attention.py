@@ -45,7 +45,8 @@ SHADOW_STAGES = 3  # software-pipeline stages over a KV shadow's blocks
 # warps per program over a bf16 cache: 2 fit one more program per SM than 4, whose register count
 # left Llama-2-13B's 640 programs at batch 16 (B x KV) a second, nearly empty wave (1.20x against
 # 0.98x the floor), and are 1.39-1.46x faster on Llama-3-8B's heads at T = 6 (two row tiles);
-# elsewhere 2 and 4 are within 3% (tune_session23_attn_warps.md)
+# elsewhere 2 and 4 are within 3% (tune_session23_attn_warps.md). Over an INT8 shadow at T = 1 (the
+# drafts) 2 warps are 0.99-1.01x of 4 and 8 warps 0.77-0.85x (tune_session25_shadow_warps.md)
 FLOAT_WARPS, SHADOW_WARPS = 2, 4
 
 
