@@ -85,6 +85,8 @@ class LlamaConfig:
                 scaling = params
         eos = hf.get("eos_token_id")
         if isinstance(eos, list):  # several stop ids (Llama-3-Instruct); [] means none
+            if None in eos:
+                raise ValueError(f"config.json field 'eos_token_id' must list integers, got {eos!r}")
             ids = tuple(_hf_value({"eos_token_id": i}, "eos_token_id", int) for i in eos)
             eos = ids if len(ids) > 1 else ids[0] if ids else None
         elif eos is not None:
