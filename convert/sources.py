@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +19,7 @@ import numpy as np
 from pallas_kernels.layout import QuantizedWeight, dequantize, pack_codes
 from qspec_jax.checkpoint import TOKENIZER_FILES, is_plain_name
 from qspec_jax.config import LlamaConfig
+from qspec_jax.sampling import is_integer, is_real
 
 LINEARS = ("q", "k", "v", "o", "gate", "up", "down")
 Tensor = np.ndarray | QuantizedWeight
@@ -153,18 +156,15 @@ def read_hf(path: Path) -> SourceModel:
             raise ValueError(f"{path}: tie_word_embeddings is set but lm_head.weight differs from the embedding")
     unread = sorted(k for k in set(tensors) - used if not k.endswith("rotary_emb.inv_freq"))  # derived buffers
     _refuse_unread(unread, path)
-    tok = {n: (path / n).read_text() for n in TOKENIZER_FILES if (path / n).is_file()}
-    if "tokenizer.json" not in tok:
+    if not (path / "tokenizer.json").is_file():
         raise FileNotFoundError(f"{path / 'tokenizer.json'} not found: the converted checkpoint needs a tokenizer")
-    for n in tok:
-        if n.endswith(".json"):
-            _read_json(path / n)  # refused here, by name, not when the checkpoint's tokenizer loads
+    tok = {n: _read_text(path / n) for n in TOKENIZER_FILES if (path / n).is_file()}
     src = SourceModel(config, embed, norm, lm_head, layers, tok, "hf")
     check_source(src)
     return src
 
 
-def _read_safetensors(f: Path):
+def _read_safetensors(f: Path) -> Iterator[tuple[str, np.ndarray]]:
     """``(name, array)`` of each tensor in a safetensors file; a file that is not one (a Git LFS pointer,
     a truncated download) is a ``ValueError`` naming it."""
     from safetensors import SafetensorError, safe_open
@@ -181,11 +181,23 @@ def _read_safetensors(f: Path):
         raise ValueError(f"{f} is not a readable safetensors file: {e}") from None
 
 
-def _read_json(path: Path):
+def _read_text(path: Path) -> str:
+    """A text file's contents; a ``.json`` one must parse (refused here, by name, rather than when the
+    converted checkpoint's tokenizer loads)."""
     try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
+        text = path.read_text()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text: {e}") from None
+    if path.suffix == ".json":
+        try:
+            json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from None
+    return text
+
+
+def _read_json(path: Path) -> Any:
+    return json.loads(_read_text(path))
 
 
 def _refuse_unread(unread: list[str], path: Path) -> None:
@@ -234,19 +246,20 @@ def _gguf_field(reader, key: str, default=None):
     return default if field is None else field.contents()
 
 
-def _gguf_int(reader, key: str, default=None, minimum: int = 1) -> int | None:
-    """An integer GGUF field >= ``minimum`` (``default`` where absent; ``ValueError`` naming it otherwise)."""
-    value = _gguf_field(reader, key, default)
+def _gguf_int(reader, key: str, default: int | None = None, minimum: int = 1) -> int | None:
+    """An integer GGUF field >= ``minimum``; ``default`` where the file has none."""
+    value = _gguf_field(reader, key)
     if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        return default
+    if not is_integer(value) or value < minimum:
         raise ValueError(f"GGUF field {key} must be an integer >= {minimum}, got {value!r}")
     return int(value)
 
 
 def _gguf_float(reader, key: str, default: float) -> float:
+    """A numeric GGUF field; ``default`` where the file has none."""
     value = _gguf_field(reader, key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+    if not is_real(value):
         raise ValueError(f"GGUF field {key} must be a number, got {value!r}")
     return float(value)
 

@@ -315,10 +315,11 @@ def _max_blocks(max_blocks: int | None, default: int) -> int:
 
 
 def _call_shape(x: jax.Array, parts: int) -> None:
+    name = "gate_up" if parts == 2 else "x"
     if x.ndim != 2 or x.shape[1] == 0 or x.shape[1] % (parts * PACK_BLOCK):
-        raise ValueError(f"x must be [M, {'2 x ' if parts == 2 else ''}K] with K a multiple of {PACK_BLOCK}, "
+        raise ValueError(f"{name} must be [M, {'2 x ' if parts == 2 else ''}K] with K a multiple of {PACK_BLOCK}, "
                          f"got shape {x.shape}")
-    check_float(x=x)
+    check_float(**{name: x})
 
 
 def _call(x: jax.Array, bits: int | None, scale: jax.Array | None, eps: float | None, layer,
@@ -341,6 +342,7 @@ def _call(x: jax.Array, bits: int | None, scale: jax.Array | None, eps: float | 
         if scale.shape != want:
             raise ValueError(f"expected scale {'[H]' if layer is None else '[L, H]'} for x {x.shape}, "
                              f"got {scale.shape}")
+        check_float(scale=scale)
         scale, lidx = stacked_input(scale, layer)
         in_specs.append(stacked_spec(scale.shape[0], (blocks, PACK_BLOCK), lambda i: (0, 0)))
         args.append(scale.reshape(scale.shape[0], blocks, PACK_BLOCK))

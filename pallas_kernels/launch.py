@@ -9,6 +9,7 @@ message is filtered module-wide (and around each call); users never see it.
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -36,28 +37,28 @@ def call_kernel(kernel, out_shape, grid, in_specs, out_specs, interpret: bool, n
                               interpret=interpret)(*args)
 
 
-def check_count(name: str, value, minimum: int = 1) -> None:
+def check_count(name: str, value: Any, minimum: int = 1) -> None:
     """A tiling argument (warps, stages, block sizes, splits) must be an integer >= ``minimum``: a
     float or zero would fail deep in the lowering, or tile nothing."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
-def check_float(**arrays) -> None:
+def check_float(**arrays: jax.Array) -> None:
     """Each named array (activations, float weights, queries, tables) must have a float dtype."""
     for name, a in arrays.items():
         if not jnp.issubdtype(a.dtype, jnp.floating):
             raise ValueError(f"{name} must be a float array, got {a.dtype}")
 
 
-def check_eps(eps) -> float:
-    """An RMSNorm eps: a number >= 0."""
-    if isinstance(eps, bool) or not isinstance(eps, (int, float, np.integer, np.floating)) or not eps >= 0:
-        raise ValueError(f"the RMSNorm's eps must be a number >= 0, got {eps!r}")
+def check_eps(eps: Any) -> float:
+    """An RMSNorm eps: a finite number >= 0."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float, np.integer, np.floating)) or not 0 <= eps < np.inf:
+        raise ValueError(f"the RMSNorm's eps must be a finite number >= 0, got {eps!r}")
     return float(eps)
 
 
-def check_positions(name: str, pos) -> None:
+def check_positions(name: str, pos: jax.Array) -> None:
     """Concrete positions must be >= 0 (a negative one would index before the cache); traced ones
     (inside the model's jit) are the caller's to keep in range."""
     if not isinstance(pos, jax.core.Tracer) and pos.size and (low := np.asarray(pos).min()) < 0:

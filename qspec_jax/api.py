@@ -118,8 +118,8 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
     the other methods decode autoregressively in that mode. ``draft_kv`` (8 or 4, ``qspec`` only):
     the drafts attend over an INT8 / INT4 copy of the KV cache kept beside it, reading fewer bytes
     per draft step; the verifier still reads only its own float cache, so the output is unchanged.
-    Prefill runs in W4A16 (W16A16 for ``w16a16``). ``max_len`` bounds prompt + new tokens (default:
-    the model's max positions).
+    Prefill runs in W4A16 (W16A16 for ``w16a16``). ``max_len`` bounds prompt + new tokens (at most,
+    and by default, the model's ``max_position_embeddings``).
     ``eos_token_id``: the token(s) that end a sequence, by default the tokenizer's EOS and the config's
     (all of them, where it lists several); ``-1`` never stops on a token.
     ``temperature`` 0 decodes greedily; above 0 tokens are sampled (key from ``seed``), ``top_k`` /

@@ -28,10 +28,13 @@ FORMAT = "qspec-jax"
 FORMAT_VERSION = 2  # 2: the nibble-planar packed layout of pallas_kernels/layout.py
 MANIFEST = "manifest.json"
 WEIGHTS = "model.safetensors"
-# Every file the tokenizer loader may read: a converted checkpoint holds those its source had, each
-# listed (and checksummed) in the manifest, so a stale or foreign one cannot change the tokenization.
+# The tokenizer files a converted checkpoint keeps (those of its source), each listed and checksummed in
+# the manifest; load() refuses one the manifest does not list, or a folder of extra chat templates (which
+# the tokenizer loader also reads and the converter does not write), so a stale or foreign file cannot
+# change the tokenization.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "chat_template.jinja", "chat_template.json", "generation_config.json")
+EXTRA_TEMPLATES = "additional_chat_templates"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,8 +125,8 @@ def save_checkpoint(out: str | Path, params: dict[str, Any], config: LlamaConfig
     out = Path(out)
     if unknown := set(tokenizer_files) - set(TOKENIZER_FILES):
         raise ValueError(f"not tokenizer files: {sorted(unknown)} (expected among {TOKENIZER_FILES})")
-    out.mkdir(parents=True, exist_ok=True)
     tensors, packed = flatten_params(params)
+    out.mkdir(parents=True, exist_ok=True)
     for name in set(TOKENIZER_FILES) - set(tokenizer_files):
         (out / name).unlink(missing_ok=True)
     save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(out / WEIGHTS))
@@ -207,10 +210,10 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
             raise FileNotFoundError(f"checkpoint file {f} is missing")
         if sha256(f) != digest:
             raise ValueError(f"checksum mismatch for {f}: the file is corrupt or was modified")
-    for name in TOKENIZER_FILES:
+    for name in (*TOKENIZER_FILES, EXTRA_TEMPLATES):
         if (path / name).exists() and name not in manifest["files"]:
             raise ValueError(f"{path / name} is not part of the checkpoint (its manifest does not list it) but the "
-                             "tokenizer would read it; remove it, or convert into a new directory")
+                             "tokenizer may read it; remove it, or convert into a new directory")
     _check_manifest_schemes(manifest, mpath)
     try:
         config = LlamaConfig.from_hf(manifest["config"])
@@ -248,7 +251,7 @@ def _check_packed_scheme(tensors: dict[str, np.ndarray], manifest: dict[str, Any
     if packed and quant is None:
         raise ValueError(f"{mpath} is corrupt: it lists packed weights but no 'quantization'")
     for name in packed:
-        if (name + ".mins" in tensors) == quant["symmetric"]:
+        if name + ".packed" in tensors and (name + ".mins" in tensors) == quant["symmetric"]:  # else unflatten_params names it
             raise ValueError(f"{mpath.parent / WEIGHTS}: packed weight {name!r} "
                              f"{'has' if quant['symmetric'] else 'lacks'} '.mins' but the manifest says "
                              f"symmetric={quant['symmetric']}")

@@ -149,7 +149,7 @@ def _hf_value(hf: dict[str, Any], key: str, kind: type, default: Any = _REQUIRED
         ok = isinstance(value, kind)
     else:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (
-            kind is float or float(value).is_integer())
+            kind is float or isinstance(value, int) or value.is_integer())
     if not ok:
         raise ValueError(f"config.json field {prefix + key!r} must be {_KINDS[kind]}, got {value!r}")
     return kind(value) if kind in (int, float) else value

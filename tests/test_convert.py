@@ -172,13 +172,16 @@ def test_malformed_manifest_is_named(tiny_ckpt, edit):
         del m["files"]
     elif edit == "no config":
         m["config"] = None
-    elif edit == "file outside":  # a checksum of someone else's file, which the loader would then trust
+    elif edit == "file outside":  # someone else's file with its right checksum, which the loader would trust
+        from qspec_jax.checkpoint import sha256
+
         (tiny_ckpt.parent / "other.json").write_text("{}")
-        m["files"]["../other.json"] = json.loads(json.dumps(m["files"][WEIGHTS]))
+        m["files"]["../other.json"] = sha256(tiny_ckpt.parent / "other.json")
     else:  # no checksum left to check: refused rather than loaded unverified
         m["files"] = {}
     (tiny_ckpt / MANIFEST).write_text(json.dumps(m))
-    with pytest.raises(ValueError, match=f"{MANIFEST} is corrupt"):
+    match = "outside the checkpoint directory" if edit == "file outside" else ""
+    with pytest.raises(ValueError, match=f"{MANIFEST} is corrupt: .*{match}"):
         load_checkpoint(tiny_ckpt)
 
 
@@ -219,6 +222,7 @@ def _rewrite_weights(ckpt: Path, edit) -> None:
     ("nan", r"tensor 'layers\.attn_norm\.scale' holds NaN"),
     ("inf scale", r"tensor 'layers\.mlp\.down\.w\.scales' holds NaN or infinity"),
     ("mins dropped", r"packed weight 'layers\.attn\.o\.w' lacks '\.mins' but the manifest says symmetric=False"),
+    ("arrays dropped", r"checkpoint lacks the arrays of packed weight 'layers\.mlp\.down\.w'"),
 ])
 def test_resigned_weights_checked_at_load(tiny_ckpt, rng, edit, match):
     """Tensors with a valid checksum are still checked: finite, and ``.mins`` exactly when asymmetric."""
@@ -227,8 +231,10 @@ def test_resigned_weights_checked_at_load(tiny_ckpt, rng, edit, match):
             t["layers.attn_norm.scale"][0, int(rng.integers(t["layers.attn_norm.scale"].shape[1]))] = np.nan
         elif edit == "inf scale":
             t["layers.mlp.down.w.scales"].flat[int(rng.integers(t["layers.mlp.down.w.scales"].size))] = np.inf
-        else:
+        elif edit == "mins dropped":
             del t["layers.attn.o.w.mins"]
+        else:
+            del t["layers.mlp.down.w.packed"], t["layers.mlp.down.w.scales"]
     _rewrite_weights(tiny_ckpt, change)
     with pytest.raises(ValueError, match=match):
         load_checkpoint(tiny_ckpt)
@@ -262,6 +268,11 @@ def test_reconversion_drops_the_old_tokenizer_files(tmp_path, rng):
     assert set(load_checkpoint(out).manifest["files"]) == {WEIGHTS, "tokenizer.json"}
     (out / "special_tokens_map.json").write_text("{}")
     with pytest.raises(ValueError, match="special_tokens_map.json is not part of the checkpoint"):
+        load(out)
+    (out / "special_tokens_map.json").unlink()
+    (out / "additional_chat_templates").mkdir()
+    (out / "additional_chat_templates" / "default.jinja").write_text("{{ 'other' }}")
+    with pytest.raises(ValueError, match="additional_chat_templates is not part of the checkpoint"):
         load(out)
     with pytest.raises(ValueError, match=r"not tokenizer files: \['config.json'\]"):
         save_checkpoint(tmp_path / "other", params, config, {"tokenizer.json": "{}", "config.json": "{}"})
@@ -342,7 +353,7 @@ def test_hf_shards_must_match_the_index(tmp_path, rng, case):
         read_source(d)
 
 
-@pytest.mark.parametrize("case", ["lfs pointer", "garbage", "bad tokenizer json"])
+@pytest.mark.parametrize("case", ["lfs pointer", "garbage", "bad tokenizer json", "tokenizer not utf-8"])
 def test_unreadable_hf_files_are_named(tmp_path, rng, case):
     d = write_hf_dir(tmp_path / "hf", random_source(TINY, rng), "{}")
     if case == "lfs pointer":
@@ -351,9 +362,12 @@ def test_unreadable_hf_files_are_named(tmp_path, rng, case):
     elif case == "garbage":
         (d / "model.safetensors").write_bytes(rng.integers(0, 256, 64, dtype=np.uint8).tobytes())
         match = "model.safetensors is not a readable safetensors file"
-    else:
+    elif case == "bad tokenizer json":
         (d / "tokenizer_config.json").write_text('{"model_max_length": ')
         match = "tokenizer_config.json is not valid JSON"
+    else:
+        (d / "special_tokens_map.json").write_bytes(b'{"bos_token": "\xff\xfe"}')
+        match = "special_tokens_map.json is not UTF-8 text"
     with pytest.raises(ValueError, match=match):
         read_source(d)
 

@@ -326,9 +326,9 @@ def test_unsupported_shapes_raise(rng):
     for xx, ww, name in [(x, dense_w.astype(jnp.int8), "w"), (x.astype(jnp.int32), dense_w, "x")]:
         with pytest.raises(ValueError, match=f"{name} must be a float array"):
             gm.dense_matmul(xx, ww, interpret=True)
-    for call in (gq.swiglu_planes, lambda a, **kw: gq.swiglu_quantize(a, 8, **kw),
-                 lambda a, **kw: gq.quantize_rows(a, 4, **kw)):
-        with pytest.raises(ValueError, match="x must be a float array"):
+    for call, name in ((gq.swiglu_planes, "gate_up"), (lambda a, **kw: gq.swiglu_quantize(a, 8, **kw), "gate_up"),
+                       (lambda a, **kw: gq.quantize_rows(a, 4, **kw), "x")):
+        with pytest.raises(ValueError, match=f"{name} must be a float array"):
             call(jnp.ones((2, 256), jnp.int32), interpret=True)
     stack = jax.tree.map(lambda a: a[None], w)
     for layer in (0.0, jnp.float32(0), jnp.zeros((1,), jnp.int32)):
@@ -448,8 +448,10 @@ def test_attention_merge_prologue(rng, splits, kv, dtype):
         for got_one, got_spread in zip(gq.attention_quantize(parts, bits, head_tile=kv, interpret=True),
                                        gq.attention_quantize(parts, bits, interpret=True)):
             np.testing.assert_array_equal(np.asarray(got_one), np.asarray(got_spread))
-    for bad in (kv + 1, 0, 1.0):
-        with pytest.raises(ValueError, match="head_tile"):
+    with pytest.raises(ValueError, match="head_tile must be all"):
+        gq.attention_quantize(parts, 8, head_tile=kv + 1, interpret=True)
+    for bad in (0, 1.0):
+        with pytest.raises(ValueError, match="head_tile must be an integer >= 1"):
             gq.attention_quantize(parts, 8, head_tile=bad, interpret=True)
     odd = gpu_attention.attention_partials(q[:, :, :3 * kv], k, v, pos, block_s=16, interpret=True)  # groups of 3
     with pytest.raises(ValueError, match="power-of-two"):
@@ -479,11 +481,13 @@ def test_rms_norm_kernel(rng):
     np.testing.assert_array_equal(np.asarray(gpu_norm.rms_norm(x[3:4], scale, 1e-5, interpret=True))[0], got[3])
     with pytest.raises(ValueError, match="scale"):
         gpu_norm.rms_norm(x, scale[:10], 1e-5, interpret=True)
-    for eps in (None, -1e-6, float("nan"), "1e-5"):
-        with pytest.raises(ValueError, match="eps must be a number >= 0"):
+    for eps in (None, -1e-6, float("nan"), float("inf"), "1e-5"):
+        with pytest.raises(ValueError, match="eps must be a finite number >= 0"):
             gpu_norm.rms_norm(x, scale, eps, interpret=True)
-        with pytest.raises(ValueError, match="eps must be a number >= 0"):
+        with pytest.raises(ValueError, match="eps must be a finite number >= 0"):
             gq.rms_norm_planes(jnp.zeros((2, 128)), jnp.ones(128), eps, interpret=True)
+    with pytest.raises(ValueError, match="scale must be a float array"):
+        gq.rms_norm_planes(jnp.zeros((2, 128)), jnp.ones(128, jnp.int32), 1e-5, interpret=True)
     with pytest.raises(ValueError, match="x must be a float array"):
         gpu_norm.rms_norm(jnp.round(x).astype(jnp.int32), scale, 1e-5, interpret=True)
 
