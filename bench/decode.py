@@ -77,10 +77,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench.args import int_list, positive_int, positive_seconds, read_gsm8k, read_json  # noqa: E402
 from pallas_kernels.layout import QuantizedWeight, dequantize  # noqa: E402
 from pallas_kernels.reference import KV_BITS  # noqa: E402
-from qspec_jax.api import CACHE_MULTIPLE, DRAFTS, load  # noqa: E402
+from qspec_jax.api import CACHE_MULTIPLE, DRAFTS, METHODS, load  # noqa: E402
 from qspec_jax.config import LlamaConfig  # noqa: E402
+from qspec_jax.kernels import KERNELS  # noqa: E402
 from qspec_jax.decode import DecodeState, Runtime, ar_loop  # noqa: E402
 from qspec_jax.model import init_cache, unstack_layers  # noqa: E402
 from qspec_jax.qspec import acceptance_trace, qspec_loop  # noqa: E402
@@ -235,16 +237,12 @@ def fresh_state(cfg: LlamaConfig, batch: int, context: int, new: int, gamma: int
                        key, zeros(), zeros(), zeros())
 
 
-def _jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def fewshot_prompts(model, dev: Path, train: Path, batch: int, context: int) -> list[list[int]]:
     """``batch`` real prompts of at most ``context`` tokens: GSM8K-dev questions in the chat template,
     each after as many GSM8K-train question/answer pairs as fit (few-shot, in one user turn)."""
     from qspec_jax.tokenizer import chat_prompt
 
-    questions, shots = _jsonl(dev), _jsonl(train)
+    questions, shots = read_gsm8k(dev, answers=False), read_gsm8k(train)
     out = []
     for i in range(batch):
         question = f"Question: {questions[i % len(questions)]['question']}\nAnswer:"
@@ -564,7 +562,7 @@ def record_trace(args) -> None:
     from qspec_jax.api import _tokenize
 
     model = load(args.checkpoint)
-    ids = _tokenize(model, [r["question"] for r in _jsonl(args.gsm8k)[: args.prompts]], chat=True)
+    ids = _tokenize(model, [r["question"] for r in read_gsm8k(args.gsm8k, answers=False)[: args.prompts]], chat=True)
     cfg = model.config
     out: dict = {"source": "SmolLM2-135M-Instruct (embedded, default checkpoint), greedy, chat template, "
                            f"{len(ids)} GSM8K-dev prompts x {args.new} new tokens", "device": jax.devices()[0].device_kind}
@@ -647,39 +645,39 @@ def markdown(run: dict) -> str:
     return "\n".join(lines)
 
 
+AR = tuple(m for m in METHODS if m != "qspec")  # the autoregressive methods
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="llama3-8b,llama2-7b,llama2-13b")
-    ap.add_argument("--batches", default="1,8,16,32,64")
-    ap.add_argument("--contexts", default="512")
-    ap.add_argument("--new", type=int, default=512)
-    ap.add_argument("--gammas", default="1,3,5")
+    ap.add_argument("--batches", type=int_list(), default="1,8,16,32,64")
+    ap.add_argument("--contexts", type=int_list(), default="512")
+    ap.add_argument("--new", type=positive_int, default=512)
+    ap.add_argument("--gammas", type=int_list(), default="1,3,5")
     ap.add_argument("--drafts", default="w4a8,w4a4")
-    ap.add_argument("--ar", default="w16a16,w4a16,w4a8,w4a4", help="autoregressive methods")
-    ap.add_argument("--kernels", default="auto")
+    ap.add_argument("--ar", default="w16a16,w4a16,w4a8,w4a4", help=f"autoregressive methods, of {', '.join(AR)}")
+    ap.add_argument("--kernels", default="auto", choices=KERNELS)
     ap.add_argument("--trace", type=Path, help="acceptance trace JSON (from --record-trace)")
     ap.add_argument("--record-trace", type=Path, help="record the trace on SmolLM2 into this file and exit")
     ap.add_argument("--gsm8k", type=Path, help="GSM8K-dev JSONL (for --record-trace and smollm2's prompts)")
     ap.add_argument("--gsm8k-train", type=Path, help="GSM8K-train JSONL (smollm2's few-shot prompt prefixes)")
-    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--prompts", type=positive_int, default=32)
     ap.add_argument("--checkpoint", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench/results"))
     ap.add_argument("--resume", type=Path, default=None, help="an earlier decode.json: its configurations are kept")
     ap.add_argument("--label", default="", help="a note on the code measured (e.g. a commit), kept with each new section")
     ap.add_argument("--rerun", action="store_true",
                     help="with --resume: measure the configurations named here again, replacing the old ones")
-    ap.add_argument("--budget-s", type=float, default=float("inf"),
+    ap.add_argument("--budget-s", type=positive_seconds, default=float("inf"),
                     help="start no configuration estimated to end after this many seconds")
-    ap.add_argument("--threads", type=int, default=min(8, os.cpu_count() or 1), help="compiles at once")
-    ap.add_argument("--reps", type=int, default=1,
+    ap.add_argument("--threads", type=positive_int, default=min(8, os.cpu_count() or 1), help="compiles at once")
+    ap.add_argument("--reps", type=positive_int, default=1,
                     help="timed runs of each decode loop after its short warm-up (the best is kept)")
     ap.add_argument("--shard", type=parse_shard, default=None,
                     help="I/N: measure only share I of N of the configurations left to measure (one GPU's "
                          "share: bench.decode_gpus)")
     args = ap.parse_args(argv)
-    if args.reps < 1:
-        ap.error("--reps must be at least 1")
-    args.gammas = [int(g) for g in args.gammas.split(",")]
     args.drafts = [d for d in args.drafts.split(",") if d]
     for d in args.drafts:
         try:
@@ -687,12 +685,14 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as e:
             ap.error(str(e))
     args.ar = [m for m in args.ar.split(",") if m]
+    if unknown_ar := [m for m in args.ar if m not in AR]:
+        ap.error(f"--ar: unknown methods {unknown_ar}; expected some of {', '.join(AR)}")
     if args.record_trace:
         if not args.gsm8k:
             raise SystemExit("--record-trace needs --gsm8k")
         record_trace(args)
         return
-    trace = json.loads(args.trace.read_text()) if args.trace else {}
+    trace = read_json(args.trace, "--trace") if args.trace else {}
     names = args.models.split(",")
     unknown = [n for n in names if n not in MODELS and n != REAL_MODEL]
     if unknown:
@@ -702,20 +702,30 @@ def main(argv: list[str] | None = None) -> None:
     if args.drafts and not args.trace and any(n != REAL_MODEL for n in names):
         raise SystemExit("QSPEC on random weights needs --trace (make one with --record-trace)")
     for d in args.drafts if any(n != REAL_MODEL for n in names) else ():
-        missing = [g for g in args.gammas if str(g) not in trace.get(d, {})]
+        rounds = trace.get(d, {}) if isinstance(trace.get(d), dict) else {}
+        missing = [g for g in args.gammas if str(g) not in rounds]
         if missing:
             raise SystemExit(f"the trace has no {d} rounds for gamma {missing}")
+        for g in args.gammas:
+            r = rounds[str(g)]
+            if not (isinstance(r, list) and r and all(isinstance(x, list) and x and all(
+                    isinstance(a, int) and 0 <= a <= g for a in x) for x in r)):
+                raise SystemExit(f"the trace's {d} gamma-{g} entry must be a non-empty list of rounds, each a "
+                                 f"non-empty list of accepted counts in [0, {g}]")
+    for n in names:
+        if n in MODELS and max(args.contexts) + args.new > MODELS[n].max_position_embeddings:
+            raise SystemExit(f"{n}: context {max(args.contexts)} + {args.new} new tokens exceeds its "
+                             f"{MODELS[n].max_position_embeddings} positions")
+    old = read_json(args.resume, "--resume", ("command", "results")) if args.resume else None
     budget = Budget(time.perf_counter() + args.budget_s)
     bw, rates = copy_bandwidth(), matmul_rates()
     command = " ".join(["python3 -m bench.decode", *(argv if argv is not None else sys.argv[1:])])
     run = {"command": command, "device": jax.devices()[0].device_kind, "copy_bw": bw, "matmul_rates": rates,
            "trace_source": trace.get("source", "-"), "results": []}
-    if args.resume:
-        old = json.loads(args.resume.read_text())
+    if old is not None:
         run["results"] = [r for r in old["results"] if "skipped" not in r]
         run["command"] = f"{old['command']}; then {command}"
-    contexts = [int(c) for c in args.contexts.split(",")]
-    batches = [int(b) for b in args.batches.split(",")]
+    contexts, batches = args.contexts, args.batches
     done = {_key(r) for r in run["results"] if not r.get("disturbed")}  # a disturbed section is measured again
     if args.rerun:  # measured again; each old section stays until its new one replaces it (record)
         done -= {(n, c, b) for n in names for c in contexts for b in batches}

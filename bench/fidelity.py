@@ -33,6 +33,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from bench.args import at_least, positive_int, read_gsm8k
 from bench.decode import parse_draft
 from bench.quality import wikitext_ids
 from qspec_jax.api import Model, generate, load
@@ -98,12 +99,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gsm8k", type=Path, required=True, help="GSM8K dev JSONL (question, answer)")
     ap.add_argument("--wikitext", type=Path, help="WikiText-2 raw test file (skip perplexity without it)")
     ap.add_argument("--checkpoint", type=Path, default=None, help="default: the embedded SmolLM2")
-    ap.add_argument("--limit", type=int, default=None, help="first N problems only (CPU subset)")
-    ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--gamma", type=int, default=3)
-    ap.add_argument("--ppl-tokens", type=int, default=40960)
-    ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--limit", type=positive_int, default=None, help="first N problems only (CPU subset)")
+    ap.add_argument("--max-new-tokens", type=positive_int, default=256)
+    ap.add_argument("--batch", type=positive_int, default=16)
+    ap.add_argument("--gamma", type=positive_int, default=3)
+    ap.add_argument("--ppl-tokens", type=positive_int, default=40960)
+    ap.add_argument("--window", type=at_least(2), default=512)
     ap.add_argument("--kernels", default="auto", choices=KERNELS)
     ap.add_argument("--drafts", default="w4a8,w4a4", help="QSPEC drafts: MODE or MODE/kvBITS, comma-separated")
     ap.add_argument("--out", type=Path, default=Path("bench/results/fidelity.md"))
@@ -112,11 +113,14 @@ def main(argv: list[str] | None = None) -> None:
         drafts = [(d, *parse_draft(d)) for d in args.drafts.split(",")]
     except ValueError as e:
         ap.error(f"--drafts: {e}")
-    if not args.gsm8k.is_file():
-        raise SystemExit(f"--gsm8k: no such file {args.gsm8k}")
+    if args.wikitext and not args.wikitext.is_file():
+        raise SystemExit(f"--wikitext: no such file {args.wikitext}")
+    if args.out.is_dir():
+        raise SystemExit(f"--out {args.out} is a directory: give the report's file name")
+    rows = read_gsm8k(args.gsm8k)[: args.limit]
     model = load(args.checkpoint)
-    rows = [json.loads(line) for line in args.gsm8k.read_text().splitlines() if line.strip()]
-    rows = rows[: args.limit] if args.limit else rows
+    if args.wikitext and args.window > model.config.max_position_embeddings:
+        raise SystemExit(f"--window {args.window} exceeds the model's {model.config.max_position_embeddings} positions")
     questions = [r["question"] for r in rows]
     answers = [reference_answer(r["answer"]) for r in rows]
     device = jax.devices()[0].device_kind

@@ -63,6 +63,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench.args import int_list, positive_int, positive_seconds, read_json
 from pallas_kernels import gpu_matmul as gm
 from pallas_kernels import reference as ref
 from pallas_kernels.layout import QuantizedWeight, dequantize
@@ -713,11 +714,11 @@ def _args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {PARTS}")
     ap.add_argument("--models", default=None, help=f"comma-separated, of {tuple(MODELS)} (default all)")
-    ap.add_argument("--ms", default=None, help=f"row counts (default {','.join(map(str, MS))})")
+    ap.add_argument("--ms", type=int_list(), default=None, help=f"row counts (default {','.join(map(str, MS))})")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench/results"))
     ap.add_argument("--resume", type=Path, default=None, help="an earlier kernels.json to merge into")
-    ap.add_argument("--budget-s", type=float, default=480.0, help="start no shape / batch after this")
-    ap.add_argument("--threads", type=int, default=min(8, os.cpu_count() or 1),
+    ap.add_argument("--budget-s", type=positive_seconds, default=480.0, help="start no shape / batch after this")
+    ap.add_argument("--threads", type=positive_int, default=min(8, os.cpu_count() or 1),
                     help="Pallas compiles at once")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shapes in interpret mode (CPU check of this script)")
@@ -732,8 +733,10 @@ def _args(argv: list[str]) -> argparse.Namespace:
     if args.smoke:
         _smoke()
     args.parts = [p for p in args.parts.split(",") if p]
+    if not args.parts:
+        ap.error(f"--parts: give at least one of {PARTS}")
     args.models = args.models.split(",") if args.models else list(MODELS)
-    args.ms = tuple(int(v) for v in args.ms.split(",")) if args.ms else MS
+    args.ms = tuple(args.ms) if args.ms else MS
     for name, got, known in (("part", args.parts, PARTS), ("model", args.models, MODELS)):
         if set(got) - set(known):
             ap.error(f"unknown {name}(s) {sorted(set(got) - set(known))}; known: {', '.join(known)}")
@@ -745,7 +748,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = _args(argv)
     seed = int.from_bytes(os.urandom(4), "little")
-    res = {"runs": [], "table": {}, "attn": {}} | (json.loads(args.resume.read_text()) if args.resume else {})
+    res = {"runs": [], "table": {}, "attn": {}} | (read_json(args.resume, "--resume", ("runs", "table", "attn"))
+                                                    if args.resume else {})
     run = {"command": "PYTHONPATH=. python3 -m bench.kernels " + shlex.join(argv),
            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "device": jax.devices()[0].device_kind, "jax": jax.__version__, "seed": seed,

@@ -14,13 +14,14 @@ the project's venv is (matplotlib is in requirements.lock; the lent GPU machine 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+from bench.args import read_json  # noqa: E402
 
 AR = ("w16a16", "w4a16", "w4a8", "w4a4")
 
@@ -103,10 +104,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--hf", type=Path, default=None, help="hf_baseline.json from bench/hf_baseline.py")
     ap.add_argument("--out", type=Path, default=Path("bench/results/decode.svg"))
     args = ap.parse_args(argv)
-    results = [r for path in args.runs for r in json.loads(path.read_text())["results"]]
+    results = [r for path in args.runs for r in read_json(path, "run", ("results",))["results"]]
+    if not all(isinstance(r, dict) and ("methods" in r or "skipped" in r) for r in results):
+        raise SystemExit("a run's results must be bench.decode sections (objects with 'methods')")
     data = series(results, args.context, args.gamma)
+    if not any("γ=" in label for lines in data.values() for label in lines):
+        raise SystemExit(f"no QSPEC results at gamma {args.gamma} and context {args.context} in {args.runs}")
     if args.hf:  # only for the models the decode runs have
-        for model, lines in hf_series(json.loads(args.hf.read_text())["rows"], args.context).items():
+        for model, lines in hf_series(read_json(args.hf, "--hf", ("rows",))["rows"], args.context).items():
             if model in data:
                 data[model] |= lines
     plot(data, args.context, args.out)

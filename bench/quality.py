@@ -36,6 +36,8 @@ DRAFTS = ("w4a4", "w4a8")
 
 
 def wikitext_ids(path: Path, tokenizer, n_tokens: int) -> np.ndarray:
+    if n_tokens < 1:
+        raise ValueError(f"n_tokens must be >= 1, got {n_tokens}")
     text = Path(path).read_text(encoding="utf-8").replace("\r\n", "\n")
     ids = np.asarray(tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids, np.int32)
     if len(ids) < n_tokens:

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench.args import int_list, positive_int, positive_seconds
 from bench.kernels import (ATTN, CALLS, GROUP, MODELS, Job, _attn_bytes, _attn_inputs, _copies, _max_rel_diff, _weight,
                            _weight_bytes, attention_call, copy_bandwidth, log, measure)
 from pallas_kernels import gpu_activations, gpu_attention, gpu_matmul as gm
@@ -288,9 +289,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shapes", default="qkv,o,gate_up,down,lm_head")
     ap.add_argument("--models", default=DEFAULT_MODEL, help=f"whose layer shapes, of {', '.join(MODELS)}")
     ap.add_argument("--kinds", default="w4a16,w4a8,dense")
-    ap.add_argument("--ms", default="16,32,64,128,256")
+    ap.add_argument("--ms", type=int_list(), default="16,32,64,128,256")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench/results"))
-    ap.add_argument("--budget-s", type=float, default=400.0, help="start no shape after this")
+    ap.add_argument("--budget-s", type=positive_seconds, default=400.0, help="start no shape after this")
     ap.add_argument("--attn", default=None, metavar="BATCHES:CONTEXTS",
                     help="also sweep decode attention, e.g. 8,16:1024,2048 (KV block x cache splits)")
     ap.add_argument("--attn-kv", default="16", metavar="BITS",
@@ -299,13 +300,13 @@ def main(argv: list[str] | None = None) -> None:
                     help="with --attn: the new queries per sequence (T) to time, e.g. 1,2")
     ap.add_argument("--attn-heads", default=",".join(map(str, ATTN["heads"])), metavar="H,KV,D",
                     help="with --attn: query heads, KV heads and head size (default Llama-3-8B's; Llama-2-7B: 32,32,128)")
-    ap.add_argument("--prologue", default=None, metavar="MS",
+    ap.add_argument("--prologue", type=int_list(), default=None, metavar="MS",
                     help="also sweep the activation-prologue kernels' tile width at these row counts, e.g. 1,16,64")
     ap.add_argument("--prologue-kinds", default=",".join(PROLOGUES), metavar="KINDS",
                     help=f"with --prologue: which kernels, of {', '.join(PROLOGUES)}")
     ap.add_argument("--only", default=None, metavar="KEYS",
                     help="matmuls: only the variants that set one of these keys, e.g. rows_first")
-    ap.add_argument("--threads", type=int, default=min(16, os.cpu_count() or 1))
+    ap.add_argument("--threads", type=positive_int, default=min(16, os.cpu_count() or 1))
     args = ap.parse_args(argv)
     kinds = args.kinds.split(",")
     models = args.models.split(",")
@@ -320,28 +321,33 @@ def main(argv: list[str] | None = None) -> None:
     kv_bits = [int(v) if v.isdigit() else -1 for v in args.attn_kv.split(",")]
     if set(kv_bits) - {16, 8, 4}:
         raise SystemExit(f"--attn-kv: caches of 16 (bf16), 8 or 4 bits, got {args.attn_kv!r}")
-    heads = tuple(int(v) for v in args.attn_heads.split(",") if v.isdigit())
-    if len(heads) != 3 or heads[0] % heads[1]:
-        raise SystemExit(f"--attn-heads: H,KV,D with KV dividing H, got {args.attn_heads!r}")
+    heads = tuple(int(v) if v.isdigit() else 0 for v in args.attn_heads.split(","))
+    if len(heads) != 3 or min(heads) < 1 or heads[0] % heads[1]:
+        raise SystemExit(f"--attn-heads: H,KV,D, positive integers with KV dividing H, got {args.attn_heads!r}")
+    if args.attn:
+        try:
+            attn_batches, attn_contexts = (int_list()(part) for part in args.attn.split(":"))
+        except (argparse.ArgumentTypeError, ValueError) as e:  # a bad number, or not two parts
+            raise SystemExit(f"--attn: BATCHES:CONTEXTS, comma-separated integers >= 1, got {args.attn!r}") from e
     ATTN["heads"] = heads  # read by bench.kernels' attention inputs and byte counts
     queries = tuple(int(v) if v.isdigit() else 0 for v in args.attn_queries.split(","))
     if min(queries) < 1:
         raise SystemExit(f"--attn-queries: new queries per sequence >= 1, got {args.attn_queries!r}")
     if jax.default_backend() != "gpu":
         raise SystemExit("bench.tune times GPU kernels: run it on the GPU machine")
-    ms = [int(m) for m in args.ms.split(",")]
+    ms = args.ms
     deadline = time.time() + args.budget_s
     run = {"command": " ".join(["python3 -m bench.tune", *(argv if argv is not None else sys.argv[1:])]),
            "device": jax.devices()[0].device_kind, "rows": []}
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         if args.attn:
-            batches, contexts = ([int(v) for v in part.split(",")] for part in args.attn.split(":"))
+            batches, contexts = attn_batches, attn_contexts
             copy_bandwidth(run, Path(tmp), args.threads)
             run["rows"] += sweep_attention(batches, contexts, kv_bits, Path(tmp), args.threads, run["copy_bw"],
                                            queries)
         if args.prologue:
-            run["rows"] += sweep_prologue([int(m) for m in args.prologue.split(",")], Path(tmp), args.threads,
+            run["rows"] += sweep_prologue(args.prologue, Path(tmp), args.threads,
                                           prologue_kinds)
         for model in models:
             for shape in [s for s in args.shapes.split(",") if s]:

@@ -219,7 +219,7 @@ def test_decode_bench_resume_and_budget(tmp_path, monkeypatch):
     old = json.loads((first / "decode.json").read_text())["results"][0]
     res = json.loads((second / "decode.json").read_text())["results"]
     assert [r["batch"] for r in res] == [2, 3] and res[0] == old  # batch 2 kept as measured, not re-run
-    decode.main([*common, "--batches", "4", "--budget-s", "0", "--out", str(third)])
+    decode.main([*common, "--batches", "4", "--budget-s", "1e-9", "--out", str(third)])
     assert json.loads((third / "decode.json").read_text())["results"] == []
     # --rerun: batch 2 measured again, replacing its old section in place; batch 3 kept
     fourth = tmp_path / "d"
@@ -229,7 +229,7 @@ def test_decode_bench_resume_and_budget(tmp_path, monkeypatch):
     assert [(r["batch"], r.get("label")) for r in res] == [(2, "again"), (3, None)]
     # a --rerun that cannot run (budget spent; too large for the memory limit) keeps the old sections
     fifth, sixth = tmp_path / "e", tmp_path / "f"
-    decode.main([*common, "--batches", "2,3", "--resume", str(fourth / "decode.json"), "--rerun", "--budget-s", "0",
+    decode.main([*common, "--batches", "2,3", "--resume", str(fourth / "decode.json"), "--rerun", "--budget-s", "1e-9",
                  "--label", "lost", "--out", str(fifth)])
     assert json.loads((fifth / "decode.json").read_text())["results"] == res
     monkeypatch.setattr(decode, "MEM_LIMIT", 0.0)

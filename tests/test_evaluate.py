@@ -94,3 +94,24 @@ def test_perplexity_needs_one_window(tiny_model, rng):
     window = int(rng.integers(2, 12))
     with pytest.raises(ValueError, match=f"need at least {window} tokens"):
         perplexity(params, cfg, rng.integers(0, cfg.vocab_size, window - 1), window=window, mode="w16a16")
+
+
+def test_bad_windows_and_ids_are_refused(tiny_model, rng):
+    """A window of one token (no prediction: NaN), past the model's positions, ids outside the vocabulary
+    or of a float type (gathered or truncated silently) are refused, as are batch sizes below 1."""
+    params, cfg = tiny_model
+    ids = rng.integers(0, cfg.vocab_size, 64)
+    for window in (0, 1, 8.0, cfg.max_position_embeddings + 1):
+        with pytest.raises(ValueError, match="window must be an integer in"):
+            perplexity(params, cfg, ids, window=window, mode="w16a16")
+    for batch in (0, -1, 2.0):
+        with pytest.raises(ValueError, match="batch must be an integer >= 1"):
+            perplexity(params, cfg, ids, window=8, mode="w16a16", batch=batch)
+    i = int(rng.integers(len(ids)))
+    for bad, match in [(ids.astype(np.float32), "must be integers"), (ids.reshape(8, 8), "1-D"),
+                       (np.where(np.arange(len(ids)) == i, cfg.vocab_size, ids), r"must lie in \[0, 97\)"),
+                       (np.where(np.arange(len(ids)) == i, -1, ids), r"must lie in \[0, 97\)")]:
+        with pytest.raises(ValueError, match=match):
+            perplexity(params, cfg, bad, window=8, mode="w16a16")
+    with pytest.raises(ValueError, match=r"tokens must be \[B, T\]"):
+        token_scores(params, cfg, ids[:10], mode="w16a16")
