@@ -17,7 +17,7 @@ from qspec_jax.checkpoint import Checkpoint, load_checkpoint
 from qspec_jax.decode import FINISH_REASONS, DecodeState, Runtime, ar_loop, pad_prompts, prefill
 from qspec_jax.kernels import resolve_kernels
 from qspec_jax.qspec import qspec_loop
-from qspec_jax.sampling import Sampling, is_integer
+from qspec_jax.sampling import Sampling, check_token_ids, is_integer
 
 METHODS = ("qspec", "w4a16", "w4a8", "w4a4", "w16a16")
 DRAFTS = ("w4a4", "w4a8")
@@ -94,9 +94,8 @@ def _tokenize(model: Model, prompts, chat: bool) -> list[list[int]]:
             if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
                 raise ValueError(f"a token-id prompt must be a 1-D integer sequence, got shape {ids.shape} "
                                  f"dtype {ids.dtype} (prompts are a list of them: [[1, 2, 3]])")
-        if ids.size and (ids.min() < 0 or ids.max() >= model.config.vocab_size):
-            raise ValueError(f"token ids must lie in [0, {model.config.vocab_size}), got [{ids.min()}, {ids.max()}]"
-                             + (" from the tokenizer: it does not match the model" if isinstance(p, str) else ""))
+        check_token_ids(ids, model.config.vocab_size,
+                        " from the tokenizer: it does not match the model" if isinstance(p, str) else "")
         out.append(ids.astype(np.int64).tolist())
     return out
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from qspec_jax.config import LlamaConfig
 from qspec_jax.model import forward
-from qspec_jax.sampling import is_integer
+from qspec_jax.sampling import check_token_ids, is_integer
 
 
 @functools.partial(jax.jit, static_argnames=("config", "mode", "dtype", "online_rotation_seed"))
@@ -32,7 +32,7 @@ def token_scores(params, config: LlamaConfig, tokens: np.ndarray, *, mode: str, 
     if tokens.ndim != 2 or tokens.shape[0] < 1 or not 2 <= tokens.shape[1] <= config.max_position_embeddings:
         raise ValueError(f"tokens must be [B, T] with B >= 1 and 2 <= T <= {config.max_position_embeddings} "
                          f"(the model's positions), got shape {tokens.shape}")
-    _check_ids(tokens, config.vocab_size)
+    check_token_ids(tokens, config.vocab_size)
     nll, top = _scores(params, jnp.asarray(tokens, jnp.int32), config=config, mode=mode, dtype=dtype,
                        online_rotation_seed=online_rotation_seed)
     return np.asarray(nll), np.asarray(top)
@@ -49,7 +49,7 @@ def perplexity(params, config: LlamaConfig, ids: np.ndarray, *, window: int, mod
     ids = np.asarray(ids)
     if ids.ndim != 1:
         raise ValueError(f"ids must be a 1-D sequence of token ids, got shape {ids.shape}")
-    _check_ids(ids, config.vocab_size)
+    check_token_ids(ids, config.vocab_size)
     n = len(ids) // window
     if n == 0:
         raise ValueError(f"need at least {window} tokens for one window, got {len(ids)}")
@@ -60,14 +60,6 @@ def perplexity(params, config: LlamaConfig, ids: np.ndarray, *, window: int, mod
                               online_rotation_seed=online_rotation_seed)
         total.append(nll.reshape(-1))
     return float(np.exp(np.concatenate(total).astype(np.float64).mean()))
-
-
-def _check_ids(ids: np.ndarray, vocab: int) -> None:
-    """Integer token ids in ``[0, vocab)`` (a float or an id out of range would score garbage, not fail)."""
-    if not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError(f"token ids must be integers, got {ids.dtype}")
-    if ids.size and not (0 <= ids.min() and ids.max() < vocab):
-        raise ValueError(f"token ids must lie in [0, {vocab}), got values from {ids.min()} to {ids.max()}")
 
 
 def simulate_rounds(agree: np.ndarray, gamma: int) -> int:

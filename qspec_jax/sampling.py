@@ -12,6 +12,7 @@ import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +51,15 @@ def is_real(v) -> bool:
 def is_integer(v) -> bool:
     """An integer (Python or NumPy), not a bool."""
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def check_token_ids(ids: np.ndarray, vocab: int, hint: str = "") -> None:
+    """Integer token ids in ``[0, vocab)``: a float or an id out of range would be gathered silently
+    (garbage), not fail; ``hint`` ends the message (where the ids came from)."""
+    if ids.size and not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"token ids must be integers, got {ids.dtype}")
+    if ids.size and not (0 <= ids.min() and ids.max() < vocab):
+        raise ValueError(f"token ids must lie in [0, {vocab}), got values from {ids.min()} to {ids.max()}{hint}")
 
 
 def probabilities(logits: jax.Array, s: Sampling) -> jax.Array:
