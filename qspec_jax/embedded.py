@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -45,10 +46,23 @@ def default_checkpoint() -> Path:
 
     out = cache_dir() / "smollm2-rtn-asym-g32"
     manifest = out / "manifest.json"
-    if manifest.is_file() and _format_version(manifest) != FORMAT_VERSION:
-        print(f"{out} was converted by an older version or is corrupt; converting again", flush=True)
-        shutil.rmtree(out)
-    if not manifest.is_file():
-        print(f"converting the embedded SmolLM2 into {out} ...", flush=True)
-        convert(embedded_gguf(), out, QuantScheme(32, False, "rtn"), None)
+    if _format_version(manifest) == FORMAT_VERSION:
+        return out
+    if out.exists():
+        print(f"{out} was converted by an older version or is incomplete; converting again", flush=True)
+        shutil.rmtree(out, ignore_errors=True)
+    # Convert beside the target and rename into place, so that processes sharing the cache (pytest-xdist
+    # workers, two CLIs) never read a half-written checkpoint: the first rename wins, later ones discard theirs.
+    print(f"converting the embedded SmolLM2 into {out} ...", flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        convert(embedded_gguf(), tmp / "ckpt", QuantScheme(32, False, "rtn"), None)
+        try:
+            (tmp / "ckpt").rename(out)
+        except OSError:
+            if _format_version(manifest) != FORMAT_VERSION:
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out

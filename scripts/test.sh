@@ -3,4 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest -q tests "$@"
+# Two workers (QSPEC_TEST_WORKERS overrides; 0 runs in this process): most of the suite's time is XLA
+# compiling on one thread. worksteal hands each worker a contiguous half and rebalances at the end,
+# so tests of one file mostly share a process and its compiled functions.
+exec .venv/bin/python -m pytest -q -n "${QSPEC_TEST_WORKERS:-2}" --dist worksteal tests "$@"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import jax
@@ -697,5 +698,41 @@ def test_embedded_cache_converted_again_when_unreadable(tmp_path, monkeypatch, c
 
     monkeypatch.setattr(convert.pipeline, "convert", fake_convert)
     assert embedded.default_checkpoint() == out
-    assert calls == [out] and not (out / "stale.bin").exists()
-    assert embedded.default_checkpoint() == out and calls == [out]  # now current: kept
+    assert len(calls) == 1 and calls[0].parent.parent == tmp_path  # converted beside the target
+    assert not (out / "stale.bin").exists() and sorted(tmp_path.iterdir()) == [out]  # temp dir removed
+    assert embedded.default_checkpoint() == out and len(calls) == 1  # now current: kept
+
+
+def test_embedded_cache_conversion_race(tmp_path, monkeypatch):
+    """When another process finishes converting first, its checkpoint is kept and ours discarded; a failed
+    conversion leaves neither a checkpoint nor a temp dir behind."""
+    import convert.pipeline
+    from qspec_jax import embedded
+    from qspec_jax.checkpoint import FORMAT_VERSION
+
+    monkeypatch.setenv("QSPEC_JAX_CACHE", str(tmp_path))
+    out = tmp_path / "smollm2-rtn-asym-g32"
+
+    def write(dst, tag):
+        Path(dst).mkdir()
+        (Path(dst) / MANIFEST).write_text(json.dumps({"format_version": FORMAT_VERSION, "tag": tag}))
+
+    def racing_convert(src, dst, scheme, seed):
+        write(out, "other process")  # the other process renames its conversion into place meanwhile
+        write(dst, "ours")
+
+    monkeypatch.setattr(convert.pipeline, "convert", racing_convert)
+    assert embedded.default_checkpoint() == out
+    assert json.loads((out / MANIFEST).read_text())["tag"] == "other process"
+    assert sorted(tmp_path.iterdir()) == [out]
+
+    shutil.rmtree(out)
+
+    def failing_convert(src, dst, scheme, seed):
+        Path(dst).mkdir()
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(convert.pipeline, "convert", failing_convert)
+    with pytest.raises(RuntimeError, match="disk full"):
+        embedded.default_checkpoint()
+    assert list(tmp_path.iterdir()) == []
