@@ -49,14 +49,20 @@ def positive_seconds(text: str) -> float:
     return value
 
 
-def read_json(path: Path, what: str, keys: tuple[str, ...] = ()) -> dict[str, Any]:
-    """A JSON object file holding ``keys``; anything else is a ``SystemExit`` naming the file."""
+_JSON_TYPES = {dict: "an object", list: "an array", str: "a string"}
+
+
+def read_json(path: Path, what: str, keys: dict[str, type] | None = None) -> dict[str, Any]:
+    """A JSON object file holding ``keys`` (name: the type its value must have); anything else is a
+    ``SystemExit`` naming the file."""
+    keys = keys or {}
     try:
         doc = json.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise SystemExit(f"{what} {path}: not a readable JSON file ({e})") from None
-    if not isinstance(doc, dict) or any(k not in doc for k in keys):
-        raise SystemExit(f"{what} {path}: expected a JSON object with {', '.join(map(repr, keys))}")
+    if not isinstance(doc, dict) or any(not isinstance(doc.get(k), t) for k, t in keys.items()):
+        want = ", ".join(f"{k!r} ({_JSON_TYPES[t]})" for k, t in keys.items())
+        raise SystemExit(f"{what} {path}: expected a JSON object with {want}")
     return doc
 
 

@@ -210,7 +210,7 @@ def parse_draft(spec: str, modes: tuple[str, ...] = DRAFTS) -> tuple[str, int | 
     """A ``--drafts`` entry, ``MODE`` or ``MODE/kvBITS`` (the drafts read an INT8 / INT4 KV shadow):
     ``(mode, bits or None)``; ``modes``: the modes allowed."""
     mode, slash, kv = spec.partition("/")
-    bits = int(kv[2:]) if kv.startswith("kv") and kv[2:].isdigit() else None
+    bits = next((b for b in KV_BITS if kv == f"kv{b}"), None)
     if mode not in modes or (slash and bits not in KV_BITS):
         raise ValueError(f"unknown draft {spec!r}: expected one of {', '.join(modes)}, optionally followed by "
                          f"{' or '.join(f'/kv{b}' for b in KV_BITS)}")
@@ -716,7 +716,7 @@ def main(argv: list[str] | None = None) -> None:
         if n in MODELS and max(args.contexts) + args.new > MODELS[n].max_position_embeddings:
             raise SystemExit(f"{n}: context {max(args.contexts)} + {args.new} new tokens exceeds its "
                              f"{MODELS[n].max_position_embeddings} positions")
-    old = read_json(args.resume, "--resume", ("command", "results")) if args.resume else None
+    old = read_json(args.resume, "--resume", {"command": str, "results": list}) if args.resume else None
     budget = Budget(time.perf_counter() + args.budget_s)
     bw, rates = copy_bandwidth(), matmul_rates()
     command = " ".join(["python3 -m bench.decode", *(argv if argv is not None else sys.argv[1:])])

@@ -57,6 +57,9 @@ def extract(text: str) -> tuple[str | None, str | None]:
 
 
 def reference_answer(answer: str) -> str:
+    """The number after a GSM8K answer's ``####`` (a ValueError where there is none)."""
+    if "####" not in answer:
+        raise ValueError(f"a GSM8K answer ends with '#### <number>'; this one has no '####': {answer[-60:]!r}")
     return _clean(answer.split("####")[-1].strip())
 
 
@@ -118,11 +121,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.out.is_dir():
         raise SystemExit(f"--out {args.out} is a directory: give the report's file name")
     rows = read_gsm8k(args.gsm8k)[: args.limit]
+    questions = [r["question"] for r in rows]
+    try:
+        answers = [reference_answer(r["answer"]) for r in rows]
+    except ValueError as e:
+        raise SystemExit(f"--gsm8k {args.gsm8k}: {e}") from None
     model = load(args.checkpoint)
     if args.wikitext and args.window > model.config.max_position_embeddings:
         raise SystemExit(f"--window {args.window} exceeds the model's {model.config.max_position_embeddings} positions")
-    questions = [r["question"] for r in rows]
-    answers = [reference_answer(r["answer"]) for r in rows]
     device = jax.devices()[0].device_kind
     print(f"{len(rows)} problems on {device}", flush=True)
 

@@ -748,7 +748,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = _args(argv)
     seed = int.from_bytes(os.urandom(4), "little")
-    res = {"runs": [], "table": {}, "attn": {}} | (read_json(args.resume, "--resume", ("runs", "table", "attn"))
+    res = {"runs": [], "table": {}, "attn": {}} | (read_json(args.resume, "--resume", {"runs": list, "table": dict, "attn": dict})
                                                     if args.resume else {})
     run = {"command": "PYTHONPATH=. python3 -m bench.kernels " + shlex.join(argv),
            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

@@ -69,6 +69,9 @@ def colours(labels: list[str]) -> dict[str, tuple]:
     return {label: plt.get_cmap(cmap)(i % n) for i, label in enumerate(labels)}
 
 
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+
+
 def plot(data: dict, context: int, out: Path) -> None:
     """One panel per model; log-2 batch axis; one colour per method across panels, one legend."""
     models = sorted(data)
@@ -104,14 +107,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--hf", type=Path, default=None, help="hf_baseline.json from bench/hf_baseline.py")
     ap.add_argument("--out", type=Path, default=Path("bench/results/decode.svg"))
     args = ap.parse_args(argv)
-    results = [r for path in args.runs for r in read_json(path, "run", ("results",))["results"]]
+    if args.out.suffix.lower() not in PLOT_SUFFIXES:
+        ap.error(f"--out {args.out}: give the plot's file name, ending in {' / '.join(PLOT_SUFFIXES)}")
+    results = [r for path in args.runs for r in read_json(path, "run", {"results": list})["results"]]
     if not all(isinstance(r, dict) and ("methods" in r or "skipped" in r) for r in results):
         raise SystemExit("a run's results must be bench.decode sections (objects with 'methods')")
     data = series(results, args.context, args.gamma)
     if not any("γ=" in label for lines in data.values() for label in lines):
         raise SystemExit(f"no QSPEC results at gamma {args.gamma} and context {args.context} in {args.runs}")
     if args.hf:  # only for the models the decode runs have
-        for model, lines in hf_series(read_json(args.hf, "--hf", ("rows",))["rows"], args.context).items():
+        for model, lines in hf_series(read_json(args.hf, "--hf", {"rows": list})["rows"], args.context).items():
             if model in data:
                 data[model] |= lines
     plot(data, args.context, args.out)

@@ -25,10 +25,14 @@ def _print_stats(label: str, stats: dict) -> None:
 def cmd_generate(args) -> None:
     from qspec_jax.api import generate, load
 
+    qspec_only = {"gamma": args.gamma, "draft": args.draft, "draft_kv": args.draft_kv}
+    qspec_only = {name: value for name, value in qspec_only.items() if value is not None}  # unset: generate()'s defaults
+    if args.method != "qspec" and qspec_only:  # refused, not silently ignored
+        flags = ", ".join("--" + name.replace("_", "-") for name in qspec_only)
+        raise ValueError(f"{flags} only apply to --method qspec, not {args.method}")
     model = load(args.checkpoint)
-    res = generate(model, [args.prompt], max_new_tokens=args.max_new_tokens, method=args.method, draft=args.draft,
-                   gamma=args.gamma, draft_kv=args.draft_kv, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                   seed=args.seed, chat=args.chat)
+    res = generate(model, [args.prompt], max_new_tokens=args.max_new_tokens, method=args.method, **qspec_only,
+                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=args.chat)
     print(res.texts[0] if res.texts else res.sequences[0].tolist())
     print(f"finish: {res.finish_reasons[0]}")
     _print_stats(args.method + ", first call: compilation included", res.stats)
@@ -64,11 +68,13 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name, help=text, description=text, formatter_class=fmt)
         p.add_argument("--checkpoint", type=Path, default=None, help="converted checkpoint (none: the embedded SmolLM2)")
         p.add_argument("--max-new-tokens", type=int, default=96, help="tokens to generate at most")
-        p.add_argument("--gamma", type=int, default=3, help="qspec: drafted tokens per round")
+    sub.choices["demo"].add_argument("--gamma", type=int, default=3, help="drafted tokens per round")
     g = sub.choices["generate"]
     g.add_argument("--prompt", required=True)
     g.add_argument("--method", choices=METHODS, default="qspec")
-    g.add_argument("--draft", choices=DRAFTS, default="w4a8", help="qspec: the drafts' activation precision")
+    g.add_argument("--gamma", type=int, default=None, help="qspec: drafted tokens per round (none: generate()'s 3)")
+    g.add_argument("--draft", choices=DRAFTS, default=None,
+                   help="qspec: the drafts' activation precision (none: generate()'s w4a8)")
     g.add_argument("--draft-kv", type=int, choices=(8, 4), default=None,
                    help="qspec: the drafts read an INT8 / INT4 copy of the KV cache")
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")

@@ -28,11 +28,14 @@ def test_argument_types(rng):
 
 def test_input_files_are_named(tmp_path):
     f = tmp_path / "in.json"
-    for text, match in [("{", "not a readable JSON file"), ("[]", "expected a JSON object with 'results'"),
-                        ('{"command": "x"}', "expected a JSON object with 'results'")]:
+    want = r"expected a JSON object with 'command' \(a string\), 'results' \(an array\)"
+    for text, match in [("{", "not a readable JSON file"), ("[]", want), ('{"command": "x"}', want),
+                        ('{"command": "x", "results": null}', want), ('{"command": 5, "results": []}', want)]:
         f.write_text(text)
         with pytest.raises(SystemExit, match=match):
-            bargs.read_json(f, "--resume", ("results",))
+            bargs.read_json(f, "--resume", {"command": str, "results": list})
+    f.write_text('{"command": "x", "results": [], "more": 1}')
+    assert bargs.read_json(f, "--resume", {"command": str, "results": list})["more"] == 1
     g = tmp_path / "g.jsonl"
     for text, match in [("", "holds no problems"), ("\n\n", "holds no problems"),
                         ('{"question": "q", "answer": "a"}\nnot json', r"g\.jsonl:2: not JSON"),
@@ -71,7 +74,7 @@ def test_decode_refuses_bad_arguments_before_measuring(tmp_path, capsys):
         with pytest.raises(SystemExit, match=match):
             decode.main([*base, "--trace", _trace(tmp_path, doc)])
     (tmp_path / "bad.json").write_text("[]")
-    with pytest.raises(SystemExit, match="--resume .*expected a JSON object with 'command', 'results'"):
+    with pytest.raises(SystemExit, match="--resume .*expected a JSON object with 'command' .*, 'results'"):
         decode.main([*base, "--trace", good, "--resume", str(tmp_path / "bad.json")])
     positions = decode.MODELS["smoke"].max_position_embeddings
     with pytest.raises(SystemExit, match=f"exceeds its {positions} positions"):
@@ -92,9 +95,16 @@ def test_fidelity_refuses_bad_arguments_before_loading(tmp_path, capsys):
         fidelity.main([*base, "--wikitext", str(tmp_path / "missing.raw")])
     with pytest.raises(SystemExit, match="is a directory"):
         fidelity.main(["--gsm8k", str(g), "--out", str(tmp_path)])
+    g.write_text('{"question": "q", "answer": "#### 1"}\n{"question": "q", "answer": "the answer is 7"}\n')
+    with pytest.raises(SystemExit, match="no '####'"):
+        fidelity.main(base)
     g.write_text("\n")
     with pytest.raises(SystemExit, match="holds no problems"):
         fidelity.main(base)
+    for draft in ("w4a8/kv\u00b2", "w4a8/kv16", "w4a8/kv08"):
+        with pytest.raises(SystemExit):
+            fidelity.main([*base, "--drafts", draft])
+        assert "unknown draft" in capsys.readouterr().err
     assert not (tmp_path / "f.md").exists()
 
 
@@ -121,5 +131,13 @@ def test_kernels_tune_and_plot_refuse_bad_arguments(tmp_path, rng, capsys):
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(SystemExit, match="expected a JSON object with 'results'"):
         plot.main([str(tmp_path / "bad.json"), "--out", str(tmp_path / "p.png")])
-    assert not (tmp_path / "p.png").exists()
+    for out in (tmp_path, tmp_path / "plot"):
+        with pytest.raises(SystemExit):
+            plot.main([str(run), "--out", str(out)])
+        assert "ending in .png" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.json", "decode.json"]
+    res = tmp_path / "k.json"
+    res.write_text('{"runs": null, "table": {}, "attn": {}}')
+    with pytest.raises(SystemExit, match="'runs' \\(an array\\)"):
+        kernels.main(["--smoke", "--resume", str(res), "--out", str(tmp_path / "k")])
     np.testing.assert_equal(len(plot.series(json.loads(run.read_text())["results"], 512, 3)["m"]), 2)

@@ -29,10 +29,15 @@ def test_generate_flags_reach_generate(monkeypatch, capsys, rng):
     assert cli.main(argv) == 0
     (model, prompts, kw), = calls
     assert str(model[1]) == "ck" and prompts == ["hi"]
-    assert kw == dict(max_new_tokens=96, method="qspec", draft="w4a8", gamma=3, draft_kv=8, temperature=0.5,
-                      top_k=3, top_p=None, seed=seed, chat=True)
+    # gamma and draft unset: generate()'s own defaults apply
+    assert kw == dict(max_new_tokens=96, method="qspec", draft_kv=8, temperature=0.5, top_k=3, top_p=None, seed=seed,
+                      chat=True)
     out = capsys.readouterr().out
     assert "an answer" in out and "finish: eos" in out
+    assert cli.main(["generate", "--prompt", "hi", "--gamma", "5", "--draft", "w4a4"]) == 0
+    assert calls[-1][2]["gamma"] == 5 and calls[-1][2]["draft"] == "w4a4"
+    assert cli.main(["generate", "--prompt", "hi", "--method", "w4a16", "--gamma", "2", "--draft", "w4a4"]) == 2
+    assert len(calls) == 2 and "--gamma, --draft only apply to --method qspec" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags,message", [(["--top-k", "5"], "temperature=0"), (["--gamma", "0"], "gamma"),
