@@ -8,6 +8,7 @@ import os
 import dataclasses
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -16,6 +17,12 @@ from convert.quantize import QuantScheme
 from convert.sources import LINEARS, SourceModel, expected_shapes, read_source
 from qspec_jax.config import LlamaConfig
 from qspec_jax.embedded import embedded_gguf
+from qspec_jax.model import forward
+
+# forward under jit, for tests that call the model directly: calls of one shape share a compile
+# (called eagerly, each call compiled its layer scan again)
+jit_forward = jax.jit(forward, static_argnames=("config", "mode", "dtype", "online_rotation_seed", "row_tile",
+                                                "kernels", "read_shadow"))
 
 GOLDEN = Path(__file__).parent / "golden"
 SMOLLM2_TOKENIZER = None  # filled lazily by smollm2_tokenizer_json

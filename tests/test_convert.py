@@ -20,14 +20,13 @@ from convert.sources import as_float, read_source
 from pallas_kernels.layout import QuantizedWeight, dequantize
 from qspec_jax.checkpoint import MANIFEST, WEIGHTS, load_checkpoint, save_checkpoint
 from qspec_jax.config import LlamaConfig
-from qspec_jax.model import forward
-from tests.conftest import TINY, random_source, tiny_variant, write_gguf, write_hf_dir
+from tests.conftest import TINY, jit_forward, random_source, tiny_variant, write_gguf, write_hf_dir
 
 
 def _logits(params, config, tokens, mode="w16a16", seed=None):
     pos = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    return np.asarray(forward(params, config, jnp.asarray(tokens), pos, mode=mode,
-                              online_rotation_seed=seed)[0])
+    return np.asarray(jit_forward(params, config, jnp.asarray(tokens), pos, mode=mode,
+                                  online_rotation_seed=seed)[0])
 
 
 def _transformers_reverse_permute(w: np.ndarray, heads: int) -> np.ndarray:

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 import pytest
 
-from tests.conftest import TINY, memory_model, random_source
+from tests.conftest import TINY, jit_forward, memory_model, random_source
 from convert.pipeline import convert_model
 from convert.quantize import QuantScheme
 from qspec_jax.api import generate
-from qspec_jax.model import forward
 
 NEW_TOKENS = 8
-_fwd = jax.jit(forward, static_argnames=("config", "mode"))
 # how close the top-2 logits of a naive step may be before the draw counts as a near-tie (the cached
 # and uncached paths differ in rounding, and w4a16 rounds activations to bfloat16)
 TIE_MARGIN = {"w16a16": 1e-4, "w4a16": 2e-3}
@@ -24,7 +21,7 @@ def naive_generate(params, cfg, prompt: list[int], n: int, mode: str, eos_id: in
     seq, out, margin = list(prompt), [], np.inf
     for _ in range(n):
         t = len(seq)
-        logits, _ = _fwd(params, cfg, np.asarray([seq], np.int32), np.arange(t, dtype=np.int32)[None], mode=mode)
+        logits, _ = jit_forward(params, cfg, np.asarray([seq], np.int32), np.arange(t, dtype=np.int32)[None], mode=mode)
         last = np.asarray(logits[0, -1], np.float64)
         top2 = np.sort(last)[-2:]
         margin = min(margin, top2[1] - top2[0])

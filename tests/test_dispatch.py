@@ -17,9 +17,9 @@ from qspec_jax.api import generate
 from qspec_jax.decode import ROW_TILE
 from qspec_jax.kernels import (Layer, PendingAttention, PendingNorm, PendingSwiGLU, attention, linear,
                                resolve_kernels, swiglu)
-from qspec_jax.model import forward, init_cache
+from qspec_jax.model import init_cache
 from pallas_kernels import gpu_attention, gpu_matmul
-from tests.conftest import TINY, memory_model, random_source
+from tests.conftest import TINY, jit_forward, memory_model, random_source
 from tests.test_kernels import _attention64
 
 # kernel-friendly: head_dim a power of two, K a multiple of 64, N a multiple of 16
@@ -35,14 +35,14 @@ def _model(rng, cfg=KCFG, group=32):
 def _prefilled(rng, params, cfg, b=2, p=9, slots=32):
     toks = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, p + 4)), jnp.int32)
     cache = init_cache(cfg, b, slots)
-    _, cache = forward(params, cfg, toks[:, :p], jnp.broadcast_to(jnp.arange(p), (b, p)), cache,
+    _, cache = jit_forward(params, cfg, toks[:, :p], jnp.broadcast_to(jnp.arange(p), (b, p)), cache,
                        mode="w4a16", kernels="reference")
     return toks[:, p:], jnp.broadcast_to(jnp.arange(p, p + 4), (b, 4)), cache
 
 
 def _check_kernel_path(params, cfg, toks, pos, cache, mode):
     """The kernel path (interpret) against the references, and bitwise equal to one-token steps."""
-    run = lambda t, p, c, k: forward(params, cfg, t, p, c, mode=mode, row_tile=ROW_TILE, kernels=k)  # noqa: E731
+    run = lambda t, p, c, k: jit_forward(params, cfg, t, p, c, mode=mode, row_tile=ROW_TILE, kernels=k)  # noqa: E731
     got, got_cache = run(toks, pos, cache, "interpret")
     want, _ = run(toks, pos, cache, "reference")
     # w16a16 stays in float32; the other modes round activations to bf16 / int codes, which turns

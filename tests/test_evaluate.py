@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import math
 
-import jax
 import numpy as np
 import pytest
 
-from tests.conftest import TINY, random_source
+from tests.conftest import TINY, jit_forward, random_source
 from convert.pipeline import convert_model
 from qspec_jax.evaluate import perplexity, simulate_rounds, token_scores
-from qspec_jax.model import forward
-
-_fwd = jax.jit(forward, static_argnames=("config", "mode"))
 
 
 def rounds_by_runs(agree: np.ndarray, gamma: int) -> int:
@@ -56,7 +52,7 @@ def np_nll(logits: np.ndarray, tokens: np.ndarray) -> np.ndarray:
 
 def full_logits(params, cfg, tokens):
     pos = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
-    return np.asarray(_fwd(params, cfg, tokens.astype(np.int32), pos, mode="w16a16")[0])
+    return np.asarray(jit_forward(params, cfg, tokens.astype(np.int32), pos, mode="w16a16")[0])
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.conftest import TINY, random_source, tiny_variant
+from tests.conftest import TINY, jit_forward, random_source, tiny_variant
 from convert.pipeline import convert_model
 from convert.quantize import QuantScheme
 from pallas_kernels.layout import QuantizedWeight, dequantize
@@ -27,7 +27,6 @@ CONFIGS = {
                                 rope_scaling=tuple(sorted(LLAMA3_SCALING.items()))),
 }
 
-_fwd = jax.jit(forward, static_argnames=("config", "mode"))
 
 
 # ----------------------------------------------------------------------------- numpy float64 reference
@@ -173,7 +172,7 @@ def test_forward_matches_float64_reference(name, rng):
     params = random_params(cfg, rng, tokens, positions)
     assert ("lm_head" in params) == (not cfg.tie_word_embeddings)
     assert ("b" in params["layers"]["attn"]["qkv"]) == cfg.attention_bias
-    logits, cache = _fwd(params, cfg, tokens, positions, mode="w16a16")
+    logits, cache = jit_forward(params, cfg, tokens, positions, mode="w16a16")
     assert cache is None and logits.dtype == jnp.float32
     ref = ref_forward(to_f64(params), cfg, tokens, positions)
     scale = max(1.0, float(np.abs(ref).max()))
@@ -185,7 +184,7 @@ def test_forward_packed_weights_w16a16_matches_reference(rng):
     cfg = CONFIGS["gqa-untied"]
     params, cfg, _ = convert_model(random_source(cfg, rng), QuantScheme(16, bool(rng.integers(2))), None)
     tokens, positions = random_batch(cfg, rng, 2, 7)
-    logits, _ = _fwd(params, cfg, tokens, positions, mode="w16a16")
+    logits, _ = jit_forward(params, cfg, tokens, positions, mode="w16a16")
     ref = ref_forward(to_f64(params), cfg, tokens, positions)
     assert np.abs(np.asarray(logits, np.float64) - ref).max() < 1e-4 * max(1.0, float(np.abs(ref).max()))
 
@@ -196,12 +195,12 @@ def test_kv_cache_chunks_match_full_forward(rng):
     assert prefill + sum(chunks) == t
     tokens, positions = random_batch(cfg, rng, 2, t, gaps=False)
     params = random_params(cfg, rng, tokens, positions)
-    full, _ = _fwd(params, cfg, tokens, positions, mode="w16a16")
+    full, _ = jit_forward(params, cfg, tokens, positions, mode="w16a16")
     cache = init_cache(cfg, 2, t + 5)  # spare slots beyond the sequence must stay invisible
-    got, cache = _fwd(params, cfg, tokens[:, :prefill], positions[:, :prefill], cache, mode="w16a16")
+    got, cache = jit_forward(params, cfg, tokens[:, :prefill], positions[:, :prefill], cache, mode="w16a16")
     parts, start = [got], prefill
     for n in chunks:
-        got, cache = _fwd(params, cfg, tokens[:, start:start + n], positions[:, start:start + n], cache,
+        got, cache = jit_forward(params, cfg, tokens[:, start:start + n], positions[:, start:start + n], cache,
                           mode="w16a16")
         parts.append(got)
         start += n
@@ -224,7 +223,7 @@ def test_unstacked_layers_give_the_stacked_results(mode, rng):
     tokens, positions = random_batch(cfg, rng, 2, 6, gaps=False)
     per_layer = unstack_layers(params)
     assert isinstance(per_layer["layers"], list) and len(per_layer["layers"]) == cfg.num_layers
-    outs = [_fwd(p, cfg, tokens, positions, init_cache(cfg, 2, 8), mode=mode) for p in (params, per_layer)]
+    outs = [jit_forward(p, cfg, tokens, positions, init_cache(cfg, 2, 8), mode=mode) for p in (params, per_layer)]
     (la, (ka, va)), (lb, (kb, vb)) = outs
     np.testing.assert_allclose(np.asarray(lb), np.asarray(la), rtol=1e-6, atol=1e-6 * float(np.abs(la).max()))
     for a, b in ((ka, kb), (va, vb)):
@@ -251,7 +250,7 @@ def test_quantized_modes(symmetric, rng):
     params, cfg, _ = convert_model(random_source(cfg, rng), QuantScheme(16, symmetric), None)
     assert isinstance(params["layers"]["attn"]["qkv"]["w"], QuantizedWeight)
     tokens, positions = random_batch(cfg, rng, 4, 8)
-    out = {m: np.asarray(_fwd(params, cfg, tokens, positions, mode=m)[0], np.float64)
+    out = {m: np.asarray(jit_forward(params, cfg, tokens, positions, mode=m)[0], np.float64)
            for m in ("w16a16", "w4a16", "w4a8", "w4a4")}
     ref = out["w16a16"]
     assert rel_err(out["w4a16"], ref) < 5e-2
