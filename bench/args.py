@@ -61,8 +61,8 @@ def read_json(path: Path, what: str, keys: dict[str, type] | None = None) -> dic
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise SystemExit(f"{what} {path}: not a readable JSON file ({e})") from None
     if not isinstance(doc, dict) or any(not isinstance(doc.get(k), t) for k, t in keys.items()):
-        want = ", ".join(f"{k!r} ({_JSON_TYPES[t]})" for k, t in keys.items())
-        raise SystemExit(f"{what} {path}: expected a JSON object with {want}")
+        want = ", ".join(f"{k!r} ({_JSON_TYPES.get(t, t.__name__)})" for k, t in keys.items())
+        raise SystemExit(f"{what} {path}: expected a JSON object" + (f" with {want}" if want else ""))
     return doc
 
 

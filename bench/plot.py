@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--hf", type=Path, default=None, help="hf_baseline.json from bench/hf_baseline.py")
     ap.add_argument("--out", type=Path, default=Path("bench/results/decode.svg"))
     args = ap.parse_args(argv)
-    if args.out.suffix.lower() not in PLOT_SUFFIXES:
+    if args.out.suffix.lower() not in PLOT_SUFFIXES or args.out.is_dir():
         ap.error(f"--out {args.out}: give the plot's file name, ending in {' / '.join(PLOT_SUFFIXES)}")
     results = [r for path in args.runs for r in read_json(path, "run", {"results": list})["results"]]
     if not all(isinstance(r, dict) and ("methods" in r or "skipped" in r) for r in results):

@@ -21,6 +21,7 @@ from qspec_jax.sampling import Sampling, check_token_ids, is_integer
 
 METHODS = ("qspec", "w4a16", "w4a8", "w4a4", "w16a16")
 DRAFTS = ("w4a4", "w4a8")
+DEFAULT_DRAFT, DEFAULT_GAMMA = "w4a8", 3  # generate()'s, also the CLI's
 # Drafts per round at most: the expected accepted run is a / (1 - a) at acceptance a (4 at 0.8, 32 at
 # 0.97), so more only adds rejected work, while every draft slot lengthens the cache and the verify
 MAX_GAMMA = 32
@@ -106,7 +107,7 @@ def _prefill(params, prompts, lengths, key, *, rt, buffer_len, cache_len, mode) 
 
 
 def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]] | np.ndarray, *,
-             max_new_tokens: int, method: str = "qspec", draft: str = "w4a8", gamma: int = 3,
+             max_new_tokens: int, method: str = "qspec", draft: str = DEFAULT_DRAFT, gamma: int = DEFAULT_GAMMA,
              draft_kv: int | None = None,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
              eos_token_id: int | Sequence[int] | None = None, chat: bool = False, max_len: int | None = None,

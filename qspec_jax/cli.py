@@ -59,7 +59,7 @@ def cmd_demo(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from qspec_jax.api import DRAFTS, METHODS
+    from qspec_jax.api import DEFAULT_DRAFT, DEFAULT_GAMMA, DRAFTS, METHODS
 
     fmt = argparse.ArgumentDefaultsHelpFormatter
     ap = argparse.ArgumentParser(prog="qspec-jax", description=__doc__, formatter_class=fmt)
@@ -68,13 +68,13 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name, help=text, description=text, formatter_class=fmt)
         p.add_argument("--checkpoint", type=Path, default=None, help="converted checkpoint (none: the embedded SmolLM2)")
         p.add_argument("--max-new-tokens", type=int, default=96, help="tokens to generate at most")
-    sub.choices["demo"].add_argument("--gamma", type=int, default=3, help="drafted tokens per round")
+    sub.choices["demo"].add_argument("--gamma", type=int, default=DEFAULT_GAMMA, help="drafted tokens per round")
     g = sub.choices["generate"]
     g.add_argument("--prompt", required=True)
     g.add_argument("--method", choices=METHODS, default="qspec")
-    g.add_argument("--gamma", type=int, default=None, help="qspec: drafted tokens per round (none: generate()'s 3)")
+    g.add_argument("--gamma", type=int, default=None, help=f"qspec: drafted tokens per round (none: {DEFAULT_GAMMA})")
     g.add_argument("--draft", choices=DRAFTS, default=None,
-                   help="qspec: the drafts' activation precision (none: generate()'s w4a8)")
+                   help=f"qspec: the drafts' activation precision (none: {DEFAULT_DRAFT})")
     g.add_argument("--draft-kv", type=int, choices=(8, 4), default=None,
                    help="qspec: the drafts read an INT8 / INT4 copy of the KV cache")
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")

@@ -9,6 +9,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from filelock import FileLock
+
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -48,21 +50,24 @@ def default_checkpoint() -> Path:
     manifest = out / "manifest.json"
     if _format_version(manifest) == FORMAT_VERSION:
         return out
-    if out.exists():
-        print(f"{out} was converted by an older version or is incomplete; converting again", flush=True)
-        shutil.rmtree(out, ignore_errors=True)
-    # Convert beside the target and rename into place, so that processes sharing the cache (pytest-xdist
-    # workers, two CLIs) never read a half-written checkpoint: the first rename wins, later ones discard theirs.
-    print(f"converting the embedded SmolLM2 into {out} ...", flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        convert(embedded_gguf(), tmp / "ckpt", QuantScheme(32, False, "rtn"), None)
+    # One process converts while the others sharing the cache (pytest-xdist workers, two CLIs) wait for
+    # it; the conversion is written beside the target and renamed into place, so a killed process never
+    # leaves a half-written checkpoint where load() would read it.
+    with FileLock(out.parent / f"{out.name}.lock"):
+        if _format_version(manifest) == FORMAT_VERSION:  # converted while this process waited
+            return out
+        if out.exists():
+            print(f"{out} was converted by an older version or is incomplete; converting again", flush=True)
+        for stale in (out, *out.parent.glob(f".{out.name}.*")):  # under the lock: left by killed processes
+            shutil.rmtree(stale, ignore_errors=True)
+        if out.exists():
+            raise ValueError(f"cannot remove the stale conversion at {out}; delete it by hand")
+        print(f"converting the embedded SmolLM2 into {out} ...", flush=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
         try:
+            convert(embedded_gguf(), tmp / "ckpt", QuantScheme(32, False, "rtn"), None)
             (tmp / "ckpt").rename(out)
-        except OSError:
-            if _format_version(manifest) != FORMAT_VERSION:
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return out

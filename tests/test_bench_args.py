@@ -34,6 +34,9 @@ def test_input_files_are_named(tmp_path):
         f.write_text(text)
         with pytest.raises(SystemExit, match=match):
             bargs.read_json(f, "--resume", {"command": str, "results": list})
+    f.write_text("[1]")
+    with pytest.raises(SystemExit, match=r"in\.json: expected a JSON object$"):
+        bargs.read_json(f, "--trace")
     f.write_text('{"command": "x", "results": [], "more": 1}')
     assert bargs.read_json(f, "--resume", {"command": str, "results": list})["more"] == 1
     g = tmp_path / "g.jsonl"
@@ -131,11 +134,12 @@ def test_kernels_tune_and_plot_refuse_bad_arguments(tmp_path, rng, capsys):
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(SystemExit, match="expected a JSON object with 'results'"):
         plot.main([str(tmp_path / "bad.json"), "--out", str(tmp_path / "p.png")])
-    for out in (tmp_path, tmp_path / "plot"):
+    (tmp_path / "d.png").mkdir()
+    for out in (tmp_path, tmp_path / "plot", tmp_path / "d.png"):
         with pytest.raises(SystemExit):
             plot.main([str(run), "--out", str(out)])
         assert "ending in .png" in capsys.readouterr().err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.json", "decode.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.json", "d.png", "decode.json"]
     res = tmp_path / "k.json"
     res.write_text('{"runs": null, "table": {}, "attn": {}}')
     with pytest.raises(SystemExit, match="'runs' \\(an array\\)"):

@@ -675,55 +675,64 @@ def test_gptq_layers_run_on_calibration_tokens(rng):
                                atol=1e-4 * abs(want).max())
 
 
-@pytest.mark.parametrize("content", ["{broken", "[]", '{"format_version": 0}'])
-def test_embedded_cache_converted_again_when_unreadable(tmp_path, monkeypatch, content):
-    """A cached conversion whose manifest is corrupt or of another format version is converted again
-    (the conversion itself stubbed: it is tested above)."""
-    import convert.pipeline
-    from qspec_jax import embedded
+def _fake_checkpoint(dst, tag: str = "") -> None:
     from qspec_jax.checkpoint import FORMAT_VERSION
 
+    Path(dst).mkdir()
+    (Path(dst) / MANIFEST).write_text(json.dumps({"format_version": FORMAT_VERSION, "tag": tag}))
+
+
+@pytest.mark.parametrize("content", ["{broken", "[]", '{"format_version": 0}'])
+def test_embedded_cache_converted_again_when_unreadable(tmp_path, monkeypatch, content):
+    """A cached conversion whose manifest is corrupt or of another format version is converted again,
+    beside the target and renamed into place; a temp dir a killed process left is removed (the
+    conversion itself stubbed: it is tested above)."""
+    import convert.pipeline
+    from qspec_jax import embedded
+
     monkeypatch.setenv("QSPEC_JAX_CACHE", str(tmp_path))
-    out = tmp_path / "smollm2-rtn-asym-g32"
+    out, lock = tmp_path / "smollm2-rtn-asym-g32", tmp_path / "smollm2-rtn-asym-g32.lock"
     out.mkdir()
     (out / "stale.bin").write_text("")
     (out / MANIFEST).write_text(content)
+    (tmp_path / ".smollm2-rtn-asym-g32.killed").mkdir()
     calls = []
 
     def fake_convert(src, dst, scheme, seed):
-        calls.append(dst)
-        Path(dst).mkdir()
-        (Path(dst) / MANIFEST).write_text(json.dumps({"format_version": FORMAT_VERSION}))
+        calls.append(Path(dst))
+        _fake_checkpoint(dst)
 
     monkeypatch.setattr(convert.pipeline, "convert", fake_convert)
     assert embedded.default_checkpoint() == out
     assert len(calls) == 1 and calls[0].parent.parent == tmp_path  # converted beside the target
-    assert not (out / "stale.bin").exists() and sorted(tmp_path.iterdir()) == [out]  # temp dir removed
+    assert not (out / "stale.bin").exists() and sorted(tmp_path.iterdir()) == [out, lock]  # temp dirs removed
     assert embedded.default_checkpoint() == out and len(calls) == 1  # now current: kept
 
 
-def test_embedded_cache_conversion_race(tmp_path, monkeypatch):
-    """When another process finishes converting first, its checkpoint is kept and ours discarded; a failed
-    conversion leaves neither a checkpoint nor a temp dir behind."""
+def test_embedded_cache_conversion_waits_for_another_process(tmp_path, monkeypatch):
+    """A process that finds the conversion missing while another one converts waits for its lock and
+    then uses that conversion; a failed conversion leaves no checkpoint and no temp dir behind."""
+    import threading
+
     import convert.pipeline
+    from filelock import FileLock
     from qspec_jax import embedded
-    from qspec_jax.checkpoint import FORMAT_VERSION
 
     monkeypatch.setenv("QSPEC_JAX_CACHE", str(tmp_path))
-    out = tmp_path / "smollm2-rtn-asym-g32"
-
-    def write(dst, tag):
-        Path(dst).mkdir()
-        (Path(dst) / MANIFEST).write_text(json.dumps({"format_version": FORMAT_VERSION, "tag": tag}))
-
-    def racing_convert(src, dst, scheme, seed):
-        write(out, "other process")  # the other process renames its conversion into place meanwhile
-        write(dst, "ours")
-
-    monkeypatch.setattr(convert.pipeline, "convert", racing_convert)
-    assert embedded.default_checkpoint() == out
+    out, lock = tmp_path / "smollm2-rtn-asym-g32", tmp_path / "smollm2-rtn-asym-g32.lock"
+    calls, got = [], []
+    monkeypatch.setattr(convert.pipeline, "convert", lambda src, dst, *a: calls.append(dst))
+    other = FileLock(lock)  # the other process, converting
+    other.acquire()
+    waiter = threading.Thread(target=lambda: got.append(embedded.default_checkpoint()))
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive() and not got  # waits for the lock
+    _fake_checkpoint(out, "other process")
+    other.release()
+    waiter.join(10)
+    assert got == [out] and calls == []  # the other process's conversion, used as it is
     assert json.loads((out / MANIFEST).read_text())["tag"] == "other process"
-    assert sorted(tmp_path.iterdir()) == [out]
 
     shutil.rmtree(out)
 
@@ -734,4 +743,4 @@ def test_embedded_cache_conversion_race(tmp_path, monkeypatch):
     monkeypatch.setattr(convert.pipeline, "convert", failing_convert)
     with pytest.raises(RuntimeError, match="disk full"):
         embedded.default_checkpoint()
-    assert list(tmp_path.iterdir()) == []
+    assert list(tmp_path.iterdir()) == [lock]

@@ -28,7 +28,6 @@ CONFIGS = {
 }
 
 
-
 # ----------------------------------------------------------------------------- numpy float64 reference
 
 def ref_inv_freq(cfg) -> np.ndarray:
