@@ -748,8 +748,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = _args(argv)
     seed = int.from_bytes(os.urandom(4), "little")
-    res = {"runs": [], "table": {}, "attn": {}} | (read_json(args.resume, "--resume", {"runs": list, "table": dict, "attn": dict})
-                                                    if args.resume else {})
+    layout = {"runs": list, "table": dict, "attn": dict}
+    res = {"runs": [], "table": {}, "attn": {}} | (read_json(args.resume, "--resume", layout) if args.resume else {})
     run = {"command": "PYTHONPATH=. python3 -m bench.kernels " + shlex.join(argv),
            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "device": jax.devices()[0].device_kind, "jax": jax.__version__, "seed": seed,
