@@ -179,10 +179,8 @@ def supported(kind: str, n: int, k: int, group: int) -> bool:
         return False
 
 
-def _check_dtypes(x_dtype, out_dtype) -> None:
-    """Float activations in (``x_dtype`` None: already quantized) and a float result out."""
-    if x_dtype is not None and not jnp.issubdtype(x_dtype, jnp.floating):
-        raise ValueError(f"x must be a float array (the activations), got {jnp.dtype(x_dtype)}")
+def _check_out_dtype(out_dtype) -> None:
+    """The matmuls return float results (the epilogues scale in float32)."""
     if not jnp.issubdtype(out_dtype, jnp.floating):
         raise ValueError(f"out_dtype must be a float type, got {jnp.dtype(out_dtype)}")
 
@@ -460,7 +458,8 @@ def w4a16_matmul(x: jax.Array, w: QuantizedWeight, *, layer: jax.Array | None = 
     ahead (default: :func:`_prefetch`; timing only, the same bits)."""
     if x.ndim == 3 and (x.shape[0] != 4 or x.dtype != jnp.bfloat16):
         raise ValueError(f"activation planes must be bfloat16 [4, M, K/4], got {x.dtype}{x.shape}")
-    _check_dtypes(x.dtype, out_dtype)
+    check_float(x=x)
+    _check_out_dtype(out_dtype)
     xp = x if x.ndim == 3 else None
     if xp is not None:
         x = jax.ShapeDtypeStruct((xp.shape[1], 4 * xp.shape[2]), jnp.bfloat16)
@@ -698,7 +697,7 @@ def w4ax_quantized(qx: jax.Array, sa: jax.Array, w: QuantizedWeight, *, layer: j
     the offsets in range."""
     if qx.dtype != jnp.int8 or qx.ndim not in (2, 3) or (qx.ndim == 3 and qx.shape[0] != 2):
         raise ValueError(f"qx must be int8 [M, K] or [2, M, K/2], got {qx.dtype}{qx.shape}")
-    _check_dtypes(None, out_dtype)
+    _check_out_dtype(out_dtype)
     m, kx = (qx.shape[1], 2 * qx.shape[2]) if qx.ndim == 3 else qx.shape
     block_n, block_k, split_k = _config(jax.ShapeDtypeStruct((m, kx), jnp.int8), w, "w4ax", block_n, block_k,
                                         split_k)
@@ -745,7 +744,7 @@ def w4ax_matmul(x: jax.Array, w: QuantizedWeight, bits: int, *, layer: jax.Array
     (:func:`pallas_kernels.gpu_activations.quantize_rows`: ``reference.quantize_activations`` in one
     kernel that writes the plane layout), then the int8 kernel with int32 group accumulation and the
     float32 epilogue -> ``f32[M, N]`` (tiling arguments: :func:`w4ax_quantized`)."""
-    _check_dtypes(x.dtype, jnp.float32)
+    check_float(x=x)
     _config(x, w, "w4ax", block_n, block_k, split_k)  # before quantize_rows meets a bad x
     qx, sa = quantize_rows(x, bits, interpret=interpret)
     return w4ax_quantized(qx, sa, w, layer=layer, block_n=block_n, block_k=block_k, split_k=split_k,

@@ -347,10 +347,11 @@ def test_record_names_the_methods_a_rerun_drops(capsys):
     assert "dropped" not in capsys.readouterr().out
 
 
-def test_decode_bench_real_model(tmp_path):
+def test_decode_bench_real_model(tmp_path, monkeypatch):
     """The embedded SmolLM2 on few-shot prompts that fill the context, QSPEC with its own accept
     decisions (not replayed): each prompt fits the context and holds few-shot examples, the round
     count gives between 1 and gamma + 1 tokens per round."""
+    monkeypatch.setattr(decode, "FORWARD_REPS", 2)  # phase loops of 2 forwards: SmolLM2 on the CPU is slow
     rows = [{"question": f"Tom has {i} apples and buys {i + 3} more. How many apples does he have now?",
              "answer": f"He has {i} + {i + 3} = {2 * i + 3} apples.\n#### {2 * i + 3}"} for i in range(40)]
     dev, train = tmp_path / "dev.jsonl", tmp_path / "train.jsonl"
