@@ -26,6 +26,10 @@ DEFAULT_DRAFT, DEFAULT_GAMMA = "w4a8", 3  # generate()'s, also the CLI's
 # 0.97), so more only adds rejected work, while every draft slot lengthens the cache and the verify
 MAX_GAMMA = 32
 CACHE_MULTIPLE = 64  # KV cache slots are allocated in multiples of this (the attention kernel's block)
+# Slots past prompt + new tokens, the same for every method and gamma: a QSPEC round drafts up to gamma
+# positions past the budget. The GPU attention kernel's split of the cache follows its length, so a
+# cache sized by gamma could make W4A16 and QSPEC sum a token's attention in different orders.
+CACHE_SLACK = MAX_GAMMA + 1
 # Prompts are padded to a multiple of this: calls whose longest prompts fall in one bucket share the
 # compiled prefill and decode loop (pad tokens sit after a sequence's last position: invisible to it)
 PROMPT_MULTIPLE = 64
@@ -106,6 +110,14 @@ def _prefill(params, prompts, lengths, key, *, rt, buffer_len, cache_len, mode) 
     return prefill(params, prompts, lengths, key, rt, buffer_len, cache_len, mode)
 
 
+def seed_key(seed: int) -> jax.Array:
+    """A threefry key from all 64 bits of ``seed`` (two's complement): ``jax.random.key`` keeps only
+    the low 32 bits unless 64-bit mode is on, so seeds 0 and 2**32 would draw the same tokens. For
+    seeds in [0, 2**31) it is ``jax.random.key(seed)``."""
+    u = seed & (2**64 - 1)
+    return jax.random.wrap_key_data(jnp.array([u >> 32, u & 0xFFFFFFFF], jnp.uint32), impl="threefry2x32")
+
+
 def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]] | np.ndarray, *,
              max_new_tokens: int, method: str = "qspec", draft: str = DEFAULT_DRAFT, gamma: int = DEFAULT_GAMMA,
              draft_kv: int | None = None,
@@ -176,12 +188,11 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
 
     rt = Runtime(cfg, int(max_new_tokens), eos_ids, sampling, dtype,
                  model.checkpoint.online_rotation_seed, kernels, draft_kv=draft_kv)
-    extra = gamma + 1 if method == "qspec" else 1
-    buffer_len = tokens.shape[1] + max_new_tokens + extra
+    buffer_len = tokens.shape[1] + max_new_tokens + CACHE_SLACK
     cache_len = -(-buffer_len // CACHE_MULTIPLE) * CACHE_MULTIPLE  # whole KV blocks for the kernel
     params = model.checkpoint.params
     start = time.perf_counter()
-    state = _prefill(params, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(seed), rt=rt,
+    state = _prefill(params, jnp.asarray(tokens), jnp.asarray(lengths), seed_key(int(seed)), rt=rt,
                      buffer_len=buffer_len, cache_len=cache_len, mode="w16a16" if method == "w16a16" else "w4a16")
     if method == "qspec":
         state = qspec_loop(params, state, rt=rt, gamma=int(gamma), draft_mode=draft)

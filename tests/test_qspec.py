@@ -450,6 +450,45 @@ def test_numpy_integer_arguments(tiny_model):
     np.testing.assert_array_equal(got, want)
 
 
+def test_seed_uses_all_64_bits(tiny_model):
+    """Seeds that differ only above bit 31 (or only in sign) draw different tokens; jax.random.key keeps the
+    low 32 bits without 64-bit mode. Seeds below 2**31 keep jax.random.key's key."""
+    import jax.random as jr
+    np.testing.assert_array_equal(jr.key_data(gen_mod.seed_key(12345)), jr.key_data(jr.key(12345)))
+    keys = {s: tuple(np.asarray(jr.key_data(gen_mod.seed_key(s))).tolist()) for s in (0, 2**32, -1, 2**32 - 1, -2**63)}
+    assert len(set(keys.values())) == len(keys), keys
+    kw = dict(max_new_tokens=24, method="w4a16", temperature=1.0, eos_token_id=-1)
+    draws = {s: generate(tiny_model, [[3, 4, 5]] * 4, seed=s, **kw).sequences for s in (0, 2**32)}
+    assert any(not np.array_equal(a, b) for a, b in zip(draws[0], draws[2**32]))
+    again = generate(tiny_model, [[3, 4, 5]] * 4, seed=2**32, **kw).sequences
+    assert all(np.array_equal(a, b) for a, b in zip(again, draws[2**32]))
+
+
+def test_cache_length_does_not_depend_on_method_or_gamma(tiny_model, monkeypatch):
+    """Every method and gamma gets the same KV cache for the same prompts and budget: the GPU attention
+    kernel splits the cache by its length, so a cache sized by gamma could sum W4A16's and QSPEC's
+    attention in different orders (max_new_tokens 63 gave QSPEC one 64-slot block more)."""
+    seen = []
+
+    class Sized(Exception):
+        pass
+
+    def spy(*a, **kw):  # records the sizes generate() chose, then stops it before anything compiles
+        seen.append((kw["buffer_len"], kw["cache_len"]))
+        raise Sized
+
+    monkeypatch.setattr(gen_mod, "_prefill", spy)
+    for new in (1, 30, 31, 63, 64):
+        seen.clear()
+        runs = [dict(method="w4a16"), dict(method="w4a8"), *(dict(method="qspec", gamma=g) for g in (1, 5, MAX_GAMMA))]
+        for kw in runs:
+            with pytest.raises(Sized):
+                generate(tiny_model, [[3, 4, 5]], max_new_tokens=new, eos_token_id=-1, **kw)
+        assert len(seen) == len(runs) and len(set(seen)) == 1, (new, seen)
+        buffer_len, cache_len = seen[0]
+        assert buffer_len >= 3 + new + MAX_GAMMA + 1 and cache_len % 64 == 0 and cache_len >= buffer_len
+
+
 def test_one_array_prompt_is_one_sequence(tiny_model):
     ids = [3, 4, 5, 6]
     want = generate(tiny_model, [ids], max_new_tokens=3, method="w4a16", eos_token_id=-1).sequences
