@@ -65,7 +65,8 @@ def check_token_ids(ids: np.ndarray, vocab: int, hint: str = "") -> None:
 def probabilities(logits: jax.Array, s: Sampling) -> jax.Array:
     """The processed distribution ``[..., V]`` (float32): temperature, then top-k, then top-p. The
     logits are shifted to a maximum of 0 before the division, and the temperature is at least
-    float32's smallest normal number, so that a tiny temperature tends to greedy instead of NaN."""
+    float32's smallest normal number, so that a tiny temperature tends to greedy instead of NaN.
+    Top-k keeps every token tied with the k-th largest value (more than k where there are ties)."""
     x = logits.astype(jnp.float32)
     x = (x - jnp.max(x, axis=-1, keepdims=True)) / max(s.temperature, float(jnp.finfo(jnp.float32).tiny))
     if s.top_k is not None and s.top_k < x.shape[-1]:
