@@ -147,24 +147,28 @@ def _softmax64(logits) -> np.ndarray:
 
 
 def exact_target(params, cfg, prompt: np.ndarray):
-    """Exact W4A16 p(x1), p(x2|x1), p(x3|x1,x2) by enumeration, and the draft q(x2|x1) of a W4A4 step."""
+    """Exact W4A16 p(x1), p(x2|x1), p(x3|x1,x2) by enumeration, the draft q(x2|x1) of a W4A4 step, and
+    the W4A16 logits behind p (for the distributions that temperature / top-k / top-p make of them)."""
     v, n = cfg.vocab_size, len(prompt)
     pos = lambda b, t: np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))  # noqa: E731
     lg, _ = jit_forward(params, cfg, prompt[None], pos(1, n), init_cache(cfg, 1, n + 4), mode="w4a16")
-    p1 = _softmax64(lg[0, -1])
+    l1 = np.asarray(lg[0, -1])
+    p1 = _softmax64(l1)
     seq1 = np.concatenate([np.tile(prompt, (v, 1)), np.arange(v)[:, None]], 1).astype(np.int32)
     lg, _ = jit_forward(params, cfg, seq1, pos(v, n + 1), mode="w4a16")
-    p2 = _softmax64(lg[:, -1])
+    l2 = np.asarray(lg[:, -1])
+    p2 = _softmax64(l2)
     x1, x2 = np.meshgrid(np.arange(v), np.arange(v), indexing="ij")
     seq2 = np.concatenate([np.tile(prompt, (v * v, 1)), x1.reshape(-1, 1), x2.reshape(-1, 1)], 1)
     lg, _ = jit_forward(params, cfg, seq2.astype(np.int32), pos(v * v, n + 2), mode="w4a16")
-    p3 = _softmax64(lg[:, -1]).reshape(v, v, v)
+    l3 = np.asarray(lg[:, -1]).reshape(v, v, v)
+    p3 = _softmax64(l3)
     cache = init_cache(cfg, v, n + 4)
     _, cache = jit_forward(params, cfg, np.tile(prompt, (v, 1)), pos(v, n), cache, mode="w4a16")
     lg, _ = jit_forward(params, cfg, np.arange(v, dtype=np.int32)[:, None], np.full((v, 1), n, np.int32), cache,
                  mode="w4a4")
     q2 = _softmax64(lg[:, 0])
-    return p1, p2, p3, q2
+    return p1, p2, p3, q2, (l1, l2, l3)
 
 
 def chi2_pvalue(counts: np.ndarray, probs: np.ndarray, min_expected: float = 5.0) -> float:
@@ -202,35 +206,39 @@ def dist_setup():
     for _ in range(8):
         params, cfg, _ = convert_model(random_source(cfg0, rng), QuantScheme(16, True), None)
         prompt = rng.integers(0, SMALL_V, int(rng.integers(3, 7))).astype(np.int32)
-        p1, p2, p3, q2 = exact_target(params, cfg, prompt)
+        p1, p2, p3, q2, logits = exact_target(params, cfg, prompt)
         m = np.minimum(p2, q2)
         wrong2 = m + (1 - m.sum(-1, keepdims=True)) * p2  # the law of x2 when rejection resamples from p
         lam = noncentrality(n, p1[:, None] * wrong2, p1[:, None] * p2)
         if lam > 300:
-            return dict(params=params, cfg=cfg, prompt=prompt, p1=p1, p2=p2, p3=p3, lam=lam,
+            return dict(params=params, cfg=cfg, prompt=prompt, p1=p1, p2=p2, p3=p3, lam=lam, logits=logits,
                         seeds=rng.integers(0, 2**31, N_CALLS).tolist())
     pytest.fail("no random model whose W4A4 draft differs enough from W4A16 in 8 attempts")
 
 
-def _draw(setup, gamma: int, draft_kv: int | None = None) -> np.ndarray:
-    """``int[N, 3]`` draws (x1, x2, x3) of stochastic QSPEC from one generate call per seed (with
-    ``draft_kv`` the drafts and their probabilities come from the INT8 / INT4 KV shadow)."""
+def _draw(setup, gamma: int, draft_kv: int | None = None, calls: int = N_CALLS, **sampling) -> np.ndarray:
+    """``int[N, 3]`` draws (x1, x2, x3) of stochastic QSPEC from one generate call per seed, ``calls`` of
+    them (with ``draft_kv`` the drafts and their probabilities come from the INT8 / INT4 KV shadow;
+    ``sampling``: generate's temperature / top_k / top_p, by default temperature 1)."""
     model = memory_model(setup["params"], setup["cfg"])
     out = []
-    for seed in setup["seeds"]:
+    for seed in setup["seeds"][:calls]:
         res = generate(model, np.tile(setup["prompt"], (N_PER_CALL, 1)), max_new_tokens=3, method="qspec",
-                       draft="w4a4", gamma=gamma, draft_kv=draft_kv, temperature=1.0, seed=seed)
+                       draft="w4a4", gamma=gamma, draft_kv=draft_kv, seed=seed, **(sampling or {"temperature": 1.0}))
         assert res.finish_reasons == ["length"] * N_PER_CALL
         out.append(np.stack(res.sequences))
     return np.concatenate(out)
 
 
-def _pvalues(setup, draws: np.ndarray) -> tuple[float, float]:
+def _pvalues(setup, draws: np.ndarray, probs: tuple | None = None) -> tuple[float, float]:
+    """Chi-square p-values of the (x1, x2) and (x1, x2, x3) counts against ``probs`` (p1, p2, p3; by
+    default the setup's temperature-1 distributions)."""
     v = SMALL_V
-    p12 = setup["p1"][:, None] * setup["p2"]
+    p1, p2, p3 = probs or (setup["p1"], setup["p2"], setup["p3"])
+    p12 = p1[:, None] * p2
     c12 = np.bincount(draws[:, 0] * v + draws[:, 1], minlength=v * v)
     c123 = np.bincount((draws[:, 0] * v + draws[:, 1]) * v + draws[:, 2], minlength=v ** 3)
-    return chi2_pvalue(c12, p12), chi2_pvalue(c123, p12[..., None] * setup["p3"])
+    return chi2_pvalue(c12, p12), chi2_pvalue(c123, p12[..., None] * p3)
 
 
 @pytest.mark.parametrize("gamma,draft_kv", [(3, None), (2, 4)])  # gamma 3: a round drafts past the 3 tokens
@@ -238,6 +246,19 @@ def test_stochastic_qspec_samples_target_distribution(dist_setup, gamma, draft_k
     draws = _draw(dist_setup, gamma, draft_kv)
     p12, p123 = _pvalues(dist_setup, draws)
     assert p12 > ALPHA and p123 > ALPHA, (p12, p123)
+
+
+def test_stochastic_qspec_samples_the_processed_target_distribution(dist_setup):
+    """With a temperature, top-k and top-p, QSPEC's (x1, x2, x3) follow W4A16's processed distribution
+    (float64, from the definitions: :func:`_processed64`); a token they drop is never drawn (chi2_pvalue
+    fails on a draw of a zero-probability cell). 12000 draws."""
+    t, top_k, top_p = 0.7, SMALL_V - 3, 0.9
+    probs = tuple(np.apply_along_axis(_processed64, -1, lg, t, top_k, top_p) for lg in dist_setup["logits"])
+    assert all((p == 0).any() for p in probs[1:])  # the filters drop tokens here
+    draws = _draw(dist_setup, 3, calls=2, temperature=t, top_k=top_k, top_p=top_p)
+    p12, p123 = _pvalues(dist_setup, draws, probs)
+    assert p12 > ALPHA and p123 > ALPHA, (p12, p123)
+    assert _pvalues(dist_setup, draws)[0] < ALPHA  # and the temperature-1 law is rejected: the check has power
 
 
 def _accept_resample_from_p(drafts, q, target_logits, s, key):
