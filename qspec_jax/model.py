@@ -297,6 +297,8 @@ class Llama(nn.Module):
 
         stacked = _param(self, "layers", init_layers)
         _check_layer_counts(c, stacked, cache)
+        if cache is not None:
+            _check_cache_layout(c, cache, tokens.shape[0])
         if isinstance(stacked, (list, tuple)):  # per-layer trees: an unrolled loop (see unstack_layers)
             for i, layer_params in enumerate(stacked):
                 (x, cache), _ = body((x, cache), i, layer_params)
@@ -321,6 +323,24 @@ def _check_layer_counts(config: LlamaConfig, layers: Any, cache: KVCache | None)
         counts["cache"] = tuple(a.shape[0] for a in cache)
     if n != config.num_layers or (cache is not None and set(counts["cache"]) != {n}):
         raise ValueError(f"layer counts differ: {counts}")
+
+
+def _check_cache_layout(config: LlamaConfig, cache: KVCache, batch: int) -> None:
+    """The cache must have :func:`init_cache`'s layout for this batch and config: the reference path
+    would otherwise drop the writes of rows past the cache's batch and read another row's keys."""
+    n, b, s = cache[0].shape[:3]
+    want = [(n, batch, s, config.num_kv_heads, config.head_dim)] * 2
+    if len(cache) == 6:
+        words = cache[2].shape[-1]
+        bits = 16 * words // config.head_dim
+        want += [(n, batch, s, config.num_kv_heads, words)] * 2 + [(n, batch, config.num_kv_heads, s)] * 2
+        if bits not in reference.KV_BITS or words * 16 != bits * config.head_dim:
+            raise ValueError(f"the KV shadow's words hold {words} int16 per head, which packs head_dim "
+                             f"{config.head_dim} in none of {reference.KV_BITS} bits")
+    got = [tuple(a.shape) for a in cache]
+    if got != want:
+        raise ValueError(f"the KV cache's shapes {got} do not match a batch of {batch} sequences with "
+                         f"{config.num_kv_heads} KV heads of size {config.head_dim} (init_cache's layout: {want})")
 
 
 def unstack_layers(params: dict[str, Any]) -> dict[str, Any]:

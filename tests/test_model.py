@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -232,8 +233,6 @@ def test_unstacked_layers_give_the_stacked_results(mode, rng):
 def test_layer_count_mismatch_raises(rng):
     """Params, config and cache must agree on the number of layers (the layer scan would otherwise
     read clamped layers and drop cache writes silently)."""
-    import dataclasses
-
     cfg = CONFIGS["gqa-untied"]
     tokens, positions = random_batch(cfg, rng, 1, 3, gaps=False)
     params = random_params(cfg, rng, tokens, positions)
@@ -241,6 +240,23 @@ def test_layer_count_mismatch_raises(rng):
         forward(params, cfg, tokens, positions, tuple(c[:-1] for c in init_cache(cfg, 1, 8)), mode="w16a16")
     with pytest.raises(ValueError, match="layer counts differ"):
         forward(params, dataclasses.replace(cfg, num_layers=cfg.num_layers + 1), tokens, positions, mode="w16a16")
+
+
+def test_cache_of_another_layout_raises(rng):
+    """A cache made for another batch or head layout is refused: on the reference path a row past the
+    cache's batch had its keys dropped and attended over another row's (no error, wrong logits)."""
+    cfg = CONFIGS["gqa-untied"]
+    tokens, positions = random_batch(cfg, rng, 2, 3, gaps=False)
+    params = random_params(cfg, rng, tokens, positions)
+    other = dataclasses.replace(cfg, num_kv_heads=cfg.num_heads)
+    for cache in (init_cache(cfg, 1, 8), init_cache(cfg, 3, 8), init_cache(other, 2, 8),
+                  init_cache(cfg, 1, 8, shadow_bits=8), init_cache(cfg, 2, 8, shadow_bits=8)[:4] + (
+                      jnp.zeros((cfg.num_layers, 2, 8, cfg.num_kv_heads), jnp.float32),) * 2):
+        for row_tile in (None, 8):
+            with pytest.raises(ValueError, match="KV cache"):
+                forward(params, cfg, tokens, positions, cache, mode="w16a16", row_tile=row_tile)
+    logits, _ = forward(params, cfg, tokens, positions, init_cache(cfg, 2, 8, shadow_bits=4), mode="w16a16")
+    assert logits.shape == (2, 3, cfg.vocab_size)
 
 
 @pytest.mark.parametrize("symmetric", [False, True])
