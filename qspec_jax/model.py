@@ -328,19 +328,16 @@ def _check_layer_counts(config: LlamaConfig, layers: Any, cache: KVCache | None)
 def _check_cache_layout(config: LlamaConfig, cache: KVCache, batch: int) -> None:
     """The cache must have :func:`init_cache`'s layout for this batch and config: the reference path
     would otherwise drop the writes of rows past the cache's batch and read another row's keys."""
-    n, b, s = cache[0].shape[:3]
-    want = [(n, batch, s, config.num_kv_heads, config.head_dim)] * 2
-    if len(cache) == 6:
-        words = cache[2].shape[-1]
-        bits = 16 * words // config.head_dim
-        want += [(n, batch, s, config.num_kv_heads, words)] * 2 + [(n, batch, config.num_kv_heads, s)] * 2
-        if bits not in reference.KV_BITS or words * 16 != bits * config.head_dim:
-            raise ValueError(f"the KV shadow's words hold {words} int16 per head, which packs head_dim "
-                             f"{config.head_dim} in none of {reference.KV_BITS} bits")
+    slots = cache[0].shape[2]
+    bits = 16 * cache[2].shape[-1] // config.head_dim if len(cache) == 6 else None
+    try:
+        want = [tuple(a.shape) for a in jax.eval_shape(lambda: init_cache(config, batch, slots, shadow_bits=bits))]
+    except ValueError:  # shadow words that pack head_dim in no supported width
+        want = None
     got = [tuple(a.shape) for a in cache]
     if got != want:
-        raise ValueError(f"the KV cache's shapes {got} do not match a batch of {batch} sequences with "
-                         f"{config.num_kv_heads} KV heads of size {config.head_dim} (init_cache's layout: {want})")
+        raise ValueError(f"the KV cache's shapes {got} do not match init_cache's layout for a batch of {batch} "
+                         f"sequences with {config.num_kv_heads} KV heads of size {config.head_dim}: {want}")
 
 
 def unstack_layers(params: dict[str, Any]) -> dict[str, Any]:
