@@ -474,9 +474,9 @@ def test_numpy_integer_arguments(tiny_model):
 def test_seed_uses_all_64_bits(tiny_model):
     """Seeds that differ only above bit 31 (or only in sign) draw different tokens; jax.random.key keeps the
     low 32 bits without 64-bit mode. Seeds below 2**31 keep jax.random.key's key."""
-    import jax.random as jr
-    np.testing.assert_array_equal(jr.key_data(gen_mod.seed_key(12345)), jr.key_data(jr.key(12345)))
-    keys = {s: tuple(np.asarray(jr.key_data(gen_mod.seed_key(s))).tolist()) for s in (0, 2**32, -1, 2**32 - 1, -2**63)}
+    key_data = jax.random.key_data
+    np.testing.assert_array_equal(key_data(gen_mod.seed_key(12345)), key_data(jax.random.key(12345)))
+    keys = {s: tuple(np.asarray(key_data(gen_mod.seed_key(s))).tolist()) for s in (0, 2**32, -1, 2**32 - 1, -2**63)}
     assert len(set(keys.values())) == len(keys), keys
     kw = dict(max_new_tokens=24, method="w4a16", temperature=1.0, eos_token_id=-1)
     draws = {s: generate(tiny_model, [[3, 4, 5]] * 4, seed=s, **kw).sequences for s in (0, 2**32)}
