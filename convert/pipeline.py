@@ -19,9 +19,7 @@ from convert.sources import SourceModel, Tensor, as_float, read_source
 from pallas_kernels.layout import QuantizedWeight
 from qspec_jax.checkpoint import MANIFEST, save_checkpoint
 from qspec_jax.config import LlamaConfig
-from qspec_jax.model import DecoderLayer, Linear, rope_frequencies, rope_tables
-
-LINEAR_PATHS = (("attn", "qkv"), ("attn", "o"), ("mlp", "gate_up"), ("mlp", "down"))
+from qspec_jax.model import LINEAR_PATHS, DecoderLayer, Linear, rope_frequencies, rope_tables
 
 
 def _fuse(parts: list[Tensor]) -> Tensor:

@@ -155,20 +155,32 @@ def _path_name(path) -> str:
     return ".".join(str(getattr(k, "key", k)) for k in path)
 
 
-def check_params(params: dict[str, Any], config: LlamaConfig) -> None:
+def check_params(params: dict[str, Any], config: LlamaConfig, quantized: bool) -> None:
     """Raise ``ValueError`` naming any param missing, unexpected, of the wrong shape, or not a float
-    array (packed weights: uint8 codes with float16 scales, :meth:`QuantizedWeight.validate`)."""
+    array (packed weights: uint8 codes with float16 scales, :meth:`QuantizedWeight.validate`). A
+    ``quantized`` checkpoint packs exactly the decoder linears (:data:`~qspec_jax.model.LINEAR_PATHS`),
+    a float one nothing: the model reads every other param as a float array."""
+    from qspec_jax.model import LINEAR_PATHS
+
     want = expected_param_shapes(config)
+    linears = {".".join(("layers", *p, "w")) for p in LINEAR_PATHS}
     got: dict[str, tuple[int, ...]] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(
             params, is_leaf=lambda x: isinstance(x, QuantizedWeight))[0]:
-        if isinstance(leaf, QuantizedWeight):
+        name, packed = _path_name(path), isinstance(leaf, QuantizedWeight)
+        if packed:
             leaf.validate()
         elif not jnp.issubdtype(dtype := leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype,
                                 jnp.floating):
-            raise ValueError(f"param {_path_name(path)!r} is {dtype}, expected a float array")
-        got[_path_name(path)] = ((*leaf.packed.shape[:-1], leaf.packed.shape[-1] * 2)
-                     if isinstance(leaf, QuantizedWeight) else tuple(np.shape(leaf)))
+            raise ValueError(f"param {name!r} is {dtype}, expected a float array")
+        if packed and name not in linears:
+            raise ValueError(f"param {name!r} is a packed INT4 weight; only the decoder linears {sorted(linears)} "
+                             "may be packed, the model reads it as a float array")
+        if name in linears and packed != quantized:
+            raise ValueError(f"param {name!r} is {'packed INT4' if packed else 'a float array'}, but the checkpoint "
+                             f"is {'' if quantized else 'not '}marked quantized (its manifest's 'quantization'); "
+                             "convert the model again")
+        got[name] = (*leaf.packed.shape[:-1], leaf.packed.shape[-1] * 2) if packed else tuple(np.shape(leaf))
     for name in want.keys() - got.keys():
         raise ValueError(f"param {name!r} missing from checkpoint")
     for name in got.keys() - want.keys():
@@ -225,7 +237,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         if jnp.issubdtype(t.dtype, jnp.floating) and not np.isfinite(t).all():
             raise ValueError(f"{path / WEIGHTS}: tensor {name!r} holds NaN or infinity")
     params = unflatten_params(tensors, manifest["packed_weights"])
-    check_params(params, config)
+    check_params(params, config, manifest.get("quantization") is not None)
     return Checkpoint(path, config, jax.device_put(params), manifest)
 
 

@@ -36,7 +36,11 @@ from pallas_kernels import reference
 from pallas_kernels.layout import QuantizedWeight
 from pallas_kernels.rows import map_row_tiles
 from qspec_jax.rotation import apply_transform
+from qspec_jax.sampling import check_token_ids
 
+# The decoder linears (module paths within a layer), whose weights a quantized checkpoint packs as INT4;
+# embeddings, norms, biases and the lm_head stay float
+LINEAR_PATHS = (("attn", "qkv"), ("attn", "o"), ("mlp", "gate_up"), ("mlp", "down"))
 KVCache = tuple[jax.Array, ...]  # (k, v), or (k, v, k_words, v_words, k_scales, v_scales) with the shadow (init_cache)
 
 
@@ -401,5 +405,22 @@ def forward(params: dict[str, Any], config: LlamaConfig, tokens: jax.Array, posi
             kernels: str = "auto", read_shadow: bool = False,
             ) -> tuple[jax.Array, KVCache | None]:
     """Apply the model to a params pytree: ``(float32 logits [B, T, V], updated cache)``."""
+    _check_inputs(config, tokens, positions)
     model = Llama(config, mode, dtype, online_rotation_seed, row_tile, resolve_kernels(kernels), read_shadow)
     return model.apply({"params": params}, tokens, positions, cache)
+
+
+def _check_inputs(config: LlamaConfig, tokens: jax.Array, positions: jax.Array) -> None:
+    """Integer ``tokens`` and ``positions`` of one shape ``[B, T]``; where their values are known (not
+    traced), ids in ``[0, vocab)`` and positions >= 0: the embedding gathers NaN for an id out of
+    range, and a negative position's cache write wraps to the last slots (no error either way)."""
+    for name, a in (("tokens", tokens), ("positions", positions)):
+        if not jnp.issubdtype(a.dtype, jnp.integer):
+            raise ValueError(f"{name} must be integers, got {a.dtype}")
+    if tokens.ndim != 2 or positions.shape != tokens.shape:
+        raise ValueError(f"tokens and positions must both be [batch, time], got shapes {tokens.shape} and "
+                         f"{positions.shape}")
+    if not isinstance(tokens, jax.core.Tracer):
+        check_token_ids(np.asarray(tokens), config.vocab_size)
+    if not isinstance(positions, jax.core.Tracer) and positions.size and int(np.min(positions)) < 0:
+        raise ValueError(f"positions must be >= 0, got {int(np.min(positions))}")

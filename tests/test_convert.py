@@ -13,13 +13,14 @@ import numpy as np
 import pytest
 
 from convert import cli
-from convert.pipeline import (LINEAR_PATHS, _gptq_layers, _linear_inputs_hessians, _map_linears, convert, convert_model,
+from convert.pipeline import (_gptq_layers, _linear_inputs_hessians, _map_linears, convert, convert_model,
                               layer_tree)
-from convert.quantize import QuantScheme
+from convert.quantize import QuantScheme, quantize_rtn
 from convert.sources import as_float, read_source
 from pallas_kernels.layout import QuantizedWeight, dequantize
 from qspec_jax.checkpoint import MANIFEST, WEIGHTS, load_checkpoint, save_checkpoint
 from qspec_jax.config import LlamaConfig
+from qspec_jax.model import LINEAR_PATHS
 from tests.conftest import TINY, jit_forward, random_source, tiny_variant, write_gguf, write_hf_dir
 
 
@@ -294,12 +295,38 @@ def test_param_dtypes_checked(tiny_ckpt):
     params = jax.tree.map(lambda a: a, ck.params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
     params["final_norm"]["scale"] = np.asarray(params["final_norm"]["scale"]).astype(np.int32)
     with pytest.raises(ValueError, match="param 'final_norm.scale' is int32, expected a float array"):
-        check_params(params, ck.config)
+        check_params(params, ck.config, quantized=True)
     params = jax.tree.map(lambda a: a, ck.params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
     w = params["layers"]["mlp"]["down"]["w"]
     params["layers"]["mlp"]["down"]["w"] = QuantizedWeight(w.packed, w.scales.astype(jnp.float32), w.mins, w.group_size)
     with pytest.raises(ValueError, match="scales must be float16"):
-        check_params(params, ck.config)
+        check_params(params, ck.config, quantized=True)
+
+
+def test_packing_must_match_the_manifest(tmp_path, rng):
+    """A quantized checkpoint packs exactly the decoder linears, a float one nothing; anything else is
+    refused at load, by name. Before, a packed embedding or norm failed later with Flax's shape error,
+    and float linears in a checkpoint marked quantized passed load() and failed in generate() with
+    advice to convert with quantization."""
+    src = random_source(TINY, rng, '{"stub": 1}')
+    quant, config, q_manifest = convert_model(src, QuantScheme(16, False, "rtn"), None)
+    floats, _, f_manifest = convert_model(src, None, None)
+    a, b = LINEAR_PATHS[rng.integers(len(LINEAR_PATHS))]
+    one_float = jax.tree.map(lambda x: x, quant, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    one_float["layers"][a][b]["w"] = np.asarray(dequantize(quant["layers"][a][b]["w"]), np.float32)
+    packed_embed = dict(quant, embed=quantize_rtn(np.asarray(quant["embed"]), QuantScheme(16, False, "rtn")))
+    cases = [
+        (floats, q_manifest, r"'layers\.\w+\.\w+\.w' is a float array, but the checkpoint is marked quantized"),
+        (one_float, q_manifest, rf"'layers\.{a}\.{b}\.w' is a float array, but the checkpoint is marked quantized"),
+        (packed_embed, q_manifest, r"'embed' is a packed INT4 weight; only the decoder linears"),
+    ]
+    for i, (params, manifest, msg) in enumerate(cases):
+        path = save_checkpoint(tmp_path / f"ck{i}", params, config, src.tokenizer_files, **manifest)
+        with pytest.raises(ValueError, match=msg):
+            load_checkpoint(path)
+    for i, (params, manifest) in enumerate(((quant, q_manifest), (floats, f_manifest))):
+        assert load_checkpoint(save_checkpoint(tmp_path / f"ok{i}", params, config, src.tokenizer_files,
+                                               **manifest)).quantized == (i == 0)
 
 
 def test_unknown_architecture_rejected(tmp_path, rng):

@@ -259,6 +259,28 @@ def test_cache_of_another_layout_raises(rng):
     assert logits.shape == (2, 3, cfg.vocab_size)
 
 
+def test_bad_tokens_or_positions_raise(rng):
+    """forward refuses float or mis-shaped inputs, and (untraced) token ids outside the vocabulary or
+    negative positions: the embedding would gather NaN, and a negative position's cache write wraps to
+    the cache's last slots."""
+    cfg = CONFIGS["gqa-untied"]
+    tokens, positions = random_batch(cfg, rng, 2, 3, gaps=False)
+    params = random_params(cfg, rng, tokens, positions)
+    cache = init_cache(cfg, 2, 8)
+    bad_id, bad_pos = tokens.copy(), positions.copy()
+    bad_id[rng.integers(2), rng.integers(3)] = rng.choice([-1, cfg.vocab_size])
+    bad_pos[rng.integers(2), rng.integers(3)] = -1
+    cases = [((bad_id, positions), "token ids must lie in"), ((tokens, bad_pos), "positions must be >= 0"),
+             ((tokens.astype(np.float32), positions), "tokens must be integers"),
+             ((tokens, positions.astype(np.float32)), "positions must be integers"),
+             ((tokens, positions[:, :2]), r"\[batch, time\]"), ((tokens[0], positions[0]), r"\[batch, time\]")]
+    for (t, p), msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            forward(params, cfg, t, p, cache, mode="w16a16")
+    logits, _ = forward(params, cfg, tokens, positions, cache, mode="w16a16")
+    assert np.isfinite(np.asarray(logits)).all()
+
+
 @pytest.mark.parametrize("symmetric", [False, True])
 def test_quantized_modes(symmetric, rng):
     cfg = CONFIGS["gqa-untied"]
