@@ -33,10 +33,10 @@ def parser() -> argparse.ArgumentParser:
     sym.add_argument("--asymmetric", dest="symmetric", action="store_false", help="s*u + m (GGUF Q4_1), the default")
     ap.set_defaults(symmetric=None)
     ap.add_argument("--rotate", action="store_true", help="fold a QuaRot-style rotation into the weights")
-    ap.add_argument("--seed", type=int, default=0, help="rotation seed")
+    ap.add_argument("--seed", type=int, help="rotation seed (default 0; with --rotate)")
     ap.add_argument("--calibration", type=Path, help="GSM8K-style JSONL for GPTQ (e.g. ../shared/data/gsm8k_train.jsonl)")
-    ap.add_argument("--n-samples", type=int, default=64, help="GPTQ calibration sequences")
-    ap.add_argument("--seq-len", type=int, default=512, help="GPTQ calibration sequence length")
+    ap.add_argument("--n-samples", type=int, help="GPTQ calibration sequences (default 64)")
+    ap.add_argument("--seq-len", type=int, help="GPTQ calibration sequence length (default 512)")
     return ap
 
 
@@ -47,11 +47,16 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.quant == "none" and (args.group_size is not GROUP_DEFAULT or args.symmetric is not None):
         ap.error("--group-size / --symmetric / --asymmetric set how weights are quantized: not with --quant none")
+    if args.seed is not None and not args.rotate:
+        ap.error("--seed seeds the rotation: it needs --rotate")
+    gptq = {k: v for k, v in (("calibration", args.calibration), ("n_samples", args.n_samples),
+                              ("seq_len", args.seq_len)) if v is not None}
+    if gptq and args.quant != "gptq":
+        ap.error("--calibration / --n-samples / --seq-len calibrate GPTQ: they need --quant gptq")
     try:
         group = 32 if args.group_size is GROUP_DEFAULT else args.group_size
         scheme = None if args.quant == "none" else QuantScheme(group, bool(args.symmetric), args.quant)
-        out = convert(args.src, args.out, scheme, args.seed if args.rotate else None,
-                      args.calibration, args.n_samples, args.seq_len)
+        out = convert(args.src, args.out, scheme, (args.seed or 0) if args.rotate else None, **gptq)
     except (ValueError, FileNotFoundError) as e:
         print(f"qspec-convert: error: {e}", file=sys.stderr)
         return 2

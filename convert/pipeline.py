@@ -13,11 +13,11 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from convert.gptq import gptq_quantize
-from convert.quantize import QuantScheme, quantize_rtn
+from convert.quantize import QuantScheme, asymmetric_form, quantize_rtn
 from convert.rotate import rotate
 from convert.sources import SourceModel, Tensor, as_float, read_source
 from pallas_kernels.layout import QuantizedWeight
-from qspec_jax.checkpoint import MANIFEST, save_checkpoint
+from qspec_jax.checkpoint import holds_checkpoint, save_checkpoint
 from qspec_jax.config import LlamaConfig
 from qspec_jax.model import LINEAR_PATHS, DecoderLayer, Linear, rope_frequencies, rope_tables
 
@@ -56,6 +56,9 @@ def _rtn(scheme: QuantScheme):
     def fn(_path, w: Tensor) -> QuantizedWeight:
         if isinstance(w, QuantizedWeight) and scheme.matches(w):
             return w  # already in this scheme: keep the source's codes bit for bit
+        if isinstance(w, QuantizedWeight) and w.symmetric and not scheme.symmetric and (
+                w.group_size == scheme.group_for(w.shape[1])) and (exact := asymmetric_form(w)) is not None:
+            return exact  # Q4_0 under an asymmetric scheme: the same values, not rounded again
         return quantize_rtn(as_float(w), scheme)
     return fn
 
@@ -173,7 +176,7 @@ def convert(source: str | Path, out: str | Path, scheme: QuantScheme | None, rot
         raise ValueError(f"output {out} exists and is not a directory")
     if blocker := next((p for p in out.absolute().parents if p.exists() and not p.is_dir()), None):
         raise ValueError(f"output {out} cannot be created: {blocker} is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST).is_file():
+    if out.is_dir() and any(out.iterdir()) and not holds_checkpoint(out):
         raise ValueError(f"output {out} is a non-empty directory that is not a qspec-jax checkpoint: refusing to "
                          "write into it (the source itself, or someone's files); give a new directory")
     if rotation_seed is not None and rotation_seed < 0:

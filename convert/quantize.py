@@ -37,14 +37,19 @@ class QuantScheme:
 
 
 def group_params(w: np.ndarray, symmetric: bool) -> tuple[np.ndarray, np.ndarray | None]:
-    """Scale (and minimum) per row of ``w[..., g]`` groups, rounded to the stored float16."""
-    if symmetric:  # use the whole [-8, 7] code range: the negative side reaches -8 s
-        s = np.maximum(np.max(w, -1) / 7.0, -np.min(w, -1) / 8.0)
-        s = np.where(s > 0, s, 1.0).astype(SCALE_DTYPE)
-        return s, None
-    lo, hi = np.min(w, -1), np.max(w, -1)
-    s = np.where(hi > lo, (hi - lo) / 15.0, 1.0).astype(SCALE_DTYPE)
-    return s, lo.astype(SCALE_DTYPE)
+    """Scale (and minimum) per row of ``w[..., g]`` groups, rounded to the stored float16; a value
+    float16 cannot hold is refused (it would be stored as inf)."""
+    with np.errstate(over="ignore"):  # an overflow is refused just below
+        if symmetric:  # use the whole [-8, 7] code range: the negative side reaches -8 s
+            s = np.maximum(np.max(w, -1) / 7.0, -np.min(w, -1) / 8.0)
+            s, m = np.where(s > 0, s, 1.0).astype(SCALE_DTYPE), None
+        else:
+            lo, hi = np.min(w, -1), np.max(w, -1)
+            s, m = np.where(hi > lo, (hi - lo) / 15.0, 1.0).astype(SCALE_DTYPE), lo.astype(SCALE_DTYPE)
+    if not (np.isfinite(s).all() and (m is None or np.isfinite(m).all())):
+        raise ValueError(f"a weight of magnitude {np.abs(w).max():.3g} overflows the float16 group scale / "
+                         "minimum: the checkpoint holds values INT4 with float16 scales cannot represent")
+    return s, m
 
 
 def quantize_codes(w: np.ndarray, s: np.ndarray, m: np.ndarray | None) -> np.ndarray:
@@ -68,10 +73,14 @@ def quantize_rtn(w: np.ndarray, scheme: QuantScheme) -> QuantizedWeight:
     n, k = w.shape
     g = scheme.group_for(k)
     wg = np.asarray(w, np.float64).reshape(n, k // g, g)
-    with np.errstate(over="ignore"):  # an overflow is refused just below
-        s, m = group_params(wg, scheme.symmetric)
-    if not (np.isfinite(s).all() and (m is None or np.isfinite(m).all())):
-        raise ValueError(f"a weight of magnitude {np.abs(wg).max():.3g} overflows the float16 group scale / "
-                         "minimum: the checkpoint holds values INT4 with float16 scales cannot represent")
+    s, m = group_params(wg, scheme.symmetric)
     codes = quantize_codes(wg, s, m).reshape(n, k)
     return QuantizedWeight(pack_codes(codes), s, m, g)
+
+
+def asymmetric_form(w: QuantizedWeight) -> QuantizedWeight | None:
+    """Symmetric ``w`` written as asymmetric weights of the same values, ``s * u + m`` with ``m = -8 s``
+    (exact: a power-of-two multiple of a float16), or None where ``8 s`` overflows float16."""
+    with np.errstate(over="ignore"):
+        mins = (np.asarray(w.scales) * np.float16(-SYMMETRIC_OFFSET)).astype(SCALE_DTYPE)
+    return QuantizedWeight(w.packed, w.scales, mins, w.group_size) if np.isfinite(mins).all() else None

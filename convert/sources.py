@@ -287,15 +287,23 @@ def gguf_tokenizer_files(reader) -> dict[str, str]:
         raise ValueError("GGUF file has no tokenizer vocabulary (tokenizer.ggml.tokens)")
     tokens = list(_gguf_field(reader, "tokenizer.ggml.tokens"))
     types = list(_gguf_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
-    merges = [tuple(m.split(" ", 1)) for m in _gguf_field(reader, "tokenizer.ggml.merges", [])]
+    if _gguf_field(reader, "tokenizer.ggml.merges") is None:  # llama.cpp refuses such a file too
+        raise ValueError("GGUF file has no tokenizer merges (tokenizer.ggml.merges): its BPE would split every "
+                         "word into single characters")
+    merges = [tuple(m.split(" ", 1)) for m in _gguf_field(reader, "tokenizer.ggml.merges")]
     if bad := next((m for m in merges if len(m) != 2), None):
         raise ValueError(f"GGUF tokenizer.ggml.merges holds {' '.join(bad)!r}, not a pair 'left right'")
-    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
+    # Llama-3's tokenizer (HF's tokenizer.json and llama.cpp alike) takes a word that is in the vocabulary
+    # as one token before applying merges, which may not reach it
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False,
+                               ignore_merges=pre == "llama-bpe"))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre != "llama-bpe")
     tok.pre_tokenizer = pre_tokenizers.Sequence(splits[pre] + [byte_level])
     tok.decoder = decoders.ByteLevel()
-    special = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty in (3, 4)]
-    tok.add_special_tokens(special)
+    # control tokens (type 3) are special: decoding skips them; user-defined ones (4) are matched whole
+    # but decode to their text, as in llama.cpp and HF's added tokens with special=False
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == 3])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == 4])
 
     def token(key: str) -> str | None:
         i = _gguf_int(reader, f"tokenizer.ggml.{key}_token_id", None, 0)

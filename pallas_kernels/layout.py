@@ -80,6 +80,8 @@ def _blocks(k: int) -> list[tuple[int, int]]:
 def pack_codes(codes: np.ndarray) -> np.ndarray:
     """Pack unsigned 4-bit codes ``uint8[..., K]`` (values 0..15, K even) into ``uint8[..., K//2]``."""
     codes = np.asarray(codes)
+    if not np.issubdtype(codes.dtype, np.integer):  # a cast would truncate floats and NaN silently
+        raise ValueError(f"4-bit codes must be integers, got {codes.dtype}")
     if codes.shape[-1] % 2:
         raise ValueError(f"in_features must be even to pack nibbles, got {codes.shape[-1]}")
     if codes.size and (codes.min() < 0 or codes.max() > 15):
@@ -105,8 +107,10 @@ def signed_codes(w: QuantizedWeight) -> jax.Array:
     """The integer weight operand of the integer matmul, ``int8[..., N, K]``.
 
     Symmetric weights give ``q = u - 8`` in [-8, 7]; asymmetric weights give ``u`` in [0, 15]
-    (their minimum term is applied separately).
+    (their minimum term is applied separately). Checks ``w`` first (:meth:`QuantizedWeight.validate`):
+    int8 bytes would unpack to negative codes, and mis-shaped scales would broadcast.
     """
+    w.validate()
     u = unpack_codes(w.packed).astype(jnp.int8)
     return u - SYMMETRIC_OFFSET if w.symmetric else u
 

@@ -162,6 +162,8 @@ def quantized_matmul(x: jax.Array, w: QuantizedWeight, mode: str, row_tile: int 
     tiles of ``row_tile`` (see :mod:`pallas_kernels.rows`) so each row's result is independent of
     how many rows the call has.
     """
+    if x.shape[-1] != w.shape[1]:
+        raise ValueError(f"input of {x.shape[-1]} features for a weight of shape (N, K) = {w.shape}")
     if mode == "w16a16":
         return dense_matmul(x, dequantize(w, x.dtype), row_tile)
     if mode == "w4a16":

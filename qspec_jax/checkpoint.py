@@ -103,6 +103,15 @@ def unflatten_params(tensors: dict[str, np.ndarray], packed: dict[str, int]) -> 
     return tree
 
 
+def holds_checkpoint(path: Path) -> bool:
+    """Whether directory ``path`` has a qspec-jax manifest (of any version): a conversion may replace it,
+    and nothing else (another tool's ``manifest.json`` beside someone's files)."""
+    try:
+        return json.loads((path / MANIFEST).read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def is_plain_name(name: Any) -> bool:
     """Whether ``name`` is a file name inside its directory (no separators, not '.' or '..')."""
     return isinstance(name, str) and name not in ("", ".", "..") and Path(name).name == name and "\\" not in name

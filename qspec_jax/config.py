@@ -32,7 +32,7 @@ class LlamaConfig:
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                     "num_heads", "num_kv_heads", "head_dim"):
+                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"config {name} must be positive, got {getattr(self, name)}")
         if not (math.isfinite(self.rms_norm_eps) and self.rms_norm_eps >= 0):
@@ -76,13 +76,7 @@ class LlamaConfig:
         hidden, heads = _hf_value(hf, "hidden_size", int), _hf_value(hf, "num_attention_heads", int)
         if heads < 1:
             raise ValueError(f"config num_heads must be positive, got {heads}")
-        scaling = _hf_value(hf, "rope_scaling", dict, None)
-        rope_theta = _hf_value(hf, "rope_theta", float, None)
-        if rope_theta is None:  # transformers 5 nests it under rope_parameters
-            params = _hf_value(hf, "rope_parameters", dict, {})
-            rope_theta = _hf_value(params, "rope_theta", float, 10000.0, "rope_parameters.")
-            if params.get("rope_type", "default") != "default":
-                scaling = params
+        rope_theta, scaling = _hf_rope(hf)
         eos = hf.get("eos_token_id")
         if isinstance(eos, list):  # several stop ids (Llama-3-Instruct); [] means none
             if None in eos:
@@ -155,6 +149,30 @@ def _hf_value(hf: dict[str, Any], key: str, kind: type, default: Any = _REQUIRED
     return kind(value) if kind in (int, float) else value
 
 
+def _hf_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """``(rope_theta, scaling or None)`` from transformers 4's top-level ``rope_theta`` / ``rope_scaling``
+    or transformers 5's ``rope_parameters`` (a scaling type under ``rope_type`` or the older ``type``,
+    with ``rope_theta`` inside). A config may hold both forms; where they disagree, transformers reads
+    one by precedence, which a hand-merged config may not intend, so it is refused."""
+    thetas, scalings = {}, {}
+    for key in ("rope_scaling", "rope_parameters"):
+        entry = _hf_value(hf, key, dict, None)
+        if entry is None:
+            continue
+        if (theta := _hf_value(entry, "rope_theta", float, None, key + ".")) is not None:
+            thetas[key + ".rope_theta"] = theta
+        kind = entry.get("rope_type", entry.get("type", "default"))
+        scalings[key] = None if kind == "default" else {
+            "rope_type": kind, **{k: v for k, v in entry.items() if k not in ("rope_theta", "type", "rope_type")}}
+    if (theta := _hf_value(hf, "rope_theta", float, None)) is not None:
+        thetas["rope_theta"] = theta
+    if len(set(thetas.values())) > 1:
+        raise ValueError(f"config.json gives RoPE's base twice, differently: {thetas}")
+    if len({repr(sorted(v.items())) if v else None for v in scalings.values()}) > 1:
+        raise ValueError(f"config.json gives RoPE's scaling twice, differently: {scalings}")
+    return next(iter(thetas.values()), 10000.0), next(iter(scalings.values()), None)
+
+
 def _check_hf_features(hf: dict[str, Any], model_type: str | None) -> None:
     """Refuse HF config features the model does not implement, rather than convert them wrongly."""
     if hf.get("quantization_config"):
@@ -165,6 +183,9 @@ def _check_hf_features(hf: dict[str, Any], model_type: str | None) -> None:
     act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
     if act != "silu":
         raise ValueError(f"hidden_act {act!r} is not supported: the model's MLP is SwiGLU (silu)")
+    if _hf_value(hf, "partial_rotary_factor", float, 1.0) != 1.0:
+        raise ValueError(f"partial_rotary_factor {hf['partial_rotary_factor']} is not supported: the model "
+                         "rotates every dimension of a head")
     if _hf_value(hf, "mlp_bias", bool, False):
         raise ValueError("mlp_bias is not supported: the model's MLP linears have no bias")
     if _hf_value(hf, "attention_bias", bool, False) and model_type != "qwen2":

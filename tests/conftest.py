@@ -108,7 +108,8 @@ def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
 def write_gguf(path: Path, src: SourceModel, linear_type: str = "F32", arch: str = "llama",
                vocab: list[str] | None = None, edit=None) -> Path:
     """Write ``src`` as a llama GGUF file; decoder linears stored as ``linear_type`` (F32, Q4_0, Q4_1, Q5_0, ...);
-    ``edit(writer)`` runs before the header is written (to add or drop metadata)."""
+    ``edit(writer)`` runs before the header is written (to add or drop metadata). The tokenizer's vocabulary
+    (by default ``t<i>`` but for "a", "b", "ab" at 3..5) holds 3 control tokens and the merge "a b"."""
     import gguf
 
     c = src.config
@@ -122,12 +123,12 @@ def write_gguf(path: Path, src: SourceModel, linear_type: str = "F32", arch: str
     w.add_rope_dimension_count(c.head_dim)
     w.add_rope_freq_base(c.rope_theta)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    vocab = vocab or [f"t{i}" for i in range(c.vocab_size)]
+    vocab = vocab or ["t0", "t1", "t2", "a", "b", "ab"] + [f"t{i}" for i in range(6, c.vocab_size)]
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("smollm")
     w.add_token_list(vocab)
     w.add_token_types([3 if i < 3 else 1 for i in range(len(vocab))])
-    w.add_token_merges([])
+    w.add_token_merges(["a b"])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     qtype = getattr(gguf.GGMLQuantizationType, linear_type)

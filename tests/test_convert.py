@@ -441,6 +441,12 @@ def _hf_dir(tmp_path, rng, config_edit=None, tensors_edit=None) -> Path:
     ("rope factor 0", "llama3 rope_scaling needs factor >= 1"),
     ("rope keys missing", "llama3 rope_scaling needs numbers factor"),
     ("float sliding window", "sliding-window attention"),
+    ("rope theta twice", r"RoPE's base twice, differently: .*: 500000\.0, 'rope_theta': 10000\.0"),
+    ("rope scaling twice", "RoPE's scaling twice, differently"),
+    ("linear rope_parameters", "unsupported rope_scaling type 'linear'"),
+    ("linear rope_parameters as type", "unsupported rope_scaling type 'linear'"),
+    ("partial rotary", "partial_rotary_factor 0.5 is not supported"),
+    ("zero max positions", "max_position_embeddings must be positive, got 0"),
 ])
 def test_hf_features_the_model_lacks_are_refused(tmp_path, rng, case, match):
     """A checkpoint the Llama model cannot reproduce (biases, extra tensors, integer or pre-quantized
@@ -478,9 +484,47 @@ def test_hf_features_the_model_lacks_are_refused(tmp_path, rng, case, match):
         "rope keys missing": lambda c: c.update(rope_scaling={"rope_type": "llama3"}),
         "float sliding window": lambda c: c.update(architectures=["MistralForCausalLM"], model_type="mistral",
                                                    sliding_window=16.0),
+        # both RoPE forms at once, disagreeing: transformers would pick one by precedence
+        "rope theta twice": lambda c: c.update(rope_theta=1e4, rope_parameters={"rope_type": "default",
+                                                                                "rope_theta": 5e5}),
+        "rope scaling twice": lambda c: c.update(rope_scaling=dict(LLAMA3_SCALING), rope_parameters={
+            "rope_type": "default", "rope_theta": c["rope_theta"]}),
+        "linear rope_parameters": lambda c: c.update(rope_parameters={"rope_type": "linear", "factor": 2.0}),
+        "linear rope_parameters as type": lambda c: (c.pop("rope_theta"), c.update(rope_parameters={
+            "type": "linear", "factor": 2.0, "rope_theta": 1e4})),
+        "partial rotary": lambda c: c.update(partial_rotary_factor=0.5),
+        "zero max positions": lambda c: c.update(max_position_embeddings=0),
     }.get(case)
     with pytest.raises(ValueError, match=match):
         read_source(_hf_dir(tmp_path, rng, config_edit, tensors_edit))
+
+
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 64}
+
+
+def test_hf_rope_forms_read_as_transformers_reads_them():
+    """RoPE's base and scaling written as transformers 4 writes them (top-level ``rope_theta`` /
+    ``rope_scaling``), as transformers 5 does (``rope_parameters``, its type under ``rope_type`` or
+    ``type``), or both at once in agreement: read as transformers' own LlamaConfig reads each."""
+    import transformers
+
+    base = {k: v for k, v in TINY.to_hf().items() if k not in ("rope_theta", "rope_scaling")}
+    theta = float(np.random.default_rng().choice([1e4, 5e5]))
+    new_form = {**LLAMA3_SCALING, "rope_theta": theta}
+    forms = [dict(rope_theta=theta, rope_scaling=dict(LLAMA3_SCALING)), dict(rope_parameters=new_form),
+             dict(rope_theta=theta, rope_parameters=new_form),
+             dict(rope_parameters={**{k: v for k, v in new_form.items() if k != "rope_type"}, "type": "llama3"}),
+             dict(rope_theta=theta, rope_scaling=dict(LLAMA3_SCALING), rope_parameters=new_form),
+             dict(rope_theta=theta), dict(rope_parameters={"rope_type": "default", "rope_theta": theta})]
+    for form in forms:
+        ours = LlamaConfig.from_hf({**base, **form})
+        hf = transformers.LlamaConfig.from_dict({**base, **form}).rope_parameters
+        assert ours.rope_theta == hf["rope_theta"] == theta, form
+        scaling = dict(ours.rope_scaling or {"rope_type": "default"})
+        assert scaling.get("rope_type") == hf.get("rope_type", hf.get("type")), form
+        for key in LLAMA3_SCALING.keys() - {"rope_type"} if scaling["rope_type"] == "llama3" else ():
+            assert scaling[key] == hf[key], (form, key)
 
 
 def test_hf_config_variants_accepted(tmp_path, rng):
@@ -520,15 +564,20 @@ def test_bfloat16_hf_source_converts(tmp_path, rng):
     assert not np.array_equal(want, np.asarray(tensors["model.layers.1.mlp.down_proj.weight"]))  # really rounded
 
 
-def test_rtn_scale_overflow_is_refused(rng):
-    """A weight too large for INT4 with float16 group scales / minimums is refused, not stored as inf."""
+def test_scale_overflow_is_refused(rng):
+    """A weight too large for INT4 with float16 group scales / minimums is refused, not stored as inf,
+    by RTN and by GPTQ (per group and per channel)."""
+    from convert.gptq import gptq_quantize
     from convert.quantize import quantize_rtn
 
     for value, symmetric in ((1e6, False), (-7e4, False), (5e5, True)):
         w = rng.standard_normal((8, 64)).astype(np.float32)
-        w[0, 0] = value
-        with pytest.raises(ValueError, match="overflows the float16 group scale"):
-            quantize_rtn(w, QuantScheme(32, symmetric))
+        w[rng.integers(8), rng.integers(64)] = value
+        for quantize in (lambda g: quantize_rtn(w, QuantScheme(g, symmetric)),
+                         lambda g: gptq_quantize(w, np.eye(64), QuantScheme(g, symmetric, "gptq"))):
+            for group in (32, None):
+                with pytest.raises(ValueError, match="overflows the float16 group scale"):
+                    quantize(group)
 
 
 @pytest.mark.parametrize("case", ["corrupt config", "config not an object", "index without weight_map",
@@ -578,6 +627,23 @@ def test_gguf_int4_blocks_kept_without_rerounding(tmp_path, rng, kind, symmetric
     assert np.array_equal(np.asarray(dequantize(w, jnp.float32)), theirs.astype(np.float32))
 
 
+def test_q4_0_under_an_asymmetric_scheme_keeps_its_values(tmp_path, rng):
+    """Symmetric Q4_0 blocks converted with an asymmetric group-32 scheme (the CLI's default) are
+    written as s * u + m with m = -8 s: the GGUF's own values, bit for bit, not rounded again."""
+    import gguf
+
+    src = random_source(tiny_variant(hidden_size=64, intermediate_size=96, head_dim=16), rng)
+    path = write_gguf(tmp_path / "m.gguf", src, linear_type="Q4_0")
+    reader = gguf.GGUFReader(str(path))
+    params, _, _ = convert_model(read_source(path), QuantScheme(32, False, "rtn"), None)
+    for i in range(src.config.num_layers):
+        t = next(t for t in reader.tensors if t.name == f"blk.{i}.ffn_down.weight")
+        theirs = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(src.layers[i]["down"].shape)
+        w = jax.tree.map(lambda a: a[i], params["layers"]["mlp"]["down"]["w"])
+        assert not w.symmetric
+        assert np.array_equal(np.asarray(dequantize(w, jnp.float32)), theirs.astype(np.float32))
+
+
 def test_unsupported_gguf_type_named(tmp_path, rng):
     src = random_source(tiny_variant(hidden_size=64, intermediate_size=96, head_dim=16), rng)
     path = write_gguf(tmp_path / "m.gguf", src, linear_type="Q5_0")
@@ -601,7 +667,8 @@ def test_unsupported_gguf_architecture(tmp_path, rng):
     ("string eps", "GGUF field llama.attention.layer_norm_rms_epsilon must be a number"),
     ("bos beyond vocabulary", "bos_token_id 97 is outside the vocabulary"),
     ("padding beyond vocabulary", "tokenizer.ggml.padding_token_id 500 is outside the vocabulary of 97"),
-    ("merge without a pair", "merges holds 't1t2', not a pair"),
+    ("merge without a pair", "merges holds 'ab', not a pair"),
+    ("no merges", "GGUF file has no tokenizer merges"),
 ])
 def test_gguf_features_the_model_lacks_are_refused(tmp_path, rng, case, match):
     import gguf
@@ -624,11 +691,34 @@ def test_gguf_features_the_model_lacks_are_refused(tmp_path, rng, case, match):
         elif case == "padding beyond vocabulary":
             w.add_pad_token_id(500)
         elif case == "merge without a pair":
-            w.add_token_merges(["t1 t2", "t1t2"])
+            w.kv_data[0]["tokenizer.ggml.merges"].value = ["a b", "ab"]
+        elif case == "no merges":
+            del w.kv_data[0]["tokenizer.ggml.merges"]
         else:
             w.add_tensor("blk.0.attn_output.bias", rng.standard_normal(TINY.hidden_size).astype(np.float32))
     with pytest.raises(ValueError, match=match):
         read_source(write_gguf(tmp_path / "m.gguf", random_source(TINY, rng), edit=edit))
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", "smollm"])
+def test_gguf_tokenizer_follows_llama_cpp(tmp_path, rng, pre):
+    """The tokenizer rebuilt from a GGUF: Llama-3's ('llama-bpe') takes a word in the vocabulary whole
+    before merging (llama.cpp's ignore_merges; HF's Llama-3 tokenizer.json sets it), others merge; control
+    tokens (type 3) are dropped when decoding, user-defined ones (type 4) are matched whole and kept."""
+    from tokenizers import Tokenizer
+
+    vocab = ["t0", "t1", "t2", "a", "b", "ab", "c", "abc", "<think>"] + [f"t{i}" for i in range(9, TINY.vocab_size)]
+
+    def edit(w):
+        w.kv_data[0]["tokenizer.ggml.pre"].value = pre
+        w.kv_data[0]["tokenizer.ggml.token_type"].value = [3, 3, 3, 1, 1, 1, 1, 1, 4] + [1] * (TINY.vocab_size - 9)
+
+    src = read_source(write_gguf(tmp_path / "m.gguf", random_source(TINY, rng), vocab=vocab, edit=edit))
+    tok = Tokenizer.from_str(src.tokenizer_files["tokenizer.json"])
+    assert tok.encode("abc", add_special_tokens=False).tokens == (["abc"] if pre == "llama-bpe" else ["ab", "c"])
+    ids = tok.encode("t1<think>ab", add_special_tokens=False).ids
+    assert ids == [1, 8, 5]
+    assert tok.decode(ids, skip_special_tokens=True) == "<think>ab"
 
 
 def test_truncated_gguf_is_a_clear_error(tmp_path, rng):
@@ -677,6 +767,18 @@ def test_cli_converts_and_reports_errors(tmp_path, rng, capsys):
         assert "not with --quant none" in capsys.readouterr().err
     assert cli.main([str(src_dir), str(tmp_path / "float"), "--quant", "none"]) == 0
     assert load_checkpoint(tmp_path / "float").manifest["quantization"] is None
+    for flags, msg in ((["--seed", "3"], "needs --rotate"), (["--calibration", str(calib)], "need --quant gptq"),
+                       (["--n-samples", "8"], "need --quant gptq"), (["--seq-len", "64"], "need --quant gptq")):
+        with pytest.raises(SystemExit):  # would be ignored: refused
+            cli.main([str(src_dir), str(tmp_path / "ignored"), *flags])
+        assert msg in capsys.readouterr().err
+    foreign = tmp_path / "foreign"  # another tool's manifest.json beside someone's files
+    foreign.mkdir()
+    (foreign / MANIFEST).write_text('{"name": "their model"}')
+    (foreign / "generation_config.json").write_text("{}")
+    assert cli.main([str(src_dir), str(foreign)]) == 2
+    assert "non-empty directory that is not a qspec-jax checkpoint" in capsys.readouterr().err
+    assert sorted(f.name for f in foreign.iterdir()) == ["generation_config.json", MANIFEST]
 
 
 def test_gptq_layers_run_on_calibration_tokens(rng):

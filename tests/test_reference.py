@@ -38,6 +38,25 @@ def test_pack_rejects_bad_codes():
         pack_codes(np.array([[0, 16]]))
     with pytest.raises(ValueError, match="even"):
         pack_codes(np.zeros((2, 3), np.uint8))
+    with pytest.raises(ValueError, match="must be integers"):  # a cast would truncate 1.7 to 1
+        pack_codes(np.array([[1.7, 2.0]]))
+
+
+@pytest.mark.parametrize("mode", reference.MODES)
+def test_reference_matmul_refuses_inconsistent_weights(rng, mode):
+    """Scales of another shape (which would broadcast), int8 bytes (whose high nibbles would unpack
+    negative) and an input of the wrong width are refused by name, in every mode."""
+    w, _ = random_weight(rng, 8, 64, 32, bool(rng.integers(2)))
+    x = jnp.asarray(rng.standard_normal((2, 64)), jnp.float32)
+    bad = [(QuantizedWeight(w.packed, w.scales[:, :1], w.mins, 32), "scales shape"),
+           (QuantizedWeight(w.packed, w.scales[:1], w.mins, 32), "scales shape"),
+           (QuantizedWeight(w.packed.view(np.int8), w.scales, w.mins, 32), "must be uint8")]
+    for weight, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            reference.quantized_matmul(x, weight, mode)
+    with pytest.raises(ValueError, match="input of 96 features"):
+        reference.quantized_matmul(jnp.ones((2, 96)), w, mode)
+    assert reference.quantized_matmul(x, w, mode).shape == (2, 8)
 
 
 @pytest.mark.parametrize("symmetric", [True, False])
