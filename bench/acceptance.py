@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 
+from bench.args import command_line
 from qspec_jax.api import DRAFTS, generate, load
 
 NOTE = ("How to read it: the acceptance rate (accepted / drafted) falls with gamma even at a constant per-token agreement, because once a draft is rejected the rest of the round is discarded; compare the measured tokens per round with the tokens per round simulated from the teacher-forced agreement (`bench/quality.py`, same checkpoint), and gamma=1 acceptance with alpha. The two measure slightly different things: the teacher-forced run computes every position with the draft's own KV cache for the whole prefix, while a QSPEC draft step reads the verifier's W4A16 KV for all committed tokens and its own KV only for the drafts of the current round, so measured acceptance is higher (most visibly for a poor draft).")
@@ -59,8 +60,8 @@ def main(argv: list[str] | None = None) -> None:
         if match and "agreement" in q[match[0]]:
             tf = q[match[0]]["agreement"]
             name = match[0]
-    lines = ["# QSPEC acceptance on SmolLM2-135M-Instruct (CPU, greedy)", "",
-             f"Made by `{' '.join(['python -m bench.acceptance', *sys.argv[1:]])}`.", "",
+    lines = [f"# QSPEC acceptance on SmolLM2-135M-Instruct ({jax.devices()[0].device_kind}, greedy)", "",
+             f"Made by `{command_line('bench.acceptance', argv)}`.", "",
              f"Checkpoint `{model.checkpoint.path}` ({name}); {len(questions)} GSM8K-dev questions (chat "
              f"template) x {args.max_new_tokens} new tokens, batch {len(questions)}. Acceptance = accepted "
              "drafts / drafted; tokens per round counts every token committed by a round (accepted drafts "

@@ -6,9 +6,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+
+def command_line(module: str, argv: list[str] | None) -> str:
+    """The shell command that runs ``module`` with ``argv`` (the process's own arguments when None), for
+    a report's "made by" line: a call from Python records the arguments it passed."""
+    return shlex.join(["python3", "-m", module, *(sys.argv[1:] if argv is None else argv)])
 
 
 def at_least(minimum: int) -> Callable[[str], int]:

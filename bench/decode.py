@@ -62,7 +62,6 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -77,12 +76,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.args import int_list, positive_int, positive_seconds, read_gsm8k, read_json  # noqa: E402
+from bench.args import command_line, int_list, positive_int, positive_seconds, read_gsm8k, read_json  # noqa: E402
 from pallas_kernels.layout import QuantizedWeight, dequantize  # noqa: E402
 from pallas_kernels.reference import KV_BITS  # noqa: E402
 from qspec_jax.api import CACHE_MULTIPLE, DRAFTS, METHODS, load  # noqa: E402
 from qspec_jax.config import LlamaConfig  # noqa: E402
-from qspec_jax.kernels import KERNELS  # noqa: E402
+from qspec_jax.kernels import KERNELS, resolve_kernels  # noqa: E402
 from qspec_jax.decode import DecodeState, Runtime, ar_loop  # noqa: E402
 from qspec_jax.model import init_cache, unstack_layers  # noqa: E402
 from qspec_jax.qspec import acceptance_trace, qspec_loop  # noqa: E402
@@ -384,6 +383,7 @@ def loop_memory_bytes(compiled) -> int:
 
 # ------------------------------------------------------------------------------ one configuration
 
+KERNELS_MEASURED = "pallas"  # what a section that does not record its kernels (before session 28) ran on
 XLA_JOB = ("ar", "w16a16")  # plain XLA: its dots autotune on the GPU while it compiles
 
 
@@ -405,7 +405,7 @@ def plan_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None,
     weights): states prefilled from real prompts and QSPEC's own accept decisions (``trace`` None);
     otherwise random states and the trace's accept decisions replayed."""
     res: dict = {"model": name, "batch": batch, "context": context, "new": args.new, "methods": {},
-                 "acceptance": "replayed" if model is None else "measured"}
+                 "acceptance": "replayed" if model is None else "measured", "kernels": resolve_kernels(args.kernels)}
     gmax = max(args.gammas)
     rt = Runtime(cfg, args.new, (), Sampling(), jnp.bfloat16,
                  None if model is None else model.checkpoint.online_rotation_seed, args.kernels)
@@ -719,16 +719,22 @@ def main(argv: list[str] | None = None) -> None:
     old = read_json(args.resume, "--resume", {"command": str, "results": list}) if args.resume else None
     budget = Budget(time.perf_counter() + args.budget_s)
     bw, rates = copy_bandwidth(), matmul_rates()
-    command = " ".join(["python3 -m bench.decode", *(argv if argv is not None else sys.argv[1:])])
+    command = command_line("bench.decode", argv)
     run = {"command": command, "device": jax.devices()[0].device_kind, "copy_bw": bw, "matmul_rates": rates,
            "trace_source": trace.get("source", "-"), "results": []}
     if old is not None:
         run["results"] = [r for r in old["results"] if "skipped" not in r]
         run["command"] = f"{old['command']}; then {command}"
     contexts, batches = args.contexts, args.batches
-    done = {_key(r) for r in run["results"] if not r.get("disturbed")}  # a disturbed section is measured again
+    grid = {(n, c, b) for n in names for c in contexts for b in batches}
+    done = set()
+    for r in run["results"]:  # a disturbed section, or one that lacks what this run measures, is measured again
+        if (why := "disturbed" if r.get("disturbed") else _lacks(r, args)) is None:
+            done.add(_key(r))
+        elif _key(r) in grid:
+            log(f"{r['model']} B={r['batch']} ctx={r['context']}: measured again, the earlier section is {why}")
     if args.rerun:  # measured again; each old section stays until its new one replaces it (record)
-        done -= {(n, c, b) for n in names for c in contexts for b in batches}
+        done -= grid
     if args.shard:  # the other shards' configurations count as done here
         wanted = [(n, c, b) for n in names for c in contexts for b in batches if (n, c, b) not in done]
         i, parts = args.shard
@@ -793,6 +799,19 @@ def _bench_model(name: str, todo: list[tuple[int, int]], args, trace: dict, bw: 
 
 def _key(r: dict) -> tuple[str, int, int]:
     return r["model"], r["context"], r["batch"]
+
+
+def _lacks(r: dict, args) -> str | None:
+    """What the earlier section ``r`` lacks of this run's measurements (None: nothing), so that a
+    ``--resume`` with other settings measures its configuration again instead of keeping it silently."""
+    if r.get("new") != args.new:
+        return f"of {r.get('new')} new tokens, not {args.new}"
+    if r.get("kernels", KERNELS_MEASURED) != resolve_kernels(args.kernels):  # older sections: the Pallas kernels
+        return f"of the {r['kernels']} kernels"
+    want = {*args.ar, *(f"qspec {d} g={g}" for d in args.drafts for g in args.gammas)}
+    if missing := sorted(want - set(r.get("methods", {}))):
+        return f"without {', '.join(missing)}"
+    return None
 
 
 def record(run: dict, res: dict) -> None:

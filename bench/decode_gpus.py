@@ -23,13 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 from bench.decode import markdown, record, save
+from bench.args import command_line
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     if not runs and args.merge_only:
         raise SystemExit(f"no shard results under {args.out / 'decode_shards'}")
     if runs:
-        command = shlex.join(["python3", "-m", "bench.decode_gpus", *(argv if argv is not None else sys.argv[1:])])
+        command = command_line("bench.decode_gpus", argv)
         run = merge(old, runs, command)
         save(run, args.out)
         print(markdown({**run, "results": [r for r in run["results"] if "skipped" not in r]}))

@@ -26,14 +26,13 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 import time
 from pathlib import Path
 
 import jax
 import numpy as np
 
-from bench.args import at_least, positive_int, read_gsm8k
+from bench.args import command_line, at_least, positive_int, read_gsm8k
 from bench.decode import parse_draft
 from bench.quality import wikitext_ids
 from qspec_jax.api import Model, generate, load
@@ -133,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{len(rows)} problems on {device}", flush=True)
 
     methods = [(m, m, "w4a4", None) for m in AR_METHODS] + [(f"qspec-{d}", "qspec", mode, kv) for d, mode, kv in drafts]
-    out: dict = {"problems": len(rows), "device": device, "gamma": args.gamma, "methods": {}}
+    out: dict = {"command": command_line("bench.fidelity", argv), "problems": len(rows), "device": device, "gamma": args.gamma, "methods": {}}
     outputs = {}
     for name, method, draft, draft_kv in methods:
         t = time.time()
@@ -162,7 +161,8 @@ def main(argv: list[str] | None = None) -> None:
         ids = wikitext_ids(args.wikitext, load_tokenizer(model.checkpoint.path), args.ppl_tokens)
         ck = model.checkpoint
         out["ppl"] = {m: perplexity(ck.params, ck.config, ids, window=args.window, mode=m,
-                                    online_rotation_seed=ck.online_rotation_seed) for m in AR_METHODS}
+                                    online_rotation_seed=ck.online_rotation_seed, kernels=args.kernels)
+                      for m in AR_METHODS}
         print("ppl", out["ppl"], flush=True)
     write(out, args)
 
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
 def write(out: dict, args) -> None:
     n = out["problems"]
     lines = ["# Fidelity on SmolLM2-135M-Instruct: GSM8K-dev and WikiText-2", "",
-             f"Made by `{' '.join(['python -m bench.fidelity', *sys.argv[1:]])}` on {out['device']}.", "",
+             f"Made by `{out['command']}` on {out['device']}.", "",
              f"{n} GSM8K-dev problems, zero-shot chat template, greedy, up to {args.max_new_tokens} new tokens; "
              f"QSPEC with gamma = {out['gamma']}. Accuracy by lm-evaluation-harness-style extraction "
              "(strict: the number after `####`; flexible: the last number). Agreement and identity are "

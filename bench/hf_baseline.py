@@ -20,12 +20,12 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # the shapes below import jax: keep it off the GPU
 from bench.decode import MODELS  # noqa: E402
+from bench.args import command_line
 
 
 def hf_config(name: str):
@@ -70,7 +70,6 @@ def markdown(run: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="llama3-8b,llama2-7b,llama2-13b")
     ap.add_argument("--batches", default="1,8,16,32,64")
@@ -91,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     deadline = time.perf_counter() + args.budget_s
-    run = {"command": "python3 -m bench.hf_baseline " + " ".join(argv), "device": torch.cuda.get_device_name(),
+    run = {"command": command_line("bench.hf_baseline", argv), "device": torch.cuda.get_device_name(),
            "rows": []}
     args.out.mkdir(parents=True, exist_ok=True)
     for name in args.models.split(","):

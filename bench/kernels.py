@@ -49,7 +49,6 @@ import datetime
 import json
 import math
 import os
-import shlex
 import sys
 import tempfile
 import time
@@ -63,7 +62,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.args import int_list, positive_int, positive_seconds, read_json
+from bench.args import command_line, int_list, positive_int, positive_seconds, read_json
 from pallas_kernels import gpu_matmul as gm
 from pallas_kernels import reference as ref
 from pallas_kernels.layout import QuantizedWeight, dequantize
@@ -267,6 +266,7 @@ def copy_bandwidth(run: dict, tmp: Path, threads: int) -> None:
 def check(res: dict, rng: np.random.Generator) -> None:
     """The kernels against the references on this device (see the module docstring)."""
     out = res["check"] = []
+    res.pop("check_ok", None)  # a run whose check stops early says nothing, not a resumed file's verdict
     ref_mm = jax.jit(ref.quantized_matmul, static_argnames="mode")
     j16 = jax.jit(lambda a, w: gm.w4a16_matmul(a, w, **KW))
     jax_ = jax.jit(lambda a, w, bits: gm.w4ax_matmul(a, w, bits, **KW), static_argnums=2)
@@ -745,12 +745,11 @@ def _args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
-    argv = sys.argv[1:] if argv is None else argv
     args = _args(argv)
     seed = int.from_bytes(os.urandom(4), "little")
     layout = {"runs": list, "table": dict, "attn": dict}
     res = {"runs": [], "table": {}, "attn": {}} | (read_json(args.resume, "--resume", layout) if args.resume else {})
-    run = {"command": "PYTHONPATH=. python3 -m bench.kernels " + shlex.join(argv),
+    run = {"command": "PYTHONPATH=. " + command_line("bench.kernels", argv),
            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "device": jax.devices()[0].device_kind, "jax": jax.__version__, "seed": seed,
            "parts": args.parts, "models": args.models,

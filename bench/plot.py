@@ -28,11 +28,14 @@ AR = ("w16a16", "w4a16", "w4a8", "w4a4")
 
 def series(results: list[dict], context: int, gamma: int) -> dict[str, dict[str, list[tuple[int, float]]]]:
     """``{model: {method label: [(batch, tokens/s), ...]}}`` for one context length (sections skipped or
-    marked ``disturbed`` left out)."""
+    marked ``disturbed`` left out). Sections of different lengths (``new`` tokens) are not drawn together:
+    their tokens/s average over different contexts."""
     out: dict[str, dict[str, list[tuple[int, float]]]] = {}
-    for r in results:
-        if r.get("skipped") or r.get("disturbed") or r["context"] != context:
-            continue
+    kept = [r for r in results if not r.get("skipped") and not r.get("disturbed") and r["context"] == context]
+    if len(news := {r.get("new") for r in kept}) > 1:
+        raise SystemExit(f"the sections at context {context} were measured with different numbers of new tokens "
+                         f"({sorted(news, key=str)}): plot them from separate runs")
+    for r in kept:
         per = out.setdefault(r["model"], {})
         for name, e in r["methods"].items():
             if name in AR:
@@ -50,16 +53,18 @@ HF_LABEL = "HF transformers bf16 (decode rate)"
 
 
 def hf_series(rows: list[dict], context: int) -> dict[str, dict[str, list[tuple[int, float]]]]:
-    """``{model: {HF_LABEL: [(batch, decode tokens/s), ...]}}`` from bench/hf_baseline.py rows."""
+    """``{model: {label: [(batch, decode tokens/s), ...]}}`` from bench/hf_baseline.py rows; the label
+    (:data:`HF_LABEL`) names the rows' new tokens where they record them."""
     out: dict[str, dict[str, list[tuple[int, float]]]] = {}
     for r in rows:
         if "skipped" not in r and r["context"] == context:
-            out.setdefault(r["model"], {}).setdefault(HF_LABEL, []).append((r["batch"], r["decode_tokens_per_s"]))
+            label = HF_LABEL if "new" not in r else f"{HF_LABEL[:-1]}, {r['new']} new tokens)"
+            out.setdefault(r["model"], {}).setdefault(label, []).append((r["batch"], r["decode_tokens_per_s"]))
     return out
 
 
 def _linestyle(label: str) -> str:
-    return "--" if label.startswith("qspec") else ":" if label == HF_LABEL else "-"
+    return "--" if label.startswith("qspec") else ":" if label.startswith(HF_LABEL[:-1]) else "-"
 
 
 def colours(labels: list[str]) -> dict[str, tuple]:

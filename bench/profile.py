@@ -20,7 +20,6 @@ import collections
 import gzip
 import json
 import os
-import sys
 import tempfile
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from bench.decode import MODELS, forward_carry, forward_loop, fresh_state, parse
 from pallas_kernels.reference import MODES
 from qspec_jax.decode import Runtime
 from qspec_jax.sampling import Sampling
+from bench.args import command_line
 
 # (category, kernel-name prefix): Pallas kernels are named after their Python functions
 CATEGORIES = (("W4A16 matmul", "_w4a16_kernel"), ("W4A8/W4A4 matmul", "_w4ax_kernel"),
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = MODELS[args.model]
     params = random_params(cfg, jax.random.key(1))
     rt = Runtime(cfg, 64, (), Sampling(), jnp.bfloat16, None, "auto")
-    out = {"command": " ".join(["python3 -m bench.profile", *(argv if argv is not None else sys.argv[1:])]),
+    out = {"command": command_line("bench.profile", argv),
            "device": jax.devices()[0].device_kind, "model": args.model, "batch": args.batch,
            "context": args.context, "reps": args.reps, "runs": {}}
     for spec, mode, bits, tokens in runs:  # a fresh state each: the loop donates its cache

@@ -14,8 +14,9 @@ answer, the W4A4 / W4A8 top-1 next token is compared with W4A16's (teacher-force
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from qspec_jax.api import Model, generate
 from qspec_jax.embedded import cache_dir, embedded_gguf
 from qspec_jax.evaluate import perplexity, token_scores, simulate_rounds
 from qspec_jax.tokenizer import chat_prompt, load_tokenizer
+from bench.args import command_line
 
 GAMMAS = range(1, 7)
 CAVEAT = ("Notes: the W4A4 draft is unusable without rotation (alpha 0.12: per-token INT4 activations cannot hold SmolLM2's outlier channels); rotation makes it usable but forces re-rounding the GGUF's 4-bit weights, which costs the verifier (RTN +49% W4A16 perplexity, GPTQ +11%). GPTQ without rotation reproduces the Q4_1 codes exactly (the weights already lie on that grid), so that row is the passthrough checkpoint again. Alpha is measured along each checkpoint's own W4A16 answers, so a weaker verifier (rtn-rot) is scored on its own, more repetitive, text, which flatters its alpha.")
@@ -98,9 +100,40 @@ def recommend(results: dict) -> tuple[str, str, str]:
     return name, draft, why
 
 
-def write_report(path: Path, results: dict, float_ppl: float, args: argparse.Namespace) -> None:
+def file_identity(path: Path | None) -> dict | None:
+    """A file by its resolved path, size and modification time: another file, or this one changed, differs."""
+    if path is None:
+        return None
+    st = Path(path).stat()
+    return {"path": str(Path(path).resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def evaluation_settings(src: Path, args: argparse.Namespace) -> dict:
+    """What the numbers depend on besides a checkpoint's weights: a resumed run must have the same."""
+    return {"source": file_identity(src), "wikitext": file_identity(args.wikitext), "ppl_tokens": args.ppl_tokens,
+            "window": args.window, "gsm8k": file_identity(args.gsm8k), "answers": args.answers if args.gsm8k else None,
+            "max_answer_tokens": args.max_answer_tokens if args.gsm8k else None}
+
+
+def converted(work: Path, name: str, src: Path, scheme: QuantScheme | None, rotation_seed: int | None,
+              args: argparse.Namespace) -> Path:
+    """The checkpoint ``name`` converted from ``src``, cached under ``work`` in a directory per distinct
+    conversion (source file, scheme, rotation, GPTQ calibration): a run with other settings converts anew."""
+    gptq = scheme is not None and scheme.method == "gptq"
+    conversion = {"source": file_identity(src), "scheme": None if scheme is None else dataclasses.asdict(scheme),
+                  "rotation_seed": rotation_seed,
+                  "calibration": [file_identity(args.calibration), args.n_samples, args.seq_len] if gptq else None}
+    out = work / f"{name}-{hashlib.sha256(json.dumps(conversion, sort_keys=True).encode()).hexdigest()[:12]}"
+    if not (out / "manifest.json").is_file():
+        print(f"converting {name} into {out}", flush=True)
+        convert(src, out, scheme, rotation_seed, args.calibration, args.n_samples, args.seq_len)
+    return out
+
+
+def write_report(path: Path, results: dict, float_ppl: float, args: argparse.Namespace, settings: dict,
+                 command: str) -> None:
     lines = ["# SmolLM2-135M-Instruct: weight schemes, perplexity and draft agreement", "",
-             f"Made by `{' '.join(['python -m bench.quality', *sys.argv[1:]])}` (CPU).", "",
+             f"Made by `{command}` (CPU).", "",
              f"WikiText-2 test, first {args.ppl_tokens} tokens, non-overlapping windows of {args.window} "
              "tokens each scored from its own start. Checkpoints converted from the GGUF (Q4_1) by "
              f"`qspec-convert`; group size {args.group_size or 'per-channel'}, "
@@ -124,7 +157,8 @@ def write_report(path: Path, results: dict, float_ppl: float, args: argparse.Nam
         lines += ["", CAVEAT, "", f"**Recommended default for the embedded model: `{name}` with a {draft} draft.** {why}"]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
-    path.with_suffix(".json").write_text(json.dumps({"float_ppl": float_ppl, "results": results}, indent=1))
+    path.with_suffix(".json").write_text(json.dumps({"settings": settings, "float_ppl": float_ppl, "results": results},
+                                                    indent=1))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -153,21 +187,22 @@ def main(argv: list[str] | None = None) -> None:
     if args.gsm8k:
         questions = [json.loads(line)["question"] for line in args.gsm8k.read_text().splitlines()
                      if line.strip()][: args.answers]
+    settings = evaluation_settings(src, args)
     done: dict = {}
+    float_ppl = None
     if args.resume and args.out.with_suffix(".json").is_file():
-        done = json.loads(args.out.with_suffix(".json").read_text())["results"]
+        earlier = json.loads(args.out.with_suffix(".json").read_text())
+        if earlier.get("settings") != settings:
+            raise SystemExit(f"--resume: {args.out.with_suffix('.json')} was measured with other settings "
+                             f"({earlier.get('settings')}, now {settings}); run without --resume or with its settings")
+        done, float_ppl = earlier["results"], earlier.get("float_ppl")
         for r in done.values():  # JSON turned the gamma keys into strings
             for a in r.get("agreement", {}).values():
                 a["tokens_per_round"] = {int(g): v for g, v in a["tokens_per_round"].items()}
     results: dict = {}
     by_weights: dict[str, str] = {}  # sha256 of model.safetensors -> checkpoint evaluated with it
-    float_ppl = None
-    if args.resume and args.out.with_suffix(".json").is_file():
-        float_ppl = json.loads(args.out.with_suffix(".json").read_text()).get("float_ppl")
     if float_ppl is None:
-        float_dir = work / "float-norot"
-        if not (float_dir / "manifest.json").is_file():
-            convert(src, float_dir, None, None)
+        float_dir = converted(work, "float-norot", src, None, None, args)
         fl = load_checkpoint(float_dir)
         float_ppl = perplexity(fl.params, fl.config, wikitext_ids(args.wikitext, load_tokenizer(float_dir),
                                                                    args.ppl_tokens), window=args.window, mode="w16a16")
@@ -177,19 +212,16 @@ def main(argv: list[str] | None = None) -> None:
     for method in args.methods.split(","):
         for rotate in (False, True):
             name = f"{method}-{scheme_tag}-{'rot' if rotate else 'norot'}"
-            out = work / name
-            if not (out / "manifest.json").is_file():
-                print(f"converting {name}", flush=True)
-                convert(src, out, QuantScheme(args.group_size or None, args.symmetric, method),
-                        0 if rotate else None, args.calibration, args.n_samples, args.seq_len)
+            out = converted(work, name, src, QuantScheme(args.group_size or None, args.symmetric, method),
+                            0 if rotate else None, args)
             ck = load_checkpoint(out)
             digest = ck.manifest["files"]["model.safetensors"] + str(ck.online_rotation_seed)
             if digest in by_weights:  # bitwise the same weights: the same numbers
                 print(f"{name}: weights identical to {by_weights[digest]}", flush=True)
                 results[name] = dict(results[by_weights[digest]], same_weights_as=by_weights[digest])
-            elif name in done:  # same name = same cached checkpoint directory
+            elif done.get(name, {}).get("digest") == digest:  # the same weights, measured the same way
                 print(f"{name}: reusing earlier results", flush=True)
-                results[name] = dict(done[name], digest=digest)
+                results[name] = dict(done[name])
             else:
                 tok = load_tokenizer(out)
                 wiki = wikitext_ids(args.wikitext, tok, args.ppl_tokens)
@@ -198,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
                                                     ("w4a16", "w4a8", "w4a4"))
                 results[name]["digest"] = digest
             by_weights.setdefault(digest, name)
-            write_report(args.out, results, float_ppl, args)
+            write_report(args.out, results, float_ppl, args, settings, command_line("bench.quality", argv))
     print(args.out.read_text())
 
 

@@ -29,13 +29,13 @@ import collections
 import contextlib
 import re
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 from jax._src.pallas.triton import gpu_info, pallas_call_registration
+from bench.args import command_line
 
 # sm_90 (H100 / H200) per-SM limits, CUDA occupancy rules
 SM_SHARED, SHARED_UNIT = 233472, 128  # shared memory per SM (228 KiB, at most 227 KiB per CTA), allocated in 128 B
@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     for k in kernels:
         built = compile_sass(k["module"], k["num_warps"], k["num_stages"])
         k.update(loops=loops(built["sass"]), registers=built["registers"], shared=built["shared"])
-    text = markdown(args.kernel, " ".join(["python -m bench.sass", *(argv if argv is not None else sys.argv[1:])]),
+    text = markdown(args.kernel, command_line("bench.sass", argv),
                     kernels)
     print(text)
     if args.out:

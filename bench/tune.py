@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.args import int_list, positive_int, positive_seconds
+from bench.args import command_line, int_list, positive_int, positive_seconds
 from bench.kernels import (ATTN, CALLS, GROUP, MODELS, Job, _attn_bytes, _attn_inputs, _copies, _max_rel_diff, _weight,
                            _weight_bytes, attention_call, copy_bandwidth, log, measure)
 from pallas_kernels import gpu_activations, gpu_attention, gpu_matmul as gm
@@ -337,7 +336,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("bench.tune times GPU kernels: run it on the GPU machine")
     ms = args.ms
     deadline = time.time() + args.budget_s
-    run = {"command": " ".join(["python3 -m bench.tune", *(argv if argv is not None else sys.argv[1:])]),
+    run = {"command": command_line("bench.tune", argv),
            "device": jax.devices()[0].device_kind, "rows": []}
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:

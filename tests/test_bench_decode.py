@@ -24,8 +24,8 @@ def _no_phase_check(monkeypatch):
 
 def _fake_timing(monkeypatch, events: list | None = None) -> None:
     """bench.decode's compile and timing steps replaced by stand-ins that record their order (whether
-    a compile starts while a configuration is timed) and return a section with one AR row: for tests of
-    the orchestration (budget, order, resume), which need no real kernels or timings."""
+    a compile starts while a configuration is timed) and return a section with a constant row per method
+    planned: for tests of the orchestration (budget, order, resume), which need no real kernels or timings."""
     events = [] if events is None else events
     timing = [False]
 
@@ -37,7 +37,8 @@ def _fake_timing(monkeypatch, events: list | None = None) -> None:
         timing[0] = True
         try:
             events.append(("run", c.res["batch"], True))
-            return {**c.res, "methods": {"w4a16": {"tokens_per_s": 1.0, "ms_per_step": 1.0}}}
+            names = [k[1] if k[0] == "ar" else f"qspec {k[1]} g={k[2]}" for k in c.jobs if k[0] in ("ar", "qspec")]
+            return {**c.res, "methods": {n: {"tokens_per_s": 1.0, "ms_per_step": 1.0} for n in names}}
         finally:
             timing[0] = False
 
@@ -154,6 +155,18 @@ def test_plot_series_and_file(tmp_path):
     hf.write_text(json.dumps({"rows": hf_rows}))
     plot.main([str(run), "--hf", str(hf), "--out", str(tmp_path / "q.svg")])
     assert plot.HF_LABEL in (tmp_path / "q.svg").read_text()
+
+
+def test_plot_refuses_sections_of_different_lengths():
+    """Sections of different ``new`` at the plotted context are not drawn on one axis (their tokens/s
+    average over different contexts); HF rows name their own length in the legend."""
+    sec = {"model": "a", "batch": 8, "context": 512, "methods": {"w4a16": {"tokens_per_s": 1.0}}}
+    assert plot.series([{**sec, "new": 512}, {**sec, "batch": 16, "new": 512}, {**sec, "context": 64, "new": 8}],
+                       512, 3) == {"a": {"w4a16": [(8, 1.0), (16, 1.0)]}}
+    with pytest.raises(SystemExit, match=r"different numbers of new tokens \(\[128, 512\]\)"):
+        plot.series([{**sec, "new": 512}, {**sec, "batch": 16, "new": 128}], 512, 3)
+    hf = plot.hf_series([{"model": "a", "batch": 8, "context": 512, "new": 128, "decode_tokens_per_s": 3.0}], 512)
+    assert hf == {"a": {"HF transformers bf16 (decode rate, 128 new tokens)": [(8, 3.0)]}}
 
 
 def test_decode_bench_two_configurations_in_one_call(tmp_path):
@@ -316,6 +329,46 @@ def test_decode_bench_resume_measures_a_disturbed_section_again(tmp_path, monkey
     res = json.loads((tmp_path / "b" / "decode.json").read_text())["results"]
     assert [(r["batch"], r.get("label"), r.get("disturbed")) for r in res] == [(2, "again", None), (3, None, None)]
     assert res[1] == first["results"][1]
+
+
+def test_decode_bench_resume_with_other_settings_measures_again(tmp_path, monkeypatch):
+    """--resume keeps a section only if it holds what this run measures: another --new, the other
+    kernels, or a gamma / draft / AR method it lacks measures the configuration again (logged); a
+    section with more methods than asked for is kept."""
+    _fake_timing(monkeypatch)
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"source": "t", "w4a8": {"1": [[0, 1]], "2": [[2]], "3": [[0]]}, "w4a4": {"1": [[1]]}}))
+    common = ["--models", "smoke", "--contexts", "64", "--batches", "2", "--trace", str(trace)]
+    first = tmp_path / "first" / "decode.json"
+    decode.main([*common, "--new", "8", "--gammas", "1,2", "--drafts", "w4a8", "--ar", "w4a16,w4a8",
+                 "--kernels", "reference", "--out", str(first.parent)])
+    kept = json.loads(first.read_text())["results"]
+    assert kept[0]["kernels"] == "reference"
+    same = ["--new", "8", "--gammas", "1", "--drafts", "w4a8", "--ar", "w4a16", "--kernels", "reference"]
+    decode.main([*common, *same, "--resume", str(first), "--out", str(tmp_path / "same")])
+    assert json.loads((tmp_path / "same" / "decode.json").read_text())["results"] == kept  # a subset: kept
+    logs = []
+    monkeypatch.setattr(decode, "log", logs.append)
+    for i, (flag, value, why) in enumerate([("--new", "16", "of 8 new tokens, not 16"),
+                                            ("--kernels", "interpret", "of the reference kernels"),
+                                            ("--gammas", "1,2,3", "without qspec w4a8 g=3"),
+                                            ("--drafts", "w4a8,w4a4", "without qspec w4a4 g=1"),
+                                            ("--ar", "w4a16,w4a4", "without w4a4")]):
+        args = [*same[:same.index(flag)], flag, value, *same[same.index(flag) + 2:]]
+        out = tmp_path / str(i)
+        if flag == "--kernels":  # interpret-mode kernels are slow: only check that it would be measured
+            monkeypatch.setattr(decode, "_bench_model", lambda name, todo, *a: logs.append(("todo", todo)))
+        decode.main([*common, *args, "--resume", str(first), "--out", str(out)])
+        assert any(why in str(line) for line in logs), (flag, logs)
+        if flag == "--kernels":
+            assert ("todo", [(64, 2)]) in logs
+            monkeypatch.undo()
+            _fake_timing(monkeypatch)
+            monkeypatch.setattr(decode, "log", logs.append)
+        else:
+            (res,) = json.loads((out / "decode.json").read_text())["results"]
+            assert res != kept[0] and res["new"] == int(args[args.index("--new") + 1])
+        logs.clear()
 
 
 def test_record_keeps_a_valid_section_over_a_skipped_or_disturbed_one():

@@ -34,6 +34,26 @@ def test_kernels_smoke_reports_every_part(tmp_path, monkeypatch):
     assert "INT8 shadow µs (× its floor)" in md and "GPU correctness checks" in md
 
 
+def test_a_check_that_stops_early_is_not_reported_passed(tmp_path, monkeypatch):
+    """Resuming a file whose check had passed, a check part that raises leaves no verdict: kernels.md
+    must not say PASSED for kernels whose check never ran."""
+    for name in ("MODELS", "MS", "CHECK_CASES", "ATTN", "L2_BYTES", "CALLS", "COPY_ELEMS"):
+        monkeypatch.setattr(kernels, name, getattr(kernels, name))
+    monkeypatch.setattr(kernels, "KW", {})
+    old = {"runs": [{"command": "old", "date": "x", "device": "H200", "jax": "0", "seed": 0, "parts": ["check"],
+                     "models": [], "timing": "t"}], "table": {}, "attn": {}, "check": [{"ok": True}], "check_ok": True}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the kernel under test fails")
+
+    monkeypatch.setattr(kernels.gm, "w4a16_matmul", broken)
+    kernels.main(["--smoke", "--parts", "check", "--out", str(tmp_path / "new"), "--resume", str(tmp_path / "old.json")])
+    res = json.loads((tmp_path / "new" / "kernels.json").read_text())
+    assert "check" in res["runs"][-1]["errors"] and "check_ok" not in res
+    assert "PASSED" not in (tmp_path / "new" / "kernels.md").read_text()
+
+
 def test_input_prep_excluded_ratio_leaves_out_only_the_prep_kernels():
     rng = np.random.default_rng()
     t = {name: float(rng.uniform(0.5, 50)) for name in

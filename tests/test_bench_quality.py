@@ -1,0 +1,73 @@
+"""bench/quality.py's caching, with conversion and evaluation stubbed: a converted checkpoint or a
+resumed result is reused only for the same source, scheme, calibration and evaluation settings."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench import quality
+
+
+@pytest.fixture
+def stubbed(tmp_path, monkeypatch):
+    """``quality.main`` with fake conversions (recorded; their 'weights' name the source and sample count)
+    and an evaluation whose perplexity encodes the checkpoint evaluated and the window."""
+    calls = []
+
+    def convert(src, out, scheme, rotation_seed, calibration=None, n_samples=64, seq_len=512):
+        calls.append((Path(src).name, "float" if scheme is None else scheme.method, n_samples))
+        out.mkdir(parents=True)
+        weights = f"{Path(src).name}/{scheme}/{rotation_seed}/{n_samples if scheme and scheme.method == 'gptq' else ''}"
+        (out / "manifest.json").write_text(json.dumps({"files": {"model.safetensors": weights}, "rot": rotation_seed}))
+
+    class Checkpoint:
+        def __init__(self, d):
+            self.manifest = json.loads((Path(d) / "manifest.json").read_text())
+            self.online_rotation_seed, self.params, self.config = self.manifest["rot"], None, None
+
+    def evaluate(ck, tok, wiki, window, questions, max_answer_tokens, modes):
+        return {"ppl": {m: float(len(ck.manifest["files"]["model.safetensors"]) + window) for m in modes}}
+
+    monkeypatch.setattr(quality, "convert", convert)
+    monkeypatch.setattr(quality, "load_checkpoint", Checkpoint)
+    monkeypatch.setattr(quality, "load_tokenizer", lambda d: None)
+    monkeypatch.setattr(quality, "wikitext_ids", lambda path, tok, n: np.zeros(n, np.int32))
+    monkeypatch.setattr(quality, "perplexity", lambda *a, window, **k: float(window))
+    monkeypatch.setattr(quality, "evaluate_checkpoint", evaluate)
+    for name in ("a.gguf", "b.gguf", "wiki.raw", "calib.jsonl"):
+        (tmp_path / name).write_text(name)
+    base = ["--wikitext", str(tmp_path / "wiki.raw"), "--calibration", str(tmp_path / "calib.jsonl"),
+            "--workdir", str(tmp_path / "work"), "--methods", "gptq", "--out", str(tmp_path / "q.md"),
+            "--gguf", str(tmp_path / "a.gguf")]
+    return base, calls, tmp_path
+
+
+def test_quality_converts_again_for_other_settings(stubbed):
+    base, calls, tmp = stubbed
+    quality.main(base)
+    assert sorted(calls) == [("a.gguf", "float", 64), ("a.gguf", "gptq", 64), ("a.gguf", "gptq", 64)]
+    calls.clear()
+    quality.main(base)  # the same settings: every checkpoint reused
+    assert calls == []
+    quality.main([*base[:-1], str(tmp / "b.gguf"), "--n-samples", "256"])
+    assert sorted(calls) == [("b.gguf", "float", 256), ("b.gguf", "gptq", 256), ("b.gguf", "gptq", 256)]
+    calls.clear()
+    quality.main([*base, "--n-samples", "128"])  # another calibration: GPTQ again, the float one reused
+    assert sorted(calls) == [("a.gguf", "gptq", 128), ("a.gguf", "gptq", 128)]
+
+
+def test_quality_resume_only_with_the_same_settings(stubbed):
+    base, calls, tmp = stubbed
+    quality.main(base)
+    first = json.loads((tmp / "q.json").read_text())
+    quality.main([*base, "--resume"])
+    assert json.loads((tmp / "q.json").read_text())["results"] == first["results"]
+    with pytest.raises(SystemExit, match="measured with other settings"):
+        quality.main([*base, "--resume", "--window", "128"])
+    quality.main([*base, "--resume", "--n-samples", "128"])  # other weights: measured, not reused
+    again = json.loads((tmp / "q.json").read_text())["results"]
+    assert all(again[n]["digest"] != first["results"][n]["digest"] for n in again)
