@@ -43,8 +43,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import reference
 from pallas_kernels.gpu_norm import NUM_WARPS, inv_rms, normalized
-from pallas_kernels.launch import (LAYER_SPEC, at_layer, call_kernel, check_count, check_eps, check_float, pl_triton,
-                                   stacked_input, stacked_spec)
+from pallas_kernels.launch import (LAYER_SPEC, at_layer, call_kernel, check_count, check_eps, check_float, check_rows,
+                                   pl_triton, stacked_input, stacked_spec)
 from pallas_kernels.layout import PACK_BLOCK
 
 HALF = PACK_BLOCK // 2  # a 64-block's elements in each W4AX plane (and each half of a block)
@@ -320,6 +320,7 @@ def _call_shape(x: jax.Array, parts: int) -> None:
         raise ValueError(f"{name} must be [M, {'2 x ' if parts == 2 else ''}K] with K a multiple of {PACK_BLOCK}, "
                          f"got shape {x.shape}")
     check_float(**{name: x})
+    check_rows(name, x.shape)
 
 
 def _call(x: jax.Array, bits: int | None, scale: jax.Array | None, eps: float | None, layer,

@@ -34,8 +34,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_kernels import reference
-from pallas_kernels.launch import (LAYER_SPEC, at_layer, call_kernel, check_count, check_float, check_positions, pl_triton,
-                                   stacked_input, x2)
+from pallas_kernels.launch import (LAYER_SPEC, at_layer, call_kernel, check_count, check_float, check_positions,
+                                   check_rows, pl_triton, stacked_input, x2)
 
 ROW_TILE = 16  # query rows per MMA tile (the MMA's M side)
 BLOCK_S = 64  # cache slots per KV block
@@ -69,8 +69,8 @@ def supported(head_dim: int, slots: int, kv_bits: int | None = None) -> bool:
 
 
 def _attention_kernel(layer_ref, q_ref, pos_ref, k_ref, v_ref, *refs, tiles: int, queries: int, group: int,
-                      block_s: int, blocks_per_split: int, scale: float, compute, precision, kv_bits: int | None,
-                      interpret: bool):
+                      block_s: int, blocks: int, blocks_per_split: int, scale: float, compute, precision,
+                      kv_bits: int | None, interpret: bool):
     """One (sequence, KV head, split): online softmax over the split's KV blocks for all row tiles.
 
     The row tiles are gathered from the caller's ``q [B * T * H, d]`` and ``q_pos [B * T]`` as they
@@ -97,7 +97,8 @@ def _attention_kernel(layer_ref, q_ref, pos_ref, k_ref, v_ref, *refs, tiles: int
     qs = [[q_ref[qi * heads + head * group + r % group, pl.ds(j * dp, dp)].astype(compute) for j in range(planes)]
           for qi, r in zip(query, row)]
     ps = [pos_ref[qi] for qi in query]
-    needed = functools.reduce(jnp.maximum, [jnp.max(p) for p in ps]) // block_s + 1  # blocks any row can see
+    # blocks any row can see: a query at or past the cache's end sees every slot (no block past it is read)
+    needed = jnp.minimum(functools.reduce(jnp.maximum, [jnp.max(p) for p in ps]) // block_s + 1, blocks)
     first = split * blocks_per_split
     last = jnp.minimum(first + blocks_per_split, needed)
     dims_qk, dims_pv = (((1,), (1,)), ((), ())), (((1,), (0,)), ((), ()))
@@ -247,6 +248,7 @@ def attention_partials(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Arra
                          f"got {q.shape}, {k.shape}, {v.shape}")
     b, t, h, d = q.shape
     check_float(q=q)
+    check_rows("q", q.shape[:2] + (d,))
     kv_bits = _shadow_bits(q, k, v, scales)
     (k, v, *scales), lidx = stacked_input((k, v, *(scales or ())), layer)
     nl, _, s, kvh, dk = k.shape
@@ -282,8 +284,8 @@ def attention_partials(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Arra
     compute = jnp.float16 if kv_bits else k.dtype  # the shadow's codes are float16 (kv_planes_f16)
     precision = jax.lax.Precision.HIGHEST if compute == jnp.float32 else None
     kernel = functools.partial(_attention_kernel, tiles=tiles, queries=t, group=g, block_s=block_s,
-                               blocks_per_split=blocks_per_split, scale=1.0 / math.sqrt(d), compute=compute,
-                               precision=precision, kv_bits=kv_bits, interpret=interpret)
+                               blocks=s // block_s, blocks_per_split=blocks_per_split, scale=1.0 / math.sqrt(d),
+                               compute=compute, precision=precision, kv_bits=kv_bits, interpret=interpret)
     kv_spec = pl.BlockSpec((nl, None, s, None, dk), lambda i, j, p: (0, i, 0, j, 0))
     scale_spec = pl.BlockSpec((nl, None, None, s), lambda i, j, p: (0, i, j, 0))
     part = (b, kvh, splits, rows_pad)

@@ -54,8 +54,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_kernels.layout import PACK_BLOCK, SYMMETRIC_OFFSET, QuantizedWeight
-from pallas_kernels.launch import (LAYER_SPEC, at_layer, call_kernel, check_count, check_float, int32_offsets_wrap,
-                                   pl_triton, stacked_input, stacked_spec, x2)
+from pallas_kernels.launch import (LAYER_SPEC, at_layer, call_kernel, check_count, check_float, check_rows,
+                                   int32_offsets_wrap, pl_triton, stacked_input, stacked_spec, x2)
 from pallas_kernels.gpu_activations import quantize_rows
 from pallas_kernels.reference import split_sum
 
@@ -786,12 +786,15 @@ def _dense_kernel(x_ref, w_ref, o_ref, *, m: int, k: int, block_k: int, split_k:
 def dense_matmul(x: jax.Array, w: jax.Array, *, block_m: int | None = None, num_warps: int | None = None,
                  num_stages: int | None = None, interpret: bool = False) -> jax.Array:
     """``x[M, K] @ w[N, K].T`` in the weight's float dtype with float32 accumulation -> ``f32[M, N]``
-    (the lm_head and float layers on the decode path: row-count invariant like the INT4 kernels).
+    (the lm_head and float layers on the decode path: row-count invariant like the INT4 kernels on the
+    GPU; in interpret mode float32 tiles of different heights may differ in the last bit, since XLA's
+    CPU dot sums a tile of another shape in another order).
     Tiles come from (N, K) only: 64 x 256 (smaller where K needs), K split until N / 64 * split
     reaches :data:`MIN_PROGRAMS`. ``block_m``, ``num_warps``, ``num_stages``: as in :func:`w4a16_matmul`."""
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"expected x [M, K] and w [N, K], got {x.shape} and {w.shape}")
     check_float(x=x, w=w)
+    check_rows("x", x.shape)
     (m, k), n = x.shape, w.shape[0]
     block_n, block_k, split_k = _dense_config(n, k)
     item = w.dtype.itemsize

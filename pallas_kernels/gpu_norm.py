@@ -16,8 +16,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_kernels import reference
-from pallas_kernels.launch import (LAYER_SPEC, at_layer, call_kernel, check_eps, check_float, pl_triton, stacked_input,
-                                   stacked_spec)
+from pallas_kernels.launch import (LAYER_SPEC, at_layer, call_kernel, check_eps, check_float, check_rows, pl_triton,
+                                   stacked_input, stacked_spec)
 
 MAX_CHUNK = 1024
 # Warps per row program. inv_rms' sum across the chunk is a tree over the threads, so its bits depend
@@ -82,6 +82,7 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float, *, layer: jax.Array | N
         raise ValueError(f"expected x [M, H] and scale {'[H]' if layer is None else '[L, H]'}, "
                          f"got {x.shape} and {scale.shape}")
     check_float(x=x, scale=scale)
+    check_rows("x", x.shape)
     eps = check_eps(eps)
     m, h = x.shape
     scale, lidx = stacked_input(scale, layer)

@@ -44,6 +44,13 @@ def check_count(name: str, value: Any, minimum: int = 1) -> None:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
+def check_rows(name: str, shape: tuple[int, ...]) -> None:
+    """A kernel input of ``shape`` must hold at least one row (its leading dims): an empty grid has
+    nothing to launch, and the tile arithmetic would divide by zero."""
+    if not all(shape[:-1]):
+        raise ValueError(f"{name} must hold at least one row, got shape {shape}")
+
+
 def check_float(**arrays: jax.Array) -> None:
     """Each named array (activations, float weights, queries, tables) must have a float dtype."""
     for name, a in arrays.items():
@@ -72,6 +79,15 @@ def int32_offsets_wrap(a) -> bool:
     return a.size >= 2**31 and a.size * a.dtype.itemsize <= 2**32
 
 
+def check_layer(layer, layers: int) -> None:
+    """``layer`` must be an integer scalar, and a concrete one in ``[0, layers)``: dynamic indexing would
+    clamp it to the stack silently. A traced one (the model's layer scan) is the caller's to keep in range."""
+    if not jnp.issubdtype(jnp.result_type(layer), jnp.integer) or jnp.ndim(layer):
+        raise ValueError(f"layer must be an integer scalar, got {jnp.result_type(layer)}{jnp.shape(layer)}")
+    if not isinstance(layer, jax.core.Tracer) and not 0 <= int(layer) < layers:
+        raise ValueError(f"layer {int(layer)} out of range for a stack of {layers}")
+
+
 def stacked_input(a, layer) -> tuple:
     """``(stack, int32[1] layer index)`` for a kernel input that may be one layer of a stack.
 
@@ -82,11 +98,7 @@ def stacked_input(a, layer) -> tuple:
     index is range-checked; a traced one (the model's layer scan) is the caller's to keep in range.
     A stack the lowering could not index correctly (:func:`int32_offsets_wrap`) is sliced after all."""
     if layer is not None:
-        if not jnp.issubdtype(jnp.result_type(layer), jnp.integer) or jnp.ndim(layer):
-            raise ValueError(f"layer must be an integer scalar, got {jnp.result_type(layer)}{jnp.shape(layer)}")
-        layers = jax.tree.leaves(a)[0].shape[0]
-        if not isinstance(layer, jax.core.Tracer) and not 0 <= int(layer) < layers:
-            raise ValueError(f"layer {int(layer)} out of range for a stack of {layers}")
+        check_layer(layer, jax.tree.leaves(a)[0].shape[0])
         if not any(int32_offsets_wrap(v) for v in jax.tree.leaves(a)):
             return a, jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
         a = jax.tree.map(lambda v: jax.lax.dynamic_index_in_dim(v, layer, keepdims=False), a)

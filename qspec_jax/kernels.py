@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import gpu_activations, gpu_attention, gpu_matmul, gpu_norm, gpu_rope, reference
+from pallas_kernels.launch import check_layer
 from pallas_kernels.layout import QuantizedWeight, dequantize, w4a16_weights
 from pallas_kernels.rows import map_row_tiles
 
@@ -40,6 +41,7 @@ class Layer:
 
     def get(self) -> Any:
         """The layer's own arrays (a slice: what the reference implementations take)."""
+        check_layer(self.index, jax.tree.leaves(self.stacked)[0].shape[0])
         return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, self.index, keepdims=False), self.stacked)
 
 

@@ -417,9 +417,9 @@ def _check_inputs(config: LlamaConfig, tokens: jax.Array, positions: jax.Array) 
     for name, a in (("tokens", tokens), ("positions", positions)):
         if not jnp.issubdtype(a.dtype, jnp.integer):
             raise ValueError(f"{name} must be integers, got {a.dtype}")
-    if tokens.ndim != 2 or positions.shape != tokens.shape:
-        raise ValueError(f"tokens and positions must both be [batch, time], got shapes {tokens.shape} and "
-                         f"{positions.shape}")
+    if tokens.ndim != 2 or positions.shape != tokens.shape or not tokens.size:
+        raise ValueError(f"tokens and positions must both be [batch, time], at least one token, got shapes "
+                         f"{tokens.shape} and {positions.shape}")
     if not isinstance(tokens, jax.core.Tracer):
         check_token_ids(np.asarray(tokens), config.vocab_size)
     if not isinstance(positions, jax.core.Tracer) and positions.size and int(np.min(positions)) < 0:

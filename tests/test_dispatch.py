@@ -180,3 +180,20 @@ def test_kernel_attention_needs_the_cache_in_the_compute_dtype(rng):
         attention(q, k, v, pos, row_tile=ROW_TILE, kernels="interpret")
     out = attention(q, k, v, pos, row_tile=ROW_TILE, kernels="reference")
     assert out.shape == q.shape and bool(jnp.all(jnp.isfinite(out.astype(jnp.float32))))
+
+
+def test_concrete_layer_out_of_range_raises_on_every_path(rng):
+    """A concrete layer index outside the stack is refused on the reference path as on the kernels (dynamic
+    indexing would clamp 5 or -1 to the last layer silently); inside a range it picks that layer."""
+    from convert.quantize import quantize_rtn
+
+    stack_w = [quantize_rtn(rng.standard_normal((32, 128)), QuantScheme(64, True)) for _ in range(3)]
+    stack = jax.tree.map(lambda *a: jnp.stack(a), *stack_w)
+    x = jnp.asarray(rng.standard_normal((1, 2, 128)), jnp.float32)
+    i = int(rng.integers(3))
+    want = np.asarray(linear(x, stack_w[i], "w4a16", ROW_TILE, "reference"))
+    np.testing.assert_array_equal(np.asarray(linear(x, Layer(stack, jnp.int32(i)), "w4a16", ROW_TILE, "reference")), want)
+    for bad in (3, 5, -1):
+        for kernels in ("reference", "interpret"):
+            with pytest.raises(ValueError, match=f"layer {bad} out of range for a stack of 3"):
+                linear(x, Layer(stack, jnp.int32(bad)), "w4a16", ROW_TILE, kernels)

@@ -380,6 +380,37 @@ def test_decode_attention(rng, heads, kv, splits):
         gpu_attention.decode_attention(jnp.round(q * 4).astype(jnp.int8), k, v, pos, interpret=True)
 
 
+def test_kernels_refuse_empty_inputs(rng):
+    """Zero rows (or queries) get a clear error from every kernel wrapper, not a division by zero or a
+    lowering error (the model refuses an empty forward before any kernel)."""
+    w = random_weight(rng, 32, 128, 64, True)
+    x0 = jnp.zeros((0, 128), jnp.float32)
+    kv = jnp.zeros((1, 16, 1, 16))
+    calls = [lambda: gm.dense_matmul(x0, jnp.ones((32, 128)), interpret=True),
+             lambda: gm.w4a16_matmul(x0, w, interpret=True), lambda: gm.w4ax_matmul(x0, w, 8, interpret=True),
+             lambda: gpu_norm.rms_norm(x0, jnp.ones(128), 1e-5, interpret=True),
+             lambda: gq.quantize_rows(x0, 8, interpret=True),
+             lambda: gq.rms_norm_planes(x0, jnp.ones(128), 1e-5, interpret=True),
+             lambda: gq.swiglu_planes(jnp.zeros((0, 256)), interpret=True),
+             lambda: gpu_attention.decode_attention(jnp.zeros((1, 0, 2, 16)), kv, kv, jnp.zeros((1, 0), jnp.int32),
+                                                    interpret=True)]
+    for call in calls:
+        with pytest.raises(ValueError, match="at least one row|M >= 1 rows"):
+            call()
+
+
+def test_decode_attention_query_past_the_cache(rng):
+    """A query at or past the cache's end sees every slot, as in the reference, also where the splits do
+    not divide the KV blocks (6 blocks in 4 splits of 2: the last split would start past the cache)."""
+    b, s, kv, d = 2, 96, 2, 16
+    k, v = (jnp.asarray(rng.standard_normal((b, s, kv, d)), jnp.float32) for _ in range(2))
+    q = jnp.asarray(rng.standard_normal((b, 2, 4, d)), jnp.float32)
+    pos = jnp.asarray([[s - 1, s], [s + int(rng.integers(1, 50)), 2 * s]], jnp.int32)
+    got = np.asarray(gpu_attention.decode_attention(q, k, v, pos, block_s=16, splits=4, interpret=True))
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, _attention64(q, k, v, pos), rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("bits,d", [(8, 32), (4, 64)])
 def test_decode_attention_over_kv_shadow(rng, bits, d):
     """Over the draft's quantized shadow: against float64 attention of the dequantized cache (to

@@ -273,7 +273,8 @@ def test_bad_tokens_or_positions_raise(rng):
     cases = [((bad_id, positions), "token ids must lie in"), ((tokens, bad_pos), "positions must be >= 0"),
              ((tokens.astype(np.float32), positions), "tokens must be integers"),
              ((tokens, positions.astype(np.float32)), "positions must be integers"),
-             ((tokens, positions[:, :2]), r"\[batch, time\]"), ((tokens[0], positions[0]), r"\[batch, time\]")]
+             ((tokens, positions[:, :2]), r"\[batch, time\]"), ((tokens[0], positions[0]), r"\[batch, time\]"),
+             ((tokens[:, :0], positions[:, :0]), "at least one token")]
     for (t, p), msg in cases:
         with pytest.raises(ValueError, match=msg):
             forward(params, cfg, t, p, cache, mode="w16a16")
