@@ -16,7 +16,9 @@ tokens in non-overlapping ``--window``-token windows (``bench/quality.py``'s pro
 output distribution is W4A16's by construction, so its perplexity is W4A16's.
 
 ``--limit`` runs the first N problems (a CPU subset); without it, the whole dev set. ``--kernels``
-picks the Pallas kernels or the references (``qspec_jax.kernels``; default: kernels on a GPU).
+picks the Pallas kernels or the references (``qspec_jax.kernels``; default: kernels on a GPU) for the
+generation; the perplexity's full-window forwards have no row tile and run XLA's paths either way (with
+``pallas``, W4A16 as a bf16 dot, as generate's prefill does).
 ``--drafts``: QSPEC's draft modes, each ``MODE`` or ``MODE/kvBITS`` (drafts over an INT8 / INT4 KV
 shadow, ``generate(draft_kv=...)``).
 """

@@ -8,8 +8,8 @@
 
 The kernel is lowered for CUDA on this machine (jax's Triton lowering, with an H200 as the assumed
 target), each Pallas kernel's Triton module is taken as text, compiled for sm_90 by a local
-``triton`` (the version on the GPU machine, 3.6: ``pip install triton==3.6.0``; not a dependency of
-the project) and disassembled with the ``cuobjdump`` that comes with it. For each loop of the SASS
+``triton`` (the version on the GPU machine, 3.6, pinned in requirements.lock and the ``bench`` extra,
+so CI runs the compile tests) and disassembled with the ``cuobjdump`` that comes with it. For each loop of the SASS
 (a backward branch) the table gives its instructions per iteration and thread, by opcode. The
 module first goes through Triton's TTIR passes, as in XLA's pipeline (before session 12 it did not:
 the counts then missed the combine pass's folding of ``acc + dot`` into the dot). XLA

@@ -421,7 +421,7 @@ def test_decode_bench_real_model(tmp_path, monkeypatch):
     assert "(measured)" in (out / "decode.md").read_text()
 
 
-def test_record_trace_on_the_real_model(tmp_path):
+def test_record_trace_on_the_real_model(tmp_path, capsys):
     """--record-trace: per-round accepted drafts of greedy QSPEC on SmolLM2, each in [0, gamma], no
     sequence committing more than --new tokens in the rounds kept."""
     dev = tmp_path / "dev.jsonl"
@@ -438,6 +438,7 @@ def test_record_trace_on_the_real_model(tmp_path):
     for bad in ("w4a16", "w4a8/kv2", "w4a8/int8", "w4a4/"):
         with pytest.raises(SystemExit):
             decode.main(["--drafts", bad, "--models", "smoke"])
+        assert f"error: unknown draft '{bad}'" in capsys.readouterr().err  # not the missing --trace
 
 
 def test_hf_baseline_arguments_and_report(tmp_path):

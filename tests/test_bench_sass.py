@@ -1,5 +1,5 @@
 """bench/sass.py: the Triton modules of a CUDA lowering made on the CPU, and the loops of a SASS
-listing (hand-written here, so the counts are known); the compile step where a local triton exists."""
+listing (hand-written here, so the counts are known); the compile step with the pinned triton."""
 
 from __future__ import annotations
 
@@ -68,7 +68,6 @@ def test_triton_modules_of_the_attention_kernel(kv_bits):
 def test_compile_counts_the_kernel_loop():
     """With a local triton: the bf16 attention kernel has one loop over KV blocks, with its two MMAs
     of 16 x 64 x 128 (q k^T, p v) as m16n8k16 HMMAs per warp."""
-    pytest.importorskip("triton")
     b, h, d, s = 2, 4, 128, 4096  # 16 cache splits of 4 blocks: a loop (one block each would be none)
     q = jax.ShapeDtypeStruct((b, 1, h, d), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((b, s, h, d), jnp.bfloat16)
@@ -104,7 +103,6 @@ def test_compile_reports_registers_and_shared_memory():
     """With a local triton: the W4A16 kernel at M = 16 and 64 as Nsight Compute saw it on the H200 in
     session 13, with 512-wide K chunks and the scales loaded in the iteration that uses them (the shared
     memory to the byte; registers within the compilers' difference, XLA's being 92 / 239)."""
-    pytest.importorskip("triton")
     from bench.kernels import make_weight
     from pallas_kernels import gpu_matmul
 
@@ -120,7 +118,6 @@ def test_compile_runs_the_ttir_passes_as_xla_does():
     """With a local triton: the module goes through Triton's TTIR passes before compiling, as XLA's
     pipeline runs them, so the combine pass folds the Pallas ``acc + dot(a, b)`` (a dot with a zero
     accumulator and an add) into one dot accumulating into ``acc``: no add of a dot result is left."""
-    pytest.importorskip("triton")
     from jax.experimental import pallas as pl
 
     from pallas_kernels.launch import call_kernel
@@ -183,7 +180,6 @@ def test_words_weight_tile_goes_through_the_pipeline(group):
     pipeliner turns the word tile's load into a ``cp.async`` copy into shared memory, as it does the
     byte path's. A word offset computed by floor division hid its alignment and left a plain 2-byte
     load per element in the loop (session 21: 36 LDG per iteration, 460 instructions against 232)."""
-    pytest.importorskip("triton")
     module = _matmul_module("w4ax", 1024, 5120, group=group, words=True)
     ttgir = sass.compile_sass(module["module"], module["num_warps"], module["num_stages"])["ttgir"]
     words = r"tensor<64x\d+x!tt.ptr<i16>"

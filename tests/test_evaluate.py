@@ -113,9 +113,10 @@ def test_bad_windows_and_ids_are_refused(tiny_model, rng):
         token_scores(params, cfg, ids[:10], mode="w16a16")
 
 
-def test_perplexity_runs_on_the_kernels_asked_for(tiny_model, rng, monkeypatch):
-    """``kernels`` reaches the forward (bench.fidelity's --kernels covers its perplexity column too):
-    the interpret-mode kernels give the reference's perplexity to rounding, and an unknown name is refused."""
+def test_perplexity_passes_its_kernels_to_the_forward(tiny_model, rng, monkeypatch):
+    """``kernels`` reaches the forward (bench.fidelity's --kernels, for its perplexity column), resolved;
+    an unknown name is refused. (Full-sequence forwards have no row tile, so they take the XLA paths
+    either way: with "pallas", W4A16 as a bf16 dot, :func:`qspec_jax.kernels.linear`.)"""
     import qspec_jax.evaluate as evaluate
 
     params, cfg = tiny_model
@@ -123,8 +124,7 @@ def test_perplexity_runs_on_the_kernels_asked_for(tiny_model, rng, monkeypatch):
     seen = []
     real_forward = evaluate.forward
     monkeypatch.setattr(evaluate, "forward", lambda *a, **k: seen.append(k["kernels"]) or real_forward(*a, **k))
-    got = {k: perplexity(params, cfg, ids, window=8, mode="w16a16", kernels=k) for k in ("interpret", "reference")}
-    assert "interpret" in seen  # (the reference's trace may be cached from another test)
-    assert got["interpret"] == pytest.approx(got["reference"], rel=1e-4)
+    perplexity(params, cfg, ids, window=8, mode="w16a16", kernels="interpret")
+    assert seen == ["interpret"]  # traced here: no other test scores with "interpret"
     with pytest.raises(ValueError, match="unknown kernels 'triton'"):
         perplexity(params, cfg, ids, window=8, mode="w16a16", kernels="triton")

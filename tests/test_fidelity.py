@@ -33,4 +33,4 @@ def test_unknown_draft_is_rejected_before_any_work(tmp_path, capsys):
     for bad in ("w4a9", "w4a8/kv5", "w4a8/kv"):
         with pytest.raises(SystemExit):
             fidelity.main(["--gsm8k", str(dev), "--drafts", bad])
-        assert "--drafts" in capsys.readouterr().err
+        assert f"error: --drafts: unknown draft '{bad}'" in capsys.readouterr().err

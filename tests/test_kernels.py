@@ -659,8 +659,8 @@ def test_activation_prologue_kernels(rng, dtype, bits):
                                   np.asarray(gm.activation_planes(normed.astype(jnp.bfloat16), 4), np.float32))
     w = random_weight(rng, 32, h, 32, False)  # the planes feed the W4AX kernel as its own quantization would
     planes, sa = cases["quantize_rows"][0]
-    np.testing.assert_array_equal(np.asarray(gm.w4ax_quantized(planes, sa, w, interpret=True)),
-                                  np.asarray(gm.w4ax_matmul(x, w, bits, interpret=True)))
+    assert_w4ax_output(np.asarray(gm.w4ax_quantized(planes, sa, w, interpret=True)),
+                       np.asarray(ref.quantized_matmul(x, w, f"w4a{bits}")), x, w, bits, "quantize_rows planes")
     np.testing.assert_array_equal(np.asarray(gm.w4a16_matmul(bf_planes, w, interpret=True)),
                                   np.asarray(gm.w4a16_matmul(normed, w, interpret=True)))
     with pytest.raises(ValueError, match="planes"):

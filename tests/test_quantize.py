@@ -43,6 +43,7 @@ def test_gptq_with_diagonal_hessian_is_rtn(rng):
     for scheme in (QuantScheme(32, False, "gptq"), QuantScheme(None, True, "gptq")):
         a, b = gptq_quantize(w, h, scheme), quantize_rtn(w, scheme)
         assert np.array_equal(a.packed, b.packed) and np.array_equal(a.scales, b.scales)
+        assert (a.mins is None) == (b.mins is None) and (a.mins is None or np.array_equal(a.mins, b.mins))
 
 
 @pytest.mark.parametrize("scheme", [QuantScheme(32, False, "gptq"), QuantScheme(None, True, "gptq"),
