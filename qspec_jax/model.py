@@ -422,5 +422,6 @@ def _check_inputs(config: LlamaConfig, tokens: jax.Array, positions: jax.Array) 
                          f"{tokens.shape} and {positions.shape}")
     if not isinstance(tokens, jax.core.Tracer):
         check_token_ids(np.asarray(tokens), config.vocab_size)
-    if not isinstance(positions, jax.core.Tracer) and positions.size and int(np.min(positions)) < 0:
-        raise ValueError(f"positions must be >= 0, got {int(np.min(positions))}")
+    # on the host: a concrete array closed over by a jit would otherwise be reduced inside the trace
+    if not isinstance(positions, jax.core.Tracer) and (low := int(np.asarray(positions).min())) < 0:
+        raise ValueError(f"positions must be >= 0, got {low}")
