@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.layout import QuantizedWeight, dequantize, signed_codes, w4a16_weights
+from pallas_kernels.layout import QuantizedWeight, bf16_round, dequantize, signed_codes, w4a16_weights
 from pallas_kernels.rows import map_row_tiles
 
 ACT_BITS = {"w4a8": 8, "w4a4": 4}
@@ -169,8 +169,8 @@ def quantized_matmul(x: jax.Array, w: QuantizedWeight, mode: str, row_tile: int 
     if mode == "w4a16":
         # bf16 x bf16 products are exact in float32: this is a bf16 matmul with f32 accumulation,
         # spelled in float32 because XLA's CPU bf16 dot is slow and takes other code paths.
-        wd = w4a16_weights(w).astype(jnp.float32)
-        return map_row_tiles(lambda r: _dot(r.astype(jnp.bfloat16).astype(jnp.float32), wd), x, row_tile)
+        wd = bf16_round(w4a16_weights(w))  # (bf16_round: the roundings survive XLA's fusions)
+        return map_row_tiles(lambda r: _dot(bf16_round(r), wd), x, row_tile)
     if mode in ACT_BITS:
         qw = signed_codes(w)
         return map_row_tiles(lambda r: _w4ax_rows(r, w, qw, ACT_BITS[mode]), x, row_tile)

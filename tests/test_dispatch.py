@@ -197,3 +197,25 @@ def test_concrete_layer_out_of_range_raises_on_every_path(rng):
         for kernels in ("reference", "interpret"):
             with pytest.raises(ValueError, match=f"layer {bad} out of range for a stack of 3"):
                 linear(x, Layer(stack, jnp.int32(bad)), "w4a16", ROW_TILE, kernels)
+
+
+def test_w4a16_reference_rounds_its_activations_at_any_row_count(rng):
+    """The W4A16 reference (RMSNorm fused into the linear, as in the model) against float64 of the bf16-
+    rounded activations and weights, at 4095 and 4096+ rows: XLA's CPU compiler dropped a convert to bf16
+    and back fused into the dot from 4096 rows on (2e-3 relative error; greedy and sampled tokens of a
+    large batch's prefill then differed from a small one's)."""
+    from convert.quantize import quantize_rtn
+    from pallas_kernels.layout import w4a16_weights
+    from qspec_jax.kernels import rms_norm
+
+    n, k = 144, 48
+    w = quantize_rtn(rng.standard_normal((n, k)), QuantScheme(16, bool(rng.integers(2))))
+    wd = np.asarray(w4a16_weights(w), np.float64)
+    scale = jnp.asarray(rng.uniform(0.5, 2, k), jnp.float32)
+    fused = jax.jit(lambda a: linear(rms_norm(a, scale, 1e-5, None, "reference", True), w, "w4a16", None, "reference"))
+    normed = jax.jit(lambda a: rms_norm(a, scale, 1e-5, None, "reference", False))
+    for m in (4095, 4096, int(rng.integers(4097, 9000))):
+        x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+        xb = np.asarray(normed(x).astype(jnp.bfloat16), np.float64)
+        err = np.abs(np.asarray(fused(x), np.float64) - xb @ wd.T) / (np.abs(xb) @ np.abs(wd).T)
+        assert err.max() < 1e-6, (m, err.max())
