@@ -569,7 +569,6 @@ def test_scale_overflow_is_refused(rng):
     """A weight too large for INT4 with float16 group scales / minimums is refused, not stored as inf,
     by RTN and by GPTQ (per group and per channel)."""
     from convert.gptq import gptq_quantize
-    from convert.quantize import quantize_rtn
 
     for value, symmetric in ((1e6, False), (-7e4, False), (5e5, True)):
         w = rng.standard_normal((8, 64)).astype(np.float32)

@@ -12,13 +12,14 @@ import numpy as np
 import pytest
 
 from convert.pipeline import convert_model
-from convert.quantize import QuantScheme
+from convert.quantize import QuantScheme, quantize_rtn
 from qspec_jax.api import generate
 from qspec_jax.decode import ROW_TILE
 from qspec_jax.kernels import (Layer, PendingAttention, PendingNorm, PendingSwiGLU, attention, linear,
-                               resolve_kernels, swiglu)
+                               resolve_kernels, rms_norm, swiglu)
 from qspec_jax.model import init_cache
 from pallas_kernels import gpu_attention, gpu_matmul
+from pallas_kernels.layout import w4a16_weights
 from tests.conftest import TINY, jit_forward, memory_model, random_source
 from tests.test_kernels import _attention64
 
@@ -185,8 +186,6 @@ def test_kernel_attention_needs_the_cache_in_the_compute_dtype(rng):
 def test_concrete_layer_out_of_range_raises_on_every_path(rng):
     """A concrete layer index outside the stack is refused on the reference path as on the kernels (dynamic
     indexing would clamp 5 or -1 to the last layer silently); inside a range it picks that layer."""
-    from convert.quantize import quantize_rtn
-
     stack_w = [quantize_rtn(rng.standard_normal((32, 128)), QuantScheme(64, True)) for _ in range(3)]
     stack = jax.tree.map(lambda *a: jnp.stack(a), *stack_w)
     x = jnp.asarray(rng.standard_normal((1, 2, 128)), jnp.float32)
@@ -204,10 +203,6 @@ def test_w4a16_reference_rounds_its_activations_at_any_row_count(rng):
     rounded activations and weights, at 4095 and 4096+ rows: XLA's CPU compiler dropped a convert to bf16
     and back fused into the dot from 4096 rows on (2e-3 relative error; greedy and sampled tokens of a
     large batch's prefill then differed from a small one's)."""
-    from convert.quantize import quantize_rtn
-    from pallas_kernels.layout import w4a16_weights
-    from qspec_jax.kernels import rms_norm
-
     n, k = 144, 48
     w = quantize_rtn(rng.standard_normal((n, k)), QuantScheme(16, bool(rng.integers(2))))
     wd = np.asarray(w4a16_weights(w), np.float64)
