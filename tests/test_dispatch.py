@@ -47,9 +47,14 @@ def _check_kernel_path(params, cfg, toks, pos, cache, mode):
     got, got_cache = run(toks, pos, cache, "interpret")
     want, _ = run(toks, pos, cache, "reference")
     # w16a16 stays in float32; the other modes round activations to bf16 / int codes, which turns
-    # float32-ulp differences between the paths (summation order) into occasional 1-code jumps
-    scale = float(jnp.abs(want).max())
-    assert float(jnp.abs(got - want).max()) <= (1e-4 if mode == "w16a16" else 2e-2) * scale
+    # float32-ulp differences between the paths (summation order) into occasional 1-code jumps: mostly
+    # none (< 5e-5 of the scale), but one jump early in the model moved the logits by 2.5% of the scale
+    # (0.17% on average; seed 1264597135, head64-w4a8). A wrong kernel errs by the scale itself.
+    scale, err = float(jnp.abs(want).max()), jnp.abs(got - want)
+    if mode == "w16a16":
+        assert float(err.max()) <= 1e-4 * scale
+    else:
+        assert float(err.max()) <= 5e-2 * scale and float(err.mean()) <= 5e-3 * scale
     steps, c = [], cache
     for i in range(toks.shape[1]):  # the same tokens one at a time: bitwise the same logits and KV
         lg, c = run(toks[:, i:i + 1], pos[:, i:i + 1], c, "interpret")
