@@ -33,6 +33,7 @@ from qspec_jax.config import LlamaConfig
 from qspec_jax.kernels import (Layer, PendingNorm, SplitSum, attention, check_mode, fuses_rope_store, linear,
                                resolve_kernels, rms_norm, rope_store, swiglu, unstack)
 from pallas_kernels import reference
+from pallas_kernels.launch import check_positions
 from pallas_kernels.layout import QuantizedWeight
 from pallas_kernels.rows import map_row_tiles
 from qspec_jax.rotation import apply_transform
@@ -422,6 +423,4 @@ def _check_inputs(config: LlamaConfig, tokens: jax.Array, positions: jax.Array) 
                          f"{tokens.shape} and {positions.shape}")
     if not isinstance(tokens, jax.core.Tracer):
         check_token_ids(np.asarray(tokens), config.vocab_size)
-    # on the host: a concrete array closed over by a jit would otherwise be reduced inside the trace
-    if not isinstance(positions, jax.core.Tracer) and (low := int(np.asarray(positions).min())) < 0:
-        raise ValueError(f"positions must be >= 0, got {low}")
+    check_positions("positions", positions)
