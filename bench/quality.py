@@ -115,13 +115,24 @@ def evaluation_settings(src: Path, args: argparse.Namespace) -> dict:
             "max_answer_tokens": args.max_answer_tokens if args.gsm8k else None}
 
 
+def converter_code() -> str:
+    """A digest of the code a conversion runs (``convert``, ``qspec_jax``, ``pallas_kernels``): a
+    checkpoint cached by older code is converted again rather than reused."""
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for f in sorted(p for pkg in ("convert", "qspec_jax", "pallas_kernels") for p in (root / pkg).rglob("*.py")):
+        digest.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
 def converted(work: Path, name: str, src: Path, scheme: QuantScheme | None, rotation_seed: int | None,
               args: argparse.Namespace) -> Path:
     """The checkpoint ``name`` converted from ``src``, cached under ``work`` in a directory per distinct
-    conversion (source file, scheme, rotation, GPTQ calibration): a run with other settings converts anew."""
+    conversion (converter code, source file, scheme, rotation, GPTQ calibration): a run with other
+    settings or code converts anew."""
     gptq = scheme is not None and scheme.method == "gptq"
-    conversion = {"source": file_identity(src), "scheme": None if scheme is None else dataclasses.asdict(scheme),
-                  "rotation_seed": rotation_seed,
+    conversion = {"code": converter_code(), "source": file_identity(src),
+                  "scheme": None if scheme is None else dataclasses.asdict(scheme), "rotation_seed": rotation_seed,
                   "calibration": [file_identity(args.calibration), args.n_samples, args.seq_len] if gptq else None}
     out = work / f"{name}-{hashlib.sha256(json.dumps(conversion, sort_keys=True).encode()).hexdigest()[:12]}"
     if not (out / "manifest.json").is_file():

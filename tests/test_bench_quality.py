@@ -71,3 +71,24 @@ def test_quality_resume_only_with_the_same_settings(stubbed):
     quality.main([*base, "--resume", "--n-samples", "128"])  # other weights: measured, not reused
     again = json.loads((tmp / "q.json").read_text())["results"]
     assert all(again[n]["digest"] != first["results"][n]["digest"] for n in again)
+
+
+def test_quality_converts_again_after_a_converter_change(stubbed, monkeypatch):
+    base, calls, tmp = stubbed
+    quality.main(base)
+    calls.clear()
+    monkeypatch.setattr(quality, "converter_code", lambda: "another-version")
+    quality.main(base)
+    assert sorted(calls) == [("a.gguf", "float", 64), ("a.gguf", "gptq", 64), ("a.gguf", "gptq", 64)]
+
+
+def test_converter_code_digest_follows_the_converters_source(tmp_path, monkeypatch):
+    for pkg in ("convert", "qspec_jax", "pallas_kernels"):
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "m.py").write_text(f"# {pkg}")
+    (tmp_path / "bench").mkdir()
+    monkeypatch.setattr(quality, "__file__", str(tmp_path / "bench" / "quality.py"))
+    before = quality.converter_code()
+    assert quality.converter_code() == before
+    (tmp_path / "convert" / "m.py").write_text("# changed")
+    assert quality.converter_code() != before
