@@ -33,7 +33,7 @@ import pytest
 from bench.gpu_decode_check import random_model
 from pallas_kernels import gpu_attention, gpu_matmul, gpu_norm, gpu_rope, reference
 from pallas_kernels.layout import QuantizedWeight, dequantize, pack_codes, w4a16_weights
-from tests.test_kernels import as_jnp, rope_store_case
+from tests.test_kernels import _attention64, as_jnp, rope_store_case
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 
@@ -180,21 +180,31 @@ def test_attention_kernel(rng, dtype, heads, kv, d):
     pos = jnp.asarray(start[:, None] + np.arange(8)[None], jnp.int32)
     att = jax.jit(gpu_attention.decode_attention)
     full = np.asarray(att(q, k, v, pos))
-    # float64 reference
-    q64, k64, v64 = (np.asarray(a.astype(jnp.float32), np.float64) for a in (q, k, v))
-    g = heads // kv
-    sc = np.einsum("bthd,bshd->bhts", q64, np.repeat(k64, g, axis=2)) / np.sqrt(d)
-    sc = np.where(np.arange(s)[None, None, None] <= np.asarray(pos)[:, None, :, None], sc, -np.inf)
-    p = np.exp(sc - sc.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    want = np.einsum("bhts,bshd->bthd", p, np.repeat(v64, g, axis=2))
-    err = _rel(full, want)
+    err = _rel(full, _attention64(*(a.astype(jnp.float32) for a in (q, k, v)), pos))
     print(f"attention H={heads} KV={kv} d={d} {jnp.dtype(dtype).name}: rel err {err:.2e}")
     assert err <= 1e-2
     sets = [(q[:, :t], k, v, pos[:, :t]) for t in range(1, 9)]
     for t, call in enumerate(_compile_all(gpu_attention.decode_attention, sets), start=1):
         # queries 0..t-1 in one call == the same queries of the 8-query call
         np.testing.assert_array_equal(np.asarray(call(*sets[t - 1])), full[:, :t], err_msg=f"T={t}")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_attention_kernel_query_past_the_cache(rng, dtype):
+    """A query at or past the cache's end sees every slot and nothing beyond, with the default blocks and
+    splits where the splits overrun the cache (17 blocks of 16 slots in 16 splits of 2 blocks): a block
+    read past the cache would add another sequence's memory to the visible slots."""
+    b, s, heads, kv, d = 2, 272, 32, 8, 128
+    splits = gpu_attention.num_splits(b, kv, s, 16)
+    assert splits * -(-(s // 16) // splits) > s // 16  # the case under test: the last splits start past the cache
+    k, v = (jnp.asarray(rng.standard_normal((b, s, kv, d)), dtype) for _ in range(2))
+    q = jnp.asarray(rng.standard_normal((b, 2, heads, d)), dtype)
+    pos = jnp.asarray([[s - 1, s], [s + int(rng.integers(1, 50)), 2 * s]], jnp.int32)
+    got = np.asarray(jax.jit(gpu_attention.decode_attention)(q, k, v, pos).astype(jnp.float32))
+    assert np.isfinite(got).all()
+    err = _rel(got, _attention64(*(a.astype(jnp.float32) for a in (q, k, v)), pos))
+    print(f"attention past the cache {jnp.dtype(dtype).name}: rel err {err:.2e}")
+    assert err <= 1e-2
 
 
 @pytest.mark.parametrize("dtype,heads,kv,d,parts,bits,scaled", [
