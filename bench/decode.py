@@ -79,7 +79,7 @@ import numpy as np  # noqa: E402
 from bench.args import command_line, int_list, positive_int, positive_seconds, read_gsm8k, read_json  # noqa: E402
 from pallas_kernels.layout import QuantizedWeight, dequantize  # noqa: E402
 from pallas_kernels.reference import KV_BITS  # noqa: E402
-from qspec_jax.api import CACHE_MULTIPLE, DRAFTS, METHODS, load  # noqa: E402
+from qspec_jax.api import DRAFTS, METHODS, cache_slots, load  # noqa: E402
 from qspec_jax.config import LlamaConfig  # noqa: E402
 from qspec_jax.kernels import KERNELS, resolve_kernels  # noqa: E402
 from qspec_jax.decode import DecodeState, Runtime, ar_loop  # noqa: E402
@@ -227,7 +227,7 @@ def fresh_state(cfg: LlamaConfig, batch: int, context: int, new: int, gamma: int
     """``context`` committed tokens per sequence (random), a zeroed bf16 KV cache (and its
     ``shadow_bits`` shadow) sized for ``new`` more tokens plus a QSPEC round."""
     buffer_len = context + new + gamma + 1
-    slots = -(-buffer_len // CACHE_MULTIPLE) * CACHE_MULTIPLE
+    slots = cache_slots(buffer_len)
     key = jax.random.key(seed)
     tokens = jax.random.randint(key, (batch, buffer_len), 0, cfg.vocab_size, jnp.int32)
     zeros = lambda: jnp.zeros((batch,), jnp.int32)  # noqa: E731  (distinct buffers: the state is donated)
@@ -268,9 +268,8 @@ def real_state_maker(model, rt: Runtime, prompts: list[list[int]], new: int, gam
 
     tokens, lengths = pad_prompts(prompts)
     buf = int(lengths.max()) + new + gamma + 1
-    cache_len = -(-buf // CACHE_MULTIPLE) * CACHE_MULTIPLE
     return lambda: _prefill(model.checkpoint.params, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(0),
-                            rt=rt, buffer_len=buf, cache_len=cache_len, mode="w4a16")
+                            rt=rt, buffer_len=buf, cache_len=cache_slots(buf), mode="w4a16")
 
 
 # ------------------------------------------------------------------------------ timing

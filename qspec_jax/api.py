@@ -48,6 +48,11 @@ class Model:
         return self.checkpoint.config
 
 
+def cache_slots(buffer_len: int) -> int:
+    """KV cache slots for ``buffer_len`` tokens: rounded up to whole :data:`CACHE_MULTIPLE` blocks."""
+    return -(-buffer_len // CACHE_MULTIPLE) * CACHE_MULTIPLE
+
+
 def load(path: str | Path | None = None) -> Model:
     """Load a converted checkpoint; without a path, the embedded SmolLM2 (converted on first use)."""
     from qspec_jax.tokenizer import load_tokenizer
@@ -189,7 +194,7 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
     rt = Runtime(cfg, int(max_new_tokens), eos_ids, sampling, dtype,
                  model.checkpoint.online_rotation_seed, kernels, draft_kv=draft_kv)
     buffer_len = tokens.shape[1] + max_new_tokens + CACHE_SLACK
-    cache_len = -(-buffer_len // CACHE_MULTIPLE) * CACHE_MULTIPLE  # whole KV blocks for the kernel
+    cache_len = cache_slots(buffer_len)
     params = model.checkpoint.params
     start = time.perf_counter()
     state = _prefill(params, jnp.asarray(tokens), jnp.asarray(lengths), seed_key(int(seed)), rt=rt,

@@ -507,7 +507,7 @@ def test_cache_length_does_not_depend_on_method_or_gamma(tiny_model, monkeypatch
                 generate(tiny_model, [[3, 4, 5]], max_new_tokens=new, eos_token_id=-1, **kw)
         assert len(seen) == len(runs) and len(set(seen)) == 1, (new, seen)
         buffer_len, cache_len = seen[0]
-        assert buffer_len >= 3 + new + MAX_GAMMA + 1 and cache_len % 64 == 0 and cache_len >= buffer_len
+        assert buffer_len >= 3 + new + MAX_GAMMA + 1 and cache_len % 64 == 0 and buffer_len <= cache_len < buffer_len + 64
 
 
 def test_one_array_prompt_is_one_sequence(tiny_model):
