@@ -8,7 +8,8 @@ Perplexity windowing: the raw file (CRLF -> LF) is tokenized as one string; the 
 ``--ppl-tokens`` tokens are cut into non-overlapping windows of ``--window`` tokens, each scored
 from its own start (no context carried across windows). Agreement: W4A16 answers the first
 ``--answers`` dev questions greedily (chat template, up to ``--max-answer-tokens``); along each
-answer, the W4A4 / W4A8 top-1 next token is compared with W4A16's (teacher-forced, same weights).
+answer after its first token (which the W4A16 prefill commits), the W4A4 / W4A8 top-1 next token is
+compared with W4A16's (teacher-forced, same weights).
 """
 
 from __future__ import annotations
@@ -48,7 +49,9 @@ def wikitext_ids(path: Path, tokenizer, n_tokens: int) -> np.ndarray:
 
 
 def agreement(ck: Checkpoint, prompts: list[list[int]], answers: list[list[int]]) -> dict:
-    """Teacher-forced top-1 agreement of each draft mode with W4A16 along the W4A16 answers."""
+    """Teacher-forced top-1 agreement of each draft mode with W4A16 along the W4A16 answers, at the
+    positions QSPEC's rounds commit: an answer's first token comes from the W4A16 prefill, so the
+    rounds (and alpha) start at its second token."""
     seqs = [p + a for p, a in zip(prompts, answers)]
     tokens, _ = pad_prompts(seqs)
     kw = dict(online_rotation_seed=ck.online_rotation_seed)
@@ -56,7 +59,8 @@ def agreement(ck: Checkpoint, prompts: list[list[int]], answers: list[list[int]]
                                for i in range(0, len(tokens), 10)]) for m in ("w4a16", *DRAFTS)}
     out = {}
     for draft in DRAFTS:
-        agree = [tops[draft][i, len(p) - 1: len(p) + len(a) - 1] == tops["w4a16"][i, len(p) - 1: len(p) + len(a) - 1]
+        # position t predicts token t + 1: len(p) .. len(p) + len(a) - 2 predict the answer's tokens 1..
+        agree = [tops[draft][i, len(p): len(p) + len(a) - 1] == tops["w4a16"][i, len(p): len(p) + len(a) - 1]
                  for i, (p, a) in enumerate(zip(prompts, answers))]
         flat = np.concatenate(agree)
         tpr = {g: flat.size / sum(simulate_rounds(a, g) for a in agree) for g in GAMMAS}
@@ -157,7 +161,8 @@ def write_report(path: Path, results: dict, float_ppl: float, args: argparse.Nam
         lines.append(f"| {name}{same} | " + " | ".join(f"{r['ppl'][m]:.3f}" for m in ("w4a16", "w4a8", "w4a4")) + " |")
     if any("agreement" in r for r in results.values()):
         lines += ["", f"Teacher-forced top-1 agreement with W4A16 (alpha) along {args.answers} GSM8K-dev answers "
-                  "generated greedily by W4A16, and simulated tokens per round for gamma = 1..6:", "",
+                  "generated greedily by W4A16 (from each answer's second token: the first is the prefill's), and "
+                  "simulated tokens per round for gamma = 1..6:", "",
                   "| checkpoint | draft | alpha | " + " | ".join(f"g={g}" for g in GAMMAS) + " |",
                   "|---|---|---|" + "---|" * len(GAMMAS)]
         for name, r in results.items():

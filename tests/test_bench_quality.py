@@ -92,3 +92,27 @@ def test_converter_code_digest_follows_the_converters_source(tmp_path, monkeypat
     assert quality.converter_code() == before
     (tmp_path / "convert" / "m.py").write_text("# changed")
     assert quality.converter_code() != before
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 6])
+def test_agreement_simulates_the_rounds_after_the_prefill_token(monkeypatch, gamma):
+    """The draft disagrees with W4A16 only where the prefill picks the answer's first token: QSPEC's
+    rounds never see that position, so alpha is 1 and each answer's n - 1 later tokens take
+    ceil((n - 1) / (gamma + 1)) rounds."""
+    rng = np.random.default_rng()
+    prompts = [list(rng.integers(1, 50, rng.integers(2, 9))) for _ in range(3)]
+    answers = [list(rng.integers(1, 50, rng.integers(2, 30))) for _ in range(3)]
+    width = max(len(p) + len(a) for p, a in zip(prompts, answers))
+    target = rng.integers(0, 50, (3, width))
+    draft = target.copy()
+    for i, p in enumerate(prompts):
+        draft[i, len(p) - 1] += 1  # the prefill's position (predicts the answer's first token)
+    tops = {"w4a16": target, "w4a4": draft, "w4a8": draft}
+    monkeypatch.setattr(quality, "token_scores", lambda params, config, tokens, mode, **kw: (None, tops[mode]))
+    ck = type("Ck", (), {"params": None, "config": None, "online_rotation_seed": None})()
+    res = quality.agreement(ck, prompts, answers)
+    later = [len(a) - 1 for a in answers]
+    for draft_mode in quality.DRAFTS:
+        assert res[draft_mode]["alpha"] == 1.0 and res[draft_mode]["tokens"] == sum(later)
+        rounds = sum(-(-n // (gamma + 1)) for n in later)
+        assert res[draft_mode]["tokens_per_round"][gamma] == pytest.approx(sum(later) / rounds, rel=1e-12)
