@@ -34,7 +34,7 @@ from qspec_jax.tokenizer import chat_prompt, load_tokenizer
 from bench.args import command_line
 
 GAMMAS = range(1, 7)
-CAVEAT = ("Notes: the W4A4 draft is unusable without rotation (alpha 0.12: per-token INT4 activations cannot hold SmolLM2's outlier channels); rotation makes it usable but forces re-rounding the GGUF's 4-bit weights, which costs the verifier (RTN +49% W4A16 perplexity, GPTQ +11%). GPTQ without rotation reproduces the Q4_1 codes exactly (the weights already lie on that grid), so that row is the passthrough checkpoint again. Alpha is measured along each checkpoint's own W4A16 answers, so a weaker verifier (rtn-rot) is scored on its own, more repetitive, text, which flatters its alpha.")
+CAVEAT = ("Notes: the W4A4 draft is unusable without rotation (alpha 0.11: per-token INT4 activations cannot hold SmolLM2's outlier channels); rotation makes it usable but forces re-rounding the GGUF's 4-bit weights, which costs the verifier (RTN +49% W4A16 perplexity, GPTQ +10%). GPTQ without rotation reproduces the Q4_1 codes exactly (the weights already lie on that grid), so that row is the passthrough checkpoint again. Alpha is measured along each checkpoint's own W4A16 answers, so a weaker verifier (rtn-rot) is scored on its own, more repetitive, text, which flatters its alpha.")
 DRAFTS = ("w4a4", "w4a8")
 
 
