@@ -1,0 +1,103 @@
+"""README.md's result tables are what ``python -m bench.report`` makes from the committed JSON files."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from bench import report
+
+ROOT = Path(__file__).resolve().parent.parent
+MARKERS = ("decode", "kernels", "fidelity", "quality", "hf")
+
+
+def test_readme_tables_match_the_committed_results():
+    readme = (ROOT / "README.md").read_text()
+    for name in MARKERS:
+        assert f"<!-- results:{name} -->" in readme and f"<!-- /results:{name} -->" in readme, name
+    generated = report.fill(readme, report.tables(ROOT / "bench" / "results"))
+    assert generated == readme, "README.md's result tables are stale: run `python -m bench.report`"
+
+
+def test_check_passes_on_the_committed_readme():
+    assert report.main(["--check"]) == 0
+
+
+@pytest.fixture
+def results(tmp_path: Path) -> Path:
+    """A copy of the committed result JSON files, free to change."""
+    out = tmp_path / "results"
+    out.mkdir()
+    for f in (ROOT / "bench" / "results").glob("*.json"):
+        shutil.copy(f, out / f.name)
+    return out
+
+
+def _edit(path: Path, change) -> None:
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("name, source, change", [
+    ("decode", "decode.json",
+     lambda d: d["results"][0]["methods"]["w4a16"].update(tokens_per_s=d["results"][0]["methods"]["w4a16"]
+                                                          ["tokens_per_s"] * 2)),
+    ("kernels", "kernels.json",
+     lambda d: next(t for t in d["table"].values() if t["M"] == report.KERNEL_M
+              and t["model"] == report.KERNEL_MODEL)["w4a16"].update(us=1234.5)),
+    ("fidelity", "fidelity.json", lambda d: d["methods"]["qspec-w4a8"].update(identical=999)),
+    ("quality", "quality.json", lambda d: next(iter(d["results"].values()))["ppl"].update(w4a16=99.0)),
+    ("hf", "hf_baseline.json", lambda d: d["rows"][0].update(decode_tokens_per_s=1.0)),
+])
+def test_a_changed_result_changes_the_readme(results: Path, tmp_path: Path, capsys, name, source, change):
+    """The check can fail: a changed number in any JSON changes its table, and ``--check`` then
+    exits 1 with a diff."""
+    readme = tmp_path / "README.md"
+    shutil.copy(ROOT / "README.md", readme)
+    before = report.tables(results)
+    _edit(results / source, change)
+    after = report.tables(results)
+    assert after[name] != before[name]
+    assert report.main(["--check", "--readme", str(readme), "--results", str(results)]) == 1
+    assert "+++ generated" in capsys.readouterr().out
+    assert report.main(["--readme", str(readme), "--results", str(results)]) == 0
+    assert report.main(["--check", "--readme", str(readme), "--results", str(results)]) == 0
+
+
+def test_provenance_changes_the_caption(results: Path):
+    _edit(results / "fidelity.json", lambda d: d.update(commit="abcdef0", date="2030-01-01"))
+    text = report.tables(results)["fidelity"]
+    assert "commit: abcdef0" in text and "date: 2030-01-01" in text
+
+
+def test_decode_with_some_configurations(results: Path):
+    """A decode run of one configuration, with one draft and one gamma, gives one table of one row;
+    an empty or absent one a line saying so."""
+    def keep_one(d):
+        d["results"] = [r for r in d["results"] if r["model"] == "llama3-8b" and r["context"] == 512
+                        and r["batch"] == 8]
+        r = d["results"][0]
+        r["methods"] = {m: e for m, e in r["methods"].items() if m in ("w4a16", "qspec w4a8 g=3")}
+        for k in ("date", "command"):
+            d.pop(k, None)
+    _edit(results / "decode.json", keep_one)
+    text = report.tables(results)["decode"]
+    assert text.count("| --- |") == 0 and text.count("**Llama-3-8B, context 512") == 1
+    rows = [line for line in text.splitlines() if line.startswith("| 8 |")]
+    assert rows == ["| 8 | 2574 | 2340 (0.91×, γ=3) |"]
+    assert "date: not recorded" in text
+    _edit(results / "decode.json", lambda d: d.update(results=[]))
+    assert "No decode configuration" in report.tables(results)["decode"]
+    (results / "decode.json").unlink()
+    assert "not present" in report.tables(results)["decode"]
+
+
+def test_marker_without_its_end_is_refused():
+    with pytest.raises(SystemExit, match="no <!-- /results:decode -->"):
+        report.fill("<!-- results:decode -->\nold\n", {"decode": "new"})
+    with pytest.raises(SystemExit, match="no such table"):
+        report.fill("<!-- results:nope -->\n<!-- /results:nope -->\n", {"decode": "new"})
