@@ -110,9 +110,13 @@ def render_decode(run: dict) -> str:
     sections = _valid_sections(run)
     if not sections:
         return "*No decode configuration measured yet.*"
-    commits = _commits(sections)
-    cap = caption(run.get("device"), run.get("date"), ", ".join(commits) or run.get("commit"),
-                  run.get("command"), "decode.json")
+    commits = _commits(sections) or ([run["commit"]] if run.get("commit") else [])
+    devices = list(dict.fromkeys(str(r["gpu"]) for r in sections if r.get("gpu"))) or \
+        ([run["device"]] if run.get("device") else [])
+    days = sorted({str(r["date"])[:10] for r in sections if r.get("date")}) or \
+        ([run["date"]] if run.get("date") else [])
+    date = days[0] if len(days) == 1 else f"{days[0]} to {days[-1]}" if days else None
+    cap = caption(", ".join(devices), date, ", ".join(commits), run.get("command"), "decode.json")
     lines = [cap, "",
              "Tokens/s of the whole batch; in brackets the speed-up over W4A16 AR in the same run. "
              "QSPEC: the best of the γ measured (γ given; every γ is in "

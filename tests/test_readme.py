@@ -77,19 +77,15 @@ def test_provenance_changes_the_caption(results: Path):
 def test_decode_with_some_configurations(results: Path):
     """A decode run of one configuration, with one draft and one gamma, gives one table of one row;
     an empty or absent one a line saying so."""
-    def keep_one(d):
-        d["results"] = [r for r in d["results"] if r["model"] == "llama3-8b" and r["context"] == 512
-                        and r["batch"] == 8]
-        r = d["results"][0]
-        r["methods"] = {m: e for m, e in r["methods"].items() if m in ("w4a16", "qspec w4a8 g=3")}
-        for k in ("date", "command"):
-            d.pop(k, None)
-    _edit(results / "decode.json", keep_one)
+    section = {"model": "llama3-8b", "batch": 8, "context": 4096, "new": 512, "acceptance": "replayed",
+               "methods": {"w4a16": {"tokens_per_s": 2000.0, "ms_per_step": 4.0},
+                           "qspec w4a8 g=3": {"tokens_per_s": 2500.0, "ms_per_round": 12.0}}}
+    (results / "decode.json").write_text(json.dumps({"device": "NVIDIA H200", "results": [section]}))
     text = report.tables(results)["decode"]
-    assert text.count("| --- |") == 0 and text.count("**Llama-3-8B, context 512") == 1
-    rows = [line for line in text.splitlines() if line.startswith("| 8 |")]
-    assert rows == ["| 8 | 2574 | 2340 (0.91×, γ=3) |"]
-    assert "date: not recorded" in text
+    assert text.count("**Llama-3-8B, context 4096 + 512 new tokens**") == 1 and text.count("**") == 2
+    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| batch")]
+    assert rows == ["| 8 | 2000 | 2500 (1.25×, γ=3) |"]
+    assert "date: not recorded" in text and "commit: not recorded" in text
     _edit(results / "decode.json", lambda d: d.update(results=[]))
     assert "No decode configuration" in report.tables(results)["decode"]
     (results / "decode.json").unlink()
@@ -101,3 +97,15 @@ def test_marker_without_its_end_is_refused():
         report.fill("<!-- results:decode -->\nold\n", {"decode": "new"})
     with pytest.raises(SystemExit, match="no such table"):
         report.fill("<!-- results:nope -->\n<!-- /results:nope -->\n", {"decode": "new"})
+
+
+def test_decode_caption_from_per_section_metadata(results: Path):
+    """Runs that record the GPU, date and commit per section are captioned from them."""
+    def stamp(d):
+        d.pop("date", None)
+        for i, r in enumerate(d["results"]):
+            r.pop("label", None)
+            r.update(gpu="NVIDIA H100 80GB HBM3", date=f"2026-12-0{5 + i % 2} 10:00 UTC", commit="1234abc")
+    _edit(results / "decode.json", stamp)
+    first = report.tables(results)["decode"].splitlines()[0]
+    assert first.startswith("*NVIDIA H100 80GB HBM3; date: 2026-12-05 to 2026-12-06; commit: 1234abc;"), first
