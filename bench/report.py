@@ -235,7 +235,8 @@ def render_quality(data: dict) -> str:
             return f"{agr[m]['alpha']:.3f}" if m in agr else "–"
 
         def t(m: str) -> str:
-            return f"{agr[m]['tokens_per_round']['3']:.2f}" if "3" in agr.get(m, {}).get("tokens_per_round", {}) else "–"
+            per_gamma = agr.get(m, {}).get("tokens_per_round", {})
+            return f"{per_gamma['3']:.2f}" if "3" in per_gamma else "–"
         same = f" (= {r['same_weights_as']})" if r.get("same_weights_as") else ""
         lines.append(f"| {name}{same} | {p('w4a16')} | {p('w4a8')} | {p('w4a4')} | {a('w4a8')} | {a('w4a4')} | "
                      f"{t('w4a8')} | {t('w4a4')} |")
