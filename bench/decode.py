@@ -77,6 +77,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.args import command_line, int_list, positive_int, positive_seconds, read_gsm8k, read_json  # noqa: E402
+from convert.embedded import default_checkpoint  # noqa: E402
 from pallas_kernels.layout import QuantizedWeight, dequantize  # noqa: E402
 from pallas_kernels.reference import KV_BITS  # noqa: E402
 from qspec_jax.api import DRAFTS, METHODS, cache_slots, load  # noqa: E402
@@ -560,7 +561,7 @@ def record_trace(args) -> None:
     """Per-round accepted drafts of greedy QSPEC on SmolLM2 (GSM8K-dev prompts, chat template)."""
     from qspec_jax.api import _tokenize
 
-    model = load(args.checkpoint)
+    model = load(args.checkpoint or default_checkpoint())
     ids = _tokenize(model, [r["question"] for r in read_gsm8k(args.gsm8k, answers=False)[: args.prompts]], chat=True)
     cfg = model.config
     out: dict = {"source": "SmolLM2-135M-Instruct (embedded, default checkpoint), greedy, chat template, "
@@ -755,7 +756,7 @@ def _bench_model(name: str, todo: list[tuple[int, int]], args, trace: dict, bw: 
     if not any(budget.fits(config_cost_s(name, context, batch, args)) for context, batch in todo):
         log(f"{name}: no configuration fits the {max(budget.left(), 0):.0f} s left of the budget, not loaded")
         return
-    model = load(args.checkpoint) if name == REAL_MODEL else None
+    model = load(args.checkpoint or default_checkpoint()) if name == REAL_MODEL else None
     cfg = MODELS[name] if model is None else model.config
     params = random_params(cfg, jax.random.key(1)) if model is None else model.checkpoint.params
     fparams = float_params(params) if "w16a16" in args.ar else None

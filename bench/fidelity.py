@@ -37,6 +37,7 @@ import numpy as np
 from bench.args import command_line, at_least, positive_int, read_gsm8k
 from bench.decode import parse_draft
 from bench.quality import wikitext_ids
+from convert.embedded import default_checkpoint
 from qspec_jax.api import Model, generate, load
 from qspec_jax.evaluate import perplexity
 from qspec_jax.kernels import KERNELS
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
         answers = [reference_answer(r["answer"]) for r in rows]
     except ValueError as e:
         raise SystemExit(f"--gsm8k {args.gsm8k}: {e}") from None
-    model = load(args.checkpoint)
+    model = load(args.checkpoint or default_checkpoint())
     if args.wikitext and args.window > model.config.max_position_embeddings:
         raise SystemExit(f"--window {args.window} exceeds the model's {model.config.max_position_embeddings} positions")
     device = jax.devices()[0].device_kind

@@ -28,7 +28,7 @@ from convert.quantize import QuantScheme
 from qspec_jax.checkpoint import Checkpoint, load_checkpoint
 from qspec_jax.decode import pad_prompts
 from qspec_jax.api import Model, generate
-from qspec_jax.embedded import cache_dir, embedded_gguf
+from convert.embedded import cache_dir, embedded_gguf
 from qspec_jax.evaluate import perplexity, token_scores, simulate_rounds
 from qspec_jax.tokenizer import chat_prompt, load_tokenizer
 from bench.args import command_line

@@ -53,13 +53,13 @@ def cache_slots(buffer_len: int) -> int:
     return -(-buffer_len // CACHE_MULTIPLE) * CACHE_MULTIPLE
 
 
-def load(path: str | Path | None = None) -> Model:
-    """Load a converted checkpoint; without a path, the embedded SmolLM2 (converted on first use)."""
+def load(path: str | Path) -> Model:
+    """Load a converted checkpoint (the embedded SmolLM2's: ``convert.embedded.default_checkpoint()``)."""
     from qspec_jax.tokenizer import load_tokenizer
 
     if path is None:
-        from qspec_jax.embedded import default_checkpoint
-        path = default_checkpoint()
+        raise ValueError("load() needs a checkpoint path (the embedded SmolLM2's: "
+                         "convert.embedded.default_checkpoint())")
     ck = load_checkpoint(path)
     tok = load_tokenizer(path) if (Path(path) / "tokenizer.json").is_file() else None
     return Model(ck, tok)

@@ -16,7 +16,7 @@ from convert.pipeline import convert
 from convert.quantize import QuantScheme
 from convert.sources import LINEARS, SourceModel, expected_shapes, read_source
 from qspec_jax.config import LlamaConfig
-from qspec_jax.embedded import embedded_gguf
+from convert.embedded import embedded_gguf
 from qspec_jax.model import forward
 
 # forward under jit, for tests that call the model directly: calls of one shape share a compile

@@ -817,7 +817,7 @@ def test_embedded_cache_converted_again_when_unreadable(tmp_path, monkeypatch, c
     beside the target and renamed into place; a temp dir a killed process left is removed (the
     conversion itself stubbed: it is tested above)."""
     import convert.pipeline
-    from qspec_jax import embedded
+    from convert import embedded
 
     monkeypatch.setenv("QSPEC_JAX_CACHE", str(tmp_path))
     out, lock = tmp_path / "smollm2-rtn-asym-g32", tmp_path / "smollm2-rtn-asym-g32.lock"
@@ -845,7 +845,7 @@ def test_embedded_cache_conversion_waits_for_another_process(tmp_path, monkeypat
 
     import convert.pipeline
     from filelock import FileLock
-    from qspec_jax import embedded
+    from convert import embedded
 
     monkeypatch.setenv("QSPEC_JAX_CACHE", str(tmp_path))
     out, lock = tmp_path / "smollm2-rtn-asym-g32", tmp_path / "smollm2-rtn-asym-g32.lock"

@@ -445,7 +445,7 @@ def test_greedy_qspec_equals_w4a16_random_model(rng, dtype):
 
 def _smollm2():
     from qspec_jax.api import load
-    from qspec_jax.embedded import cache_dir
+    from convert.embedded import cache_dir
 
     path = cache_dir() / "smollm2-rtn-asym-g32"
     if not (path / "manifest.json").is_file():
