@@ -22,10 +22,10 @@ from qspec_jax.checkpoint import MANIFEST, WEIGHTS, load_checkpoint, save_checkp
 from qspec_jax.config import LlamaConfig
 from qspec_jax.model import LINEAR_PATHS
 from tests.conftest import TINY, jit_forward, random_source, tiny_variant, write_gguf, write_hf_dir
-from pallas_kernels.precision import W16A16, parse_precision
+from pallas_kernels.precision import parse_precision
 
 
-def _logits(params, config, tokens, precision=W16A16, seed=None):
+def _logits(params, config, tokens, mode="w16a16", seed=None):
     pos = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     return np.asarray(jit_forward(params, config, jnp.asarray(tokens), pos, precision=parse_precision(mode),
                                   online_rotation_seed=seed)[0])
