@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from bench.args import command_line
+from convert.embedded import default_checkpoint
 from qspec_jax.api import DRAFTS, generate, load
 
 NOTE = ("How to read it: the acceptance rate (accepted / drafted) falls with gamma even at a constant per-token agreement, because once a draft is rejected the rest of the round is discarded; compare the measured tokens per round with the tokens per round simulated from the teacher-forced agreement (`bench/quality.py`, same checkpoint), and gamma=1 acceptance with alpha. The two measure slightly different things: the teacher-forced run computes every position with the draft's own KV cache for the whole prefix, while a QSPEC draft step reads the verifier's W4A16 KV for all committed tokens and its own KV only for the drafts of the current round, so measured acceptance is higher (most visibly for a poor draft).")
@@ -33,7 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=Path("bench/results/acceptance.md"))
     args = ap.parse_args(argv)
 
-    model = load(args.checkpoint)
+    model = load(args.checkpoint or default_checkpoint())
     questions = [json.loads(line)["question"] for line in args.gsm8k.read_text().splitlines()
                  if line.strip()][: args.prompts]
     gammas = [int(g) for g in args.gammas.split(",")]

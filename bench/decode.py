@@ -77,14 +77,17 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.args import command_line, int_list, positive_int, positive_seconds, read_gsm8k, read_json  # noqa: E402
+from bench.hooks import acceptance_trace, replay_loop, unstack_layers  # noqa: E402
+from convert.embedded import default_checkpoint  # noqa: E402
 from pallas_kernels.layout import QuantizedWeight, dequantize  # noqa: E402
+from pallas_kernels.precision import W4A16, parse_precision  # noqa: E402
 from pallas_kernels.reference import KV_BITS  # noqa: E402
 from qspec_jax.api import DRAFTS, METHODS, cache_slots, load  # noqa: E402
 from qspec_jax.config import LlamaConfig  # noqa: E402
-from qspec_jax.kernels import KERNELS, resolve_kernels  # noqa: E402
-from qspec_jax.decode import DecodeState, Runtime, ar_loop  # noqa: E402
-from qspec_jax.model import init_cache, unstack_layers  # noqa: E402
-from qspec_jax.qspec import acceptance_trace, qspec_loop  # noqa: E402
+from qspec_jax.kernels import KERNELS, Execution, resolve_kernels  # noqa: E402
+from qspec_jax.decode import DecodeState, Runtime, ar_loop, prefill_jit  # noqa: E402
+from qspec_jax.model import init_cache  # noqa: E402
+from qspec_jax.qspec import qspec_loop  # noqa: E402
 from qspec_jax.sampling import Sampling  # noqa: E402
 
 MODELS = {
@@ -139,7 +142,7 @@ def random_params(cfg: LlamaConfig, key: jax.Array) -> dict:
 
 def float_params(params: dict) -> dict:
     """The same weights dequantized to bf16, one tree per layer (the W16A16 baseline runs plain XLA
-    dots, which would copy a layer out of a stack first: :func:`qspec_jax.model.unstack_layers`)."""
+    dots, which would copy a layer out of a stack first: :func:`bench.hooks.unstack_layers`)."""
     return unstack_layers(jax.tree.map(lambda a: dequantize(a, jnp.bfloat16) if isinstance(a, QuantizedWeight) else a,
                                        params, is_leaf=lambda a: isinstance(a, QuantizedWeight)))
 
@@ -263,13 +266,12 @@ def fewshot_prompts(model, dev: Path, train: Path, batch: int, context: int) -> 
 def real_state_maker(model, rt: Runtime, prompts: list[list[int]], new: int, gamma: int):
     """A function making a fresh decode state: ``prompts`` prefilled (W4A16) with room for ``new``
     tokens plus a QSPEC round."""
-    from qspec_jax.api import _prefill
     from qspec_jax.decode import pad_prompts
 
     tokens, lengths = pad_prompts(prompts)
     buf = int(lengths.max()) + new + gamma + 1
-    return lambda: _prefill(model.checkpoint.params, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(0),
-                            rt=rt, buffer_len=buf, cache_len=cache_slots(buf), mode="w4a16")
+    return lambda: prefill_jit(model.checkpoint.params, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(0),
+                               rt=rt, buffer_len=buf, cache_len=cache_slots(buf), precision=W4A16)
 
 
 # ------------------------------------------------------------------------------ timing
@@ -307,7 +309,7 @@ def forward_loop(rt: Runtime, mode: str, reps: int, read_shadow: bool = False):
     def many(p, carry):
         def one(i, carry):
             toks, pos, c = carry
-            logits, c = rt.run(p, toks, pos, c, mode, read_shadow=read_shadow)
+            logits, c = rt.run(p, toks, pos, c, parse_precision(mode), read_shadow=read_shadow)
             return jnp.argmax(logits, axis=-1).astype(toks.dtype), pos, c
 
         return jax.lax.fori_loop(0, reps, one, carry)
@@ -407,7 +409,7 @@ def plan_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None,
                  "acceptance": "replayed" if model is None else "measured", "kernels": resolve_kernels(args.kernels)}
     gmax = max(args.gammas)
     rt = Runtime(cfg, args.new, (), Sampling(), jnp.bfloat16,
-                 None if model is None else model.checkpoint.online_rotation_seed, args.kernels)
+                 None if model is None else model.checkpoint.online_rotation_seed, Execution.decode(args.kernels))
     if model is not None:
         prompts = fewshot_prompts(model, args.gsm8k, args.gsm8k_train, batch, context)
         res["prompt_tokens"] = float(np.mean([len(p) for p in prompts]))
@@ -426,13 +428,14 @@ def plan_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None,
     res["floor_ms_per_step"] = 1e3 * (res["weight_bytes"] + res["kv_read_bytes"]) / bw
     res["phase_context"] = round(prompt) + ahead  # where forward_ms times the phases
     res["copy_bw"] = bw
-    res["cache_bytes"] = sum(a.size * a.dtype.itemsize for a in state.cache)
+    res["cache_bytes"] = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(state.cache))
     jobs: dict = {}
     for method in _ar_methods(args, fparams):
         p = fparams if method == "w16a16" else params
         # the W16A16 baseline is plain XLA (bf16 dots, XLA attention), not row-count invariant
-        rt_m = dataclasses.replace(rt, kernels="reference", invariant=False) if method == "w16a16" else rt
-        jobs["ar", method] = (jax.jit(lambda q, s, rt_m=rt_m, method=method: ar_loop(q, s, rt=rt_m, mode=method),
+        rt_m = dataclasses.replace(rt, execution=Execution.prefill("reference")) if method == "w16a16" else rt
+        jobs["ar", method] = (jax.jit(lambda q, s, rt_m=rt_m, p=parse_precision(method): ar_loop(q, s, rt=rt_m,
+                                                                                               precision=p),
                                       donate_argnums=1), (p, state))
     if args.drafts and ("ar", "w4a16") in jobs:
         jobs["fwd", "w4a16", 1, None] = (forward_loop(rt, "w4a16", FORWARD_REPS), (params, carry(1)))
@@ -442,8 +445,9 @@ def plan_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None,
         jobs["fwd", mode, 1, bits] = (forward_loop(rt_d, mode, FORWARD_REPS, bits is not None), (params, carry(1, bits)))
         for g in args.gammas:
             replay = None if trace is None else jnp.asarray(trace[draft][str(g)], jnp.int32)
-            jobs["qspec", draft, g] = (jax.jit(lambda q, s, g=g, mode=mode, rt_d=rt_d, replay=replay: qspec_loop(
-                q, s, rt=rt_d, gamma=g, draft_mode=mode, replay=replay), donate_argnums=1), (params, state_d))
+            jobs["qspec", draft, g] = (jax.jit(lambda q, s, g=g, p=parse_precision(mode), rt_d=rt_d, replay=replay: (
+                qspec_loop(q, s, rt=rt_d, gamma=g, draft=p) if replay is None
+                else replay_loop(q, s, replay, rt=rt_d, gamma=g, draft=p)), donate_argnums=1), (params, state_d))
             # the verify on the draft's state: with a shadow, its re-quantization (sync_shadow) included
             jobs["fwd", "w4a16", g + 1, bits] = (forward_loop(rt_d, "w4a16", FORWARD_REPS), (params, carry(g + 1, bits)))
     return Config(res, rt, makes, jobs, ahead)
@@ -558,10 +562,10 @@ def run_config(c: Config, compiled: dict, params: dict, fparams: dict | None, ar
 
 def record_trace(args) -> None:
     """Per-round accepted drafts of greedy QSPEC on SmolLM2 (GSM8K-dev prompts, chat template)."""
-    from qspec_jax.api import _tokenize
+    from qspec_jax.api import tokenize
 
-    model = load(args.checkpoint)
-    ids = _tokenize(model, [r["question"] for r in read_gsm8k(args.gsm8k, answers=False)[: args.prompts]], chat=True)
+    model = load(args.checkpoint or default_checkpoint())
+    ids = tokenize(model, [r["question"] for r in read_gsm8k(args.gsm8k, answers=False)[: args.prompts]], chat=True)
     cfg = model.config
     out: dict = {"source": "SmolLM2-135M-Instruct (embedded, default checkpoint), greedy, chat template, "
                            f"{len(ids)} GSM8K-dev prompts x {args.new} new tokens", "device": jax.devices()[0].device_kind}
@@ -569,10 +573,10 @@ def record_trace(args) -> None:
         mode, bits = parse_draft(draft)
         out[draft] = {}
         for g in args.gammas:
-            rt = Runtime(cfg, args.new, (), Sampling(), jnp.float32, model.checkpoint.online_rotation_seed, args.kernels,
-                         draft_kv=bits)
+            rt = Runtime(cfg, args.new, (), Sampling(), jnp.float32, model.checkpoint.online_rotation_seed,
+                         Execution.decode(args.kernels), draft_kv=bits)
             st = real_state_maker(model, rt, ids, args.new, g)()
-            tr = acceptance_trace(model.checkpoint.params, st, rt=rt, gamma=g, draft_mode=mode)
+            tr = acceptance_trace(model.checkpoint.params, st, rt=rt, gamma=g, draft=parse_precision(mode))
             # each sequence's own rounds, cut to the shortest: no row of a finished sequence is replayed
             cols = [c[c >= 0] for c in tr.T]
             rounds = min(len(c) for c in cols)
@@ -755,7 +759,7 @@ def _bench_model(name: str, todo: list[tuple[int, int]], args, trace: dict, bw: 
     if not any(budget.fits(config_cost_s(name, context, batch, args)) for context, batch in todo):
         log(f"{name}: no configuration fits the {max(budget.left(), 0):.0f} s left of the budget, not loaded")
         return
-    model = load(args.checkpoint) if name == REAL_MODEL else None
+    model = load(args.checkpoint or default_checkpoint()) if name == REAL_MODEL else None
     cfg = MODELS[name] if model is None else model.config
     params = random_params(cfg, jax.random.key(1)) if model is None else model.checkpoint.params
     fparams = float_params(params) if "w16a16" in args.ar else None

@@ -37,6 +37,8 @@ import numpy as np
 from bench.args import command_line, at_least, positive_int, read_gsm8k
 from bench.decode import parse_draft
 from bench.quality import wikitext_ids
+from convert.embedded import default_checkpoint
+from pallas_kernels.precision import parse_precision
 from qspec_jax.api import Model, generate, load
 from qspec_jax.evaluate import perplexity
 from qspec_jax.kernels import KERNELS
@@ -127,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
         answers = [reference_answer(r["answer"]) for r in rows]
     except ValueError as e:
         raise SystemExit(f"--gsm8k {args.gsm8k}: {e}") from None
-    model = load(args.checkpoint)
+    model = load(args.checkpoint or default_checkpoint())
     if args.wikitext and args.window > model.config.max_position_embeddings:
         raise SystemExit(f"--window {args.window} exceeds the model's {model.config.max_position_embeddings} positions")
     device = jax.devices()[0].device_kind
@@ -162,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
         from qspec_jax.tokenizer import load_tokenizer
         ids = wikitext_ids(args.wikitext, load_tokenizer(model.checkpoint.path), args.ppl_tokens)
         ck = model.checkpoint
-        out["ppl"] = {m: perplexity(ck.params, ck.config, ids, window=args.window, mode=m,
+        out["ppl"] = {m: perplexity(ck.params, ck.config, ids, window=args.window, precision=parse_precision(m),
                                     online_rotation_seed=ck.online_rotation_seed, kernels=args.kernels)
                       for m in AR_METHODS}
         print("ppl", out["ppl"], flush=True)

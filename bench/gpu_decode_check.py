@@ -17,7 +17,9 @@ from qspec_jax.api import Model, generate
 from qspec_jax.checkpoint import Checkpoint
 from qspec_jax.config import LlamaConfig
 from qspec_jax.decode import ROW_TILE
+from qspec_jax.kernels import Execution
 from qspec_jax.model import forward, init_cache
+from pallas_kernels.precision import W4A16
 
 
 def random_model(rng: np.random.Generator) -> Model:
@@ -44,9 +46,9 @@ def main() -> None:
         toks = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, p + g)))
         cache = init_cache(cfg, b, 64, dtype)
         _, cache = forward(params, cfg, toks[:, :p], jnp.broadcast_to(jnp.arange(p), (b, p)), cache,
-                           mode="w4a16", dtype=dtype, kernels="reference")
-        step = jax.jit(lambda t, pos, c: forward(params, cfg, t, pos, c, mode="w4a16", dtype=dtype, row_tile=ROW_TILE,
-                                                     kernels="reference"))
+                           precision=W4A16, dtype=dtype, execution=Execution.prefill("reference"))
+        step = jax.jit(lambda t, pos, c: forward(params, cfg, t, pos, c, precision=W4A16, dtype=dtype,
+                                                 execution=Execution.decode("reference", ROW_TILE)))
         lv, cv = step(toks[:, p:], jnp.broadcast_to(jnp.arange(p, p + g), (b, g)), cache)
         ca, la = cache, []
         for i in range(g):
@@ -55,7 +57,7 @@ def main() -> None:
         la = jnp.stack(la, 1)
         print(f"{jnp.dtype(dtype).name}: verify logits bitwise equal to 1-token steps: {bool(jnp.array_equal(la, lv))} "
               f"(max diff {float(jnp.abs(la - lv).max()):.3g}); KV bitwise: "
-              f"{bool(jnp.array_equal(ca[0], cv[0]) and jnp.array_equal(ca[1], cv[1]))}")
+              f"{bool(jnp.array_equal(ca.k, cv.k) and jnp.array_equal(ca.v, cv.v))}")
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (5, 17, 9, 30)]
     ref = generate(model, prompts, max_new_tokens=48, method="w4a16", kernels="reference")
     for draft in ("w4a8", "w4a4"):

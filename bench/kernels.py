@@ -66,6 +66,7 @@ from bench.args import command_line, int_list, positive_int, positive_seconds, r
 from pallas_kernels import gpu_matmul as gm
 from pallas_kernels import reference as ref
 from pallas_kernels.layout import QuantizedWeight, dequantize
+from pallas_kernels.precision import W4A4, parse_precision
 
 MODELS = {  # decoder linears and lm_head, (N, K) = (out_features, in_features)
     "llama3-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
@@ -267,7 +268,7 @@ def check(res: dict, rng: np.random.Generator) -> None:
     """The kernels against the references on this device (see the module docstring)."""
     out = res["check"] = []
     res.pop("check_ok", None)  # a run whose check stops early says nothing, not a resumed file's verdict
-    ref_mm = jax.jit(ref.quantized_matmul, static_argnames="mode")
+    ref_mm = jax.jit(ref.quantized_matmul, static_argnames="precision")
     j16 = jax.jit(lambda a, w: gm.w4a16_matmul(a, w, **KW))
     jax_ = jax.jit(lambda a, w, bits: gm.w4ax_matmul(a, w, bits, **KW), static_argnums=2)
     ok_all = True
@@ -292,7 +293,7 @@ def check(res: dict, rng: np.random.Generator) -> None:
                 if bits == 8 and m not in (1, 16):
                     continue
                 y = np.asarray(jax_(xm, w, bits))
-                r = np.asarray(ref_mm(xm, w, mode=mode))
+                r = np.asarray(ref_mm(xm, w, precision=parse_precision(mode)))
                 row[f"{mode}_mismatches"] = int((y != r).sum())
                 row[f"{mode}_max_rel_diff"] = float(np.abs(y - r).max() / np.abs(r).max())
             inv = {}
@@ -314,7 +315,7 @@ def check(res: dict, rng: np.random.Generator) -> None:
                 ys = np.asarray(s16(xm, w), np.float64)
                 row["split2_w4a16_rel_err_vs_f64"] = float(np.linalg.norm(ys - exact) / np.linalg.norm(exact))
                 y4s = np.asarray(s4(xm, w))
-                r4 = np.asarray(ref_mm(xm, w, mode="w4a4"))
+                r4 = np.asarray(ref_mm(xm, w, precision=W4A4))
                 row["split2_w4a4_max_rel_diff"] = float(np.abs(y4s - r4).max() / np.abs(r4).max())
                 inv["split2_w4a16"] = bool(np.array_equal(np.asarray(s16(x[3:4], w))[0], ys[3].astype(np.float32)))
                 inv["split2_w4a4"] = bool(np.array_equal(np.asarray(s4(x[3:4], w))[0], y4s[3]))

@@ -27,8 +27,9 @@ import jax
 import jax.numpy as jnp
 
 from bench.decode import MODELS, forward_carry, forward_loop, fresh_state, parse_draft, random_params
-from pallas_kernels.reference import MODES
+from pallas_kernels.precision import PRECISIONS
 from qspec_jax.decode import Runtime
+from qspec_jax.kernels import Execution
 from qspec_jax.sampling import Sampling
 from bench.args import command_line
 
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     for item in args.runs.split(","):
         spec, _, tokens = item.partition(":")
         try:
-            mode, bits = parse_draft(spec, MODES)
+            mode, bits = parse_draft(spec, tuple(p.name for p in PRECISIONS))
         except ValueError as e:
             ap.error(f"--runs: {e}")
         if not tokens.isdigit() or int(tokens) < 1:
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
         runs.append((spec, mode, bits, int(tokens)))
     cfg = MODELS[args.model]
     params = random_params(cfg, jax.random.key(1))
-    rt = Runtime(cfg, 64, (), Sampling(), jnp.bfloat16, None, "auto")
+    rt = Runtime(cfg, 64, (), Sampling(), jnp.bfloat16, None, Execution.decode())
     out = {"command": command_line("bench.profile", argv),
            "device": jax.devices()[0].device_kind, "model": args.model, "batch": args.batch,
            "context": args.context, "reps": args.reps, "runs": {}}

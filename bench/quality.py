@@ -25,10 +25,11 @@ import numpy as np
 
 from convert.pipeline import convert
 from convert.quantize import QuantScheme
+from pallas_kernels.precision import W16A16, parse_precision
 from qspec_jax.checkpoint import Checkpoint, load_checkpoint
 from qspec_jax.decode import pad_prompts
 from qspec_jax.api import Model, generate
-from qspec_jax.embedded import cache_dir, embedded_gguf
+from convert.embedded import cache_dir, embedded_gguf
 from qspec_jax.evaluate import perplexity, token_scores, simulate_rounds
 from qspec_jax.tokenizer import chat_prompt, load_tokenizer
 from bench.args import command_line
@@ -55,7 +56,8 @@ def agreement(ck: Checkpoint, prompts: list[list[int]], answers: list[list[int]]
     seqs = [p + a for p, a in zip(prompts, answers)]
     tokens, _ = pad_prompts(seqs)
     kw = dict(online_rotation_seed=ck.online_rotation_seed)
-    tops = {m: np.concatenate([token_scores(ck.params, ck.config, tokens[i:i + 10], mode=m, **kw)[1]
+    tops = {m: np.concatenate([token_scores(ck.params, ck.config, tokens[i:i + 10], precision=parse_precision(m),
+                                            **kw)[1]
                                for i in range(0, len(tokens), 10)]) for m in ("w4a16", *DRAFTS)}
     out = {}
     for draft in DRAFTS:
@@ -74,7 +76,7 @@ def evaluate_checkpoint(ck: Checkpoint, tok, wiki: np.ndarray, window: int, ques
     res: dict = {"ppl": {}}
     for mode in modes:
         t = time.time()
-        res["ppl"][mode] = perplexity(ck.params, ck.config, wiki, window=window, mode=mode, **kw)
+        res["ppl"][mode] = perplexity(ck.params, ck.config, wiki, window=window, precision=parse_precision(mode), **kw)
         print(f"  ppl {mode}: {res['ppl'][mode]:.3f} ({time.time() - t:.0f} s)", flush=True)
     if questions:
         t = time.time()
@@ -221,7 +223,8 @@ def main(argv: list[str] | None = None) -> None:
         float_dir = converted(work, "float-norot", src, None, None, args)
         fl = load_checkpoint(float_dir)
         float_ppl = perplexity(fl.params, fl.config, wikitext_ids(args.wikitext, load_tokenizer(float_dir),
-                                                                   args.ppl_tokens), window=args.window, mode="w16a16")
+                                                                   args.ppl_tokens),
+                               window=args.window, precision=W16A16)
         del fl
     print(f"W16A16 float: ppl {float_ppl:.3f}", flush=True)
     scheme_tag = f"{'sym' if args.symmetric else 'asym'}-g{args.group_size or 'ch'}"

@@ -17,6 +17,7 @@ from convert.quantize import QuantScheme, asymmetric_form, quantize_rtn
 from convert.rotate import rotate
 from convert.sources import SourceModel, Tensor, as_float, read_source
 from pallas_kernels.layout import QuantizedWeight
+from pallas_kernels.precision import W16A16
 from qspec_jax.checkpoint import holds_checkpoint, save_checkpoint
 from qspec_jax.config import LlamaConfig
 from qspec_jax.model import LINEAR_PATHS, DecoderLayer, Linear, rope_frequencies, rope_tables
@@ -74,7 +75,8 @@ def _linear_inputs_hessians(layer_params, x, positions, config, seed):
 
     rope = rope_tables(positions, rope_frequencies(config), x.dtype)
     with nn.intercept_methods(intercept):
-        y, _ = DecoderLayer(config, "w16a16", seed).apply({"params": layer_params}, x, None, positions, rope)
+        y, _ = DecoderLayer(config, W16A16, online_rotation_seed=seed).apply({"params": layer_params}, x, None,
+                                                                            positions, rope)
     hess = {p: jnp.einsum("...k,...l->kl", a, a, precision=jax.lax.Precision.HIGHEST)
             for p, a in captured.items()}
     return y, hess

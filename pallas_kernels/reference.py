@@ -1,12 +1,13 @@
 """Reference numerics of the quantized matmuls, in plain ``jnp``.
 
-These functions define what every mode computes; the Pallas GPU kernels must reproduce them
-(the W4A4/W4A8 int32 accumulations bitwise, the float results to tolerance).
+These functions define what every :class:`~pallas_kernels.precision.Precision` computes; the Pallas
+GPU kernels must reproduce them (the W4A4/W4A8 int32 accumulations bitwise, the float results to
+tolerance).
 
-* ``w16a16``: float weights (dequantized in float32) times activations in their own dtype.
-* ``w4a16``: weights dequantized in bfloat16 (:func:`pallas_kernels.layout.w4a16_weights`),
+* W16A16: float weights (dequantized in float32) times activations in their own dtype.
+* W4A16: weights dequantized in bfloat16 (:func:`pallas_kernels.layout.w4a16_weights`),
   activations cast to bfloat16, float32 accumulation.
-* ``w4a8`` / ``w4a4``: activations quantized per token (row) to symmetric INT8 / INT4
+* W4A8 / W4A4: activations quantized per token (row) to symmetric INT8 / INT4
   (scale = absmax * f32(1/127) or f32(1/7), q = round_half_even(x * f32(1 / scale)), clamp), int8 x int8 -> int32 products
   summed within each weight group, then ``y = s_act * sum_g(s_w[g] * acc[g] + m_w[g] * sum(q_act[g]))``
   in float32 (the minimum term only for asymmetric weights).
@@ -22,10 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.layout import QuantizedWeight, bf16_round, dequantize, signed_codes, w4a16_weights
+from pallas_kernels.precision import Precision
 from pallas_kernels.rows import map_row_tiles
-
-ACT_BITS = {"w4a8": 8, "w4a4": 4}
-MODES = ("w16a16", "w4a16", "w4a8", "w4a4")
 
 
 def quantize_activations(x: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]:
@@ -155,8 +154,8 @@ def dense_matmul(x: jax.Array, w: jax.Array, row_tile: int | None = None) -> jax
     return map_row_tiles(lambda r: _dot(r, wd), x, row_tile)
 
 
-def quantized_matmul(x: jax.Array, w: QuantizedWeight, mode: str, row_tile: int | None = None) -> jax.Array:
-    """The reference matmul of ``x[..., K]`` with packed weights in one of :data:`MODES`, float32 out.
+def quantized_matmul(x: jax.Array, w: QuantizedWeight, precision: Precision, row_tile: int | None = None) -> jax.Array:
+    """The reference matmul of ``x[..., K]`` with packed weights in ``precision``, float32 out.
 
     The weight operand is prepared once (dequantized, or unpacked to int8); the rows then run in
     tiles of ``row_tile`` (see :mod:`pallas_kernels.rows`) so each row's result is independent of
@@ -164,17 +163,15 @@ def quantized_matmul(x: jax.Array, w: QuantizedWeight, mode: str, row_tile: int 
     """
     if x.shape[-1] != w.shape[1]:
         raise ValueError(f"input of {x.shape[-1]} features for a weight of shape (N, K) = {w.shape}")
-    if mode == "w16a16":
+    if not precision.quantized:
         return dense_matmul(x, dequantize(w, x.dtype), row_tile)
-    if mode == "w4a16":
+    if not precision.int_acts:
         # bf16 x bf16 products are exact in float32: this is a bf16 matmul with f32 accumulation,
         # spelled in float32 because XLA's CPU bf16 dot is slow and takes other code paths.
         wd = bf16_round(w4a16_weights(w))  # (bf16_round: the roundings survive XLA's fusions)
         return map_row_tiles(lambda r: _dot(bf16_round(r), wd), x, row_tile)
-    if mode in ACT_BITS:
-        qw = signed_codes(w)
-        return map_row_tiles(lambda r: _w4ax_rows(r, w, qw, ACT_BITS[mode]), x, row_tile)
-    raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
+    qw = signed_codes(w)
+    return map_row_tiles(lambda r: _w4ax_rows(r, w, qw, precision.act_bits), x, row_tile)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -13,15 +12,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import reference
+from pallas_kernels.precision import DRAFT_PRECISIONS, W4A8, W4A16, W16A16, W4A4, parse_precision
 from qspec_jax.checkpoint import Checkpoint, load_checkpoint
-from qspec_jax.decode import FINISH_REASONS, DecodeState, Runtime, ar_loop, pad_prompts, prefill
-from qspec_jax.kernels import resolve_kernels
+from qspec_jax.decode import FINISH_REASONS, Runtime, ar_loop, pad_prompts, prefill_jit
+from qspec_jax.kernels import Execution
 from qspec_jax.qspec import qspec_loop
 from qspec_jax.sampling import Sampling, check_token_ids, is_integer
 
-METHODS = ("qspec", "w4a16", "w4a8", "w4a4", "w16a16")
-DRAFTS = ("w4a4", "w4a8")
-DEFAULT_DRAFT, DEFAULT_GAMMA = "w4a8", 3  # generate()'s, also the CLI's
+AR_PRECISIONS = (W4A16, W4A8, W4A4, W16A16)  # the autoregressive methods
+METHODS = ("qspec", *(p.name for p in AR_PRECISIONS))
+DRAFTS = tuple(p.name for p in DRAFT_PRECISIONS)
+DEFAULT_DRAFT, DEFAULT_GAMMA = W4A8.name, 3  # generate()'s, also the CLI's
 # Drafts per round at most: the expected accepted run is a / (1 - a) at acceptance a (4 at 0.8, 32 at
 # 0.97), so more only adds rejected work, while every draft slot lengthens the cache and the verify
 MAX_GAMMA = 32
@@ -53,13 +54,13 @@ def cache_slots(buffer_len: int) -> int:
     return -(-buffer_len // CACHE_MULTIPLE) * CACHE_MULTIPLE
 
 
-def load(path: str | Path | None = None) -> Model:
-    """Load a converted checkpoint; without a path, the embedded SmolLM2 (converted on first use)."""
+def load(path: str | Path) -> Model:
+    """Load a converted checkpoint (the embedded SmolLM2's: ``convert.embedded.default_checkpoint()``)."""
     from qspec_jax.tokenizer import load_tokenizer
 
     if path is None:
-        from qspec_jax.embedded import default_checkpoint
-        path = default_checkpoint()
+        raise ValueError("load() needs a checkpoint path (the embedded SmolLM2's: "
+                         "convert.embedded.default_checkpoint())")
     ck = load_checkpoint(path)
     tok = load_tokenizer(path) if (Path(path) / "tokenizer.json").is_file() else None
     return Model(ck, tok)
@@ -77,7 +78,7 @@ class GenerationResult:
     stats: dict[str, float]
 
 
-def _tokenize(model: Model, prompts, chat: bool) -> list[list[int]]:
+def tokenize(model: Model, prompts, chat: bool) -> list[list[int]]:
     """Token ids of each prompt (strings through the tokenizer), checked against the vocabulary."""
     if isinstance(prompts, str):
         prompts = [prompts]
@@ -110,9 +111,11 @@ def _tokenize(model: Model, prompts, chat: bool) -> list[list[int]]:
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("rt", "buffer_len", "cache_len", "mode"))
-def _prefill(params, prompts, lengths, key, *, rt, buffer_len, cache_len, mode) -> DecodeState:
-    return prefill(params, prompts, lengths, key, rt, buffer_len, cache_len, mode)
+def default_dtype(backend: str | None = None) -> Any:
+    """``generate``'s compute dtype when none is given: bfloat16 on a GPU backend (the kernels'
+    native input), float32 elsewhere (XLA's CPU bf16 dots are slow). ``backend``: ``jax.default_backend()``
+    where None."""
+    return jnp.bfloat16 if (jax.default_backend() if backend is None else backend) == "gpu" else jnp.float32
 
 
 def seed_key(seed: int) -> jax.Array:
@@ -128,7 +131,7 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
              draft_kv: int | None = None,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
              eos_token_id: int | Sequence[int] | None = None, chat: bool = False, max_len: int | None = None,
-             dtype: Any = jnp.float32, kernels: str = "auto") -> GenerationResult:
+             dtype: Any = None, kernels: str = "auto") -> GenerationResult:
     """Generate continuations of ``prompts`` (strings or token-id sequences) with ``method``.
 
     ``qspec`` drafts ``gamma`` tokens per round in ``draft`` precision and verifies them in W4A16;
@@ -141,17 +144,16 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
     (all of them, where it lists several); ``-1`` never stops on a token.
     ``temperature`` 0 decodes greedily; above 0 tokens are sampled (key from ``seed``), ``top_k`` /
     ``top_p`` restricting the distribution. ``chat`` wraps string prompts in the chat template.
-    ``dtype``: the activations' and KV cache's float type (float32, bfloat16 or float16).
+    ``dtype``: the activations' and KV cache's float type (float32, bfloat16 or float16); None:
+    bfloat16 on a GPU backend, float32 elsewhere (:func:`default_dtype`).
     ``kernels`` picks the Pallas GPU kernels or the jnp references (:mod:`qspec_jax.kernels`;
     ``"auto"``: the kernels on a GPU). Prompts are padded to a multiple of :data:`PROMPT_MULTIPLE`
     tokens, so calls whose longest prompts fall in the same bucket reuse the compiled code.
     """
     if not isinstance(model, Model):
         raise ValueError(f"model must be a qspec_jax.Model (from qspec_jax.load(path)), got {type(model).__name__}")
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
-    if draft not in DRAFTS:
-        raise ValueError(f"unknown draft precision {draft!r}; expected one of {DRAFTS}")
+    ar = None if method == "qspec" else parse_precision(method, AR_PRECISIONS, "method", others=("qspec",))
+    draft = parse_precision(draft, DRAFT_PRECISIONS, "draft precision")
     if draft_kv is not None and (method != "qspec" or not is_integer(draft_kv) or draft_kv not in reference.KV_BITS):
         raise ValueError(f"draft_kv must be None or one of {reference.KV_BITS}, with method 'qspec'; got "
                          f"draft_kv={draft_kv!r} with method {method!r}")
@@ -163,6 +165,7 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
         raise ValueError(f"seed must be an integer in [-2**63, 2**63), got {seed!r}")
     if max_len is not None and (not is_integer(max_len) or max_len < 1):
         raise ValueError(f"max_len must be an integer >= 1 or None, got {max_len!r}")
+    dtype = default_dtype() if dtype is None else dtype
     try:
         known = jnp.dtype(dtype) in COMPUTE_DTYPES
     except TypeError:
@@ -170,11 +173,11 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
     if not known:
         raise ValueError(f"dtype must be one of {[d.name for d in COMPUTE_DTYPES]}, got {dtype!r}")
     gamma, max_new_tokens = int(gamma), int(max_new_tokens)  # NumPy integers would overflow the cache sizes
-    if method != "w16a16" and not model.checkpoint.quantized:
+    if (ar is None or ar.quantized) and not model.checkpoint.quantized:
         raise ValueError(f"method {method!r} needs a quantized checkpoint; this one holds float weights")
-    kernels = resolve_kernels(kernels)
+    execution = Execution.decode(kernels)
     sampling = Sampling(temperature, top_k, top_p)
-    ids = _tokenize(model, prompts, chat)
+    ids = tokenize(model, prompts, chat)
     tokens, lengths = pad_prompts(ids, PROMPT_MULTIPLE)
     cfg = model.config
     if max_len is None:
@@ -192,17 +195,17 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
                                 [""] * b if model.tokenizer is not None else None, _stats(None, 0.0))
 
     rt = Runtime(cfg, int(max_new_tokens), eos_ids, sampling, dtype,
-                 model.checkpoint.online_rotation_seed, kernels, draft_kv=draft_kv)
+                 model.checkpoint.online_rotation_seed, execution, draft_kv=draft_kv)
     buffer_len = tokens.shape[1] + max_new_tokens + CACHE_SLACK
     cache_len = cache_slots(buffer_len)
     params = model.checkpoint.params
     start = time.perf_counter()
-    state = _prefill(params, jnp.asarray(tokens), jnp.asarray(lengths), seed_key(int(seed)), rt=rt,
-                     buffer_len=buffer_len, cache_len=cache_len, mode="w16a16" if method == "w16a16" else "w4a16")
-    if method == "qspec":
-        state = qspec_loop(params, state, rt=rt, gamma=int(gamma), draft_mode=draft)
+    state = prefill_jit(params, jnp.asarray(tokens), jnp.asarray(lengths), seed_key(int(seed)), rt=rt,
+                        buffer_len=buffer_len, cache_len=cache_len, precision=W16A16 if ar == W16A16 else W4A16)
+    if ar is None:
+        state = qspec_loop(params, state, rt=rt, gamma=int(gamma), draft=draft)
     else:
-        state = ar_loop(params, state, rt=rt, mode=method)
+        state = ar_loop(params, state, rt=rt, precision=ar)
     state = jax.block_until_ready(state)
     wall = time.perf_counter() - start
     out = jax.device_get((state.tokens, state.lengths, state.finish, state.rounds, state.drafted, state.accepted))

@@ -153,10 +153,11 @@ def save_checkpoint(out: str | Path, params: dict[str, Any], config: LlamaConfig
 
 def expected_param_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """Logical shape of every param (packed weights by their unpacked ``[..., N, K]``)."""
+    from pallas_kernels.precision import W16A16
     from qspec_jax.model import Llama
 
     tok = jnp.zeros((1, 1), jnp.int32)
-    shapes = jax.eval_shape(Llama(config, "w16a16").init, jax.random.key(0), tok, tok)["params"]
+    shapes = jax.eval_shape(Llama(config, W16A16).init, jax.random.key(0), tok, tok)["params"]
     return {_path_name(path): tuple(s.shape) for path, s in jax.tree_util.tree_leaves_with_path(shapes)}
 
 

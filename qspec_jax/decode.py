@@ -16,13 +16,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.precision import Precision
 from qspec_jax.config import LlamaConfig
+from qspec_jax.kernels import ROW_TILE, Execution  # noqa: F401  (ROW_TILE: the decode-time row tile)
 from qspec_jax.model import KVCache, forward, init_cache, sync_shadow
 from qspec_jax.sampling import Sampling, choose
 
 RUNNING, STOP, LENGTH = 0, 1, 2
 FINISH_REASONS = {STOP: "stop", LENGTH: "length"}
-ROW_TILE = 8  # row tile of every decode-time forward (row-count invariance, pallas_kernels/rows.py)
 
 
 @jax.tree_util.register_dataclass
@@ -34,7 +35,7 @@ class DecodeState:
     lengths: jax.Array        # int32[B] committed tokens (prompt included)
     prompt_lengths: jax.Array  # int32[B]
     finish: jax.Array         # int32[B] RUNNING / STOP / LENGTH
-    cache: KVCache            # ([L, B, S, KV, hd], same), then the draft's KV shadow if Runtime.draft_kv
+    cache: KVCache            # k, v [L, B, S, KV, hd], and the draft's KV shadow if Runtime.draft_kv
     key: jax.Array            # PRNG key
     rounds: jax.Array         # int32[B] loop iterations in which the sequence was running
     drafted: jax.Array        # int32[B] draft tokens proposed
@@ -55,16 +56,18 @@ class Runtime:
     sampling: Sampling
     dtype: Any = jnp.float32
     online_rotation_seed: int | None = None
-    kernels: str = "auto"  # see qspec_jax.kernels
-    invariant: bool = True  # False: plain XLA decode steps, not row-count invariant (benchmark baselines)
+    # how decode-time forwards run (the prefill drops the row tile); one without a row tile makes the
+    # decode steps plain XLA, not row-count invariant (benchmark baselines)
+    execution: Execution = dataclasses.field(default_factory=Execution.decode)
     draft_kv: int | None = None  # 8 / 4: QSPEC's drafts read an INT8 / INT4 shadow of the KV cache
 
-    def run(self, params, tokens, positions, cache, mode: str, row_tile: int | None = ROW_TILE,
+    def run(self, params, tokens, positions, cache, precision: Precision, execution: Execution | None = None,
             read_shadow: bool = False):
-        """One forward; unless it is a draft reading the shadow, the shadow follows the new slots."""
-        logits, cache = forward(params, self.config, tokens, positions, cache, mode=mode, dtype=self.dtype,
+        """One forward (``execution`` None: the decode-time one); unless it is a draft reading the
+        shadow, the shadow follows the new slots."""
+        logits, cache = forward(params, self.config, tokens, positions, cache, precision=precision, dtype=self.dtype,
                                 online_rotation_seed=self.online_rotation_seed,
-                                row_tile=row_tile if self.invariant else None, kernels=self.kernels,
+                                execution=self.execution if execution is None else execution,
                                 read_shadow=read_shadow)
         return logits, cache if read_shadow else sync_shadow(cache, positions)
 
@@ -90,11 +93,12 @@ def commit(state: DecodeState, cand: jax.Array, n_new: jax.Array, rt: Runtime) -
 
 
 def prefill(params, prompts: jax.Array, prompt_lengths: jax.Array, key: jax.Array, rt: Runtime,
-            buffer_len: int, cache_len: int, mode: str) -> DecodeState:
-    """Run the prompts through the model in ``mode`` (filling the KV cache) and commit the first token."""
+            buffer_len: int, cache_len: int, precision: Precision) -> DecodeState:
+    """Run the prompts through the model in ``precision`` (filling the KV cache) and commit the first token."""
     b, p = prompts.shape
     cache = init_cache(rt.config, b, cache_len, rt.dtype, rt.draft_kv)
-    logits, cache = rt.run(params, prompts, jnp.broadcast_to(jnp.arange(p), (b, p)), cache, mode, row_tile=None)
+    logits, cache = rt.run(params, prompts, jnp.broadcast_to(jnp.arange(p), (b, p)), cache, precision,
+                           execution=rt.execution.untiled())
     key, sub = jax.random.split(key)
     first, _ = choose(logits[jnp.arange(b), prompt_lengths - 1], rt.sampling, sub)
     zeros = jnp.zeros((b,), jnp.int32)
@@ -105,14 +109,21 @@ def prefill(params, prompts: jax.Array, prompt_lengths: jax.Array, key: jax.Arra
     return commit(state, first[:, None], jnp.ones((b,), jnp.int32), rt)[0]
 
 
+@functools.partial(jax.jit, static_argnames=("rt", "buffer_len", "cache_len", "precision"))
+def prefill_jit(params, prompts, lengths, key, *, rt: Runtime, buffer_len: int, cache_len: int,
+                precision: Precision) -> DecodeState:
+    """:func:`prefill` compiled (once per runtime, sizes and precision)."""
+    return prefill(params, prompts, lengths, key, rt, buffer_len, cache_len, precision)
+
+
 def last_tokens(state: DecodeState) -> jax.Array:
     """``int32[B, 1]``: each sequence's last committed token (the one without KV yet)."""
     return jnp.take_along_axis(state.tokens, (state.lengths - 1)[:, None], axis=1)
 
 
-def ar_step(params, state: DecodeState, rt: Runtime, mode: str) -> DecodeState:
+def ar_step(params, state: DecodeState, rt: Runtime, precision: Precision) -> DecodeState:
     """One autoregressive step: feed the last token, choose the next, commit it."""
-    logits, cache = rt.run(params, last_tokens(state), (state.lengths - 1)[:, None], state.cache, mode)
+    logits, cache = rt.run(params, last_tokens(state), (state.lengths - 1)[:, None], state.cache, precision)
     key, sub = jax.random.split(state.key)
     nxt, _ = choose(logits[:, 0], rt.sampling, sub)
     running = (~state.done).astype(jnp.int32)
@@ -120,10 +131,10 @@ def ar_step(params, state: DecodeState, rt: Runtime, mode: str) -> DecodeState:
     return commit(state, nxt[:, None], jnp.ones_like(state.lengths), rt)[0]
 
 
-@functools.partial(jax.jit, static_argnames=("rt", "mode"), donate_argnames=("state",))
-def ar_loop(params, state: DecodeState, *, rt: Runtime, mode: str) -> DecodeState:
-    """Autoregressive decoding in ``mode`` until every sequence is done: one ``lax.while_loop``."""
-    return jax.lax.while_loop(lambda s: ~jnp.all(s.done), lambda s: ar_step(params, s, rt, mode), state)
+@functools.partial(jax.jit, static_argnames=("rt", "precision"), donate_argnames=("state",))
+def ar_loop(params, state: DecodeState, *, rt: Runtime, precision: Precision) -> DecodeState:
+    """Autoregressive decoding in ``precision`` until every sequence is done: one ``lax.while_loop``."""
+    return jax.lax.while_loop(lambda s: ~jnp.all(s.done), lambda s: ar_step(params, s, rt, precision), state)
 
 
 def pad_prompts(prompts: list[list[int]], multiple: int = 1) -> tuple[np.ndarray, np.ndarray]:

@@ -9,39 +9,40 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.precision import Precision
 from qspec_jax.config import LlamaConfig
-from qspec_jax.kernels import resolve_kernels
+from qspec_jax.kernels import Execution
 from qspec_jax.model import forward
 from qspec_jax.sampling import check_token_ids, is_integer
 
 
-@functools.partial(jax.jit, static_argnames=("config", "mode", "dtype", "online_rotation_seed", "kernels"))
-def _scores(params, tokens, *, config: LlamaConfig, mode: str, dtype: Any, online_rotation_seed: int | None,
-            kernels: str):
-    """Per-position ``(log p(next token), argmax)`` of ``tokens[B, T]`` under one mode."""
+@functools.partial(jax.jit, static_argnames=("config", "precision", "dtype", "online_rotation_seed", "execution"))
+def _scores(params, tokens, *, config: LlamaConfig, precision: Precision, dtype: Any,
+            online_rotation_seed: int | None, execution: Execution):
+    """Per-position ``(log p(next token), argmax)`` of ``tokens[B, T]`` in one precision."""
     pos = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    logits, _ = forward(params, config, tokens, pos, mode=mode, dtype=dtype,
-                        online_rotation_seed=online_rotation_seed, kernels=kernels)
+    logits, _ = forward(params, config, tokens, pos, precision=precision, dtype=dtype,
+                        online_rotation_seed=online_rotation_seed, execution=execution)
     logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
     nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
     return nll, jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
-def token_scores(params, config: LlamaConfig, tokens: np.ndarray, *, mode: str, dtype: Any = jnp.float32,
+def token_scores(params, config: LlamaConfig, tokens: np.ndarray, *, precision: Precision, dtype: Any = jnp.float32,
                  online_rotation_seed: int | None = None, kernels: str = "auto") -> tuple[np.ndarray, np.ndarray]:
-    """``(nll[B, T-1], argmax[B, T])`` of full-sequence (teacher-forced) forwards; ``kernels`` as in
-    :func:`qspec_jax.model.forward`."""
+    """``(nll[B, T-1], argmax[B, T])`` of full-sequence (teacher-forced) forwards; ``kernels``: see
+    :mod:`qspec_jax.kernels` (prefill-like forwards, no row tile)."""
     tokens = np.asarray(tokens)
     if tokens.ndim != 2 or tokens.shape[0] < 1 or not 2 <= tokens.shape[1] <= config.max_position_embeddings:
         raise ValueError(f"tokens must be [B, T] with B >= 1 and 2 <= T <= {config.max_position_embeddings} "
                          f"(the model's positions), got shape {tokens.shape}")
     check_token_ids(tokens, config.vocab_size)
-    nll, top = _scores(params, jnp.asarray(tokens, jnp.int32), config=config, mode=mode, dtype=dtype,
-                       online_rotation_seed=online_rotation_seed, kernels=resolve_kernels(kernels))
+    nll, top = _scores(params, jnp.asarray(tokens, jnp.int32), config=config, precision=precision, dtype=dtype,
+                       online_rotation_seed=online_rotation_seed, execution=Execution.prefill(kernels))
     return np.asarray(nll), np.asarray(top)
 
 
-def perplexity(params, config: LlamaConfig, ids: np.ndarray, *, window: int, mode: str, batch: int = 4,
+def perplexity(params, config: LlamaConfig, ids: np.ndarray, *, window: int, precision: Precision, batch: int = 4,
                dtype: Any = jnp.float32, online_rotation_seed: int | None = None, kernels: str = "auto") -> float:
     """Perplexity of ``ids`` cut into non-overlapping windows of ``window`` tokens (a trailing
     partial window is dropped); each window is scored from its own start, predicting tokens 2..window."""
@@ -59,7 +60,7 @@ def perplexity(params, config: LlamaConfig, ids: np.ndarray, *, window: int, mod
     windows = np.asarray(ids[: n * window], np.int32).reshape(n, window)
     total = []
     for i in range(0, n, batch):
-        nll, _ = token_scores(params, config, windows[i:i + batch], mode=mode, dtype=dtype,
+        nll, _ = token_scores(params, config, windows[i:i + batch], precision=precision, dtype=dtype,
                               online_rotation_seed=online_rotation_seed, kernels=kernels)
         total.append(nll.reshape(-1))
     return float(np.exp(np.concatenate(total).astype(np.float64).mean()))

@@ -2,17 +2,18 @@
 
 Layers are stacked and run with ``jax.lax.scan`` over the layer index (one traced layer, short
 compiles); each layer sees :class:`~qspec_jax.kernels.Layer` views of the stacked weights and KV
-cache, which the kernels read in place. Per-layer trees (:func:`unstack_layers`) run as an unrolled
-loop instead, for plain-XLA baselines. Every decoder
-linear goes through :func:`qspec_jax.kernels.linear` with the module's ``mode``, so one packed
-INT4 params pytree serves ``w16a16``, ``w4a16``, ``w4a8`` and ``w4a4``. Embeddings, attention
-and the lm_head always run in the float compute dtype. With ``online_rotation_seed`` set
-(rotated checkpoints), the o_proj input (per head) and the down_proj input pass through the
-orthogonal transform of :mod:`qspec_jax.rotation` in every mode.
+cache, which the kernels read in place. Per-layer trees (a list of layers) run as an unrolled loop
+instead, for plain-XLA baselines. Every decoder linear goes through
+:func:`qspec_jax.kernels.linear` with the model's :class:`~pallas_kernels.precision.Precision`, so
+one packed INT4 params pytree serves W16A16, W4A16, W4A8 and W4A4, and every op runs as the model's
+:class:`~qspec_jax.kernels.Execution` says. Embeddings, attention and the lm_head always run in the
+float compute dtype. With ``online_rotation_seed`` set (rotated checkpoints), the o_proj input (per
+head) and the down_proj input pass through the orthogonal transform of :mod:`qspec_jax.rotation`
+in every precision.
 
-The KV cache is a pair ``(k, v)`` of ``[L, B, S, num_kv_heads, head_dim]`` arrays whose slot
-``s`` holds position ``s``; a query at position ``p`` attends to slots ``0..p``. It may carry the
-draft's quantized shadow of itself after the pair (:func:`init_cache`): a forward with
+The KV cache is a :class:`KVCache`: keys and values ``[L, B, S, num_kv_heads, head_dim]`` whose
+slot ``s`` holds position ``s``; a query at position ``p`` attends to slots ``0..p``. It may carry
+the draft's quantized shadow of itself (:class:`KVShadow`, :func:`init_cache`): a forward with
 ``read_shadow`` attends over the shadow and writes only it, so the float pair stays the verifier's
 alone; :func:`sync_shadow` re-quantizes the shadow from the pair after any other forward. Without
 a cache the tokens attend causally (by position) to each other. Callers size the cache: a position
@@ -21,6 +22,7 @@ at or beyond its length is not stored (checked by the decoding API before anythi
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -30,11 +32,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from qspec_jax.config import LlamaConfig
-from qspec_jax.kernels import (Layer, PendingNorm, SplitSum, attention, check_mode, fuses_rope_store, linear,
-                               resolve_kernels, rms_norm, rope_store, swiglu, unstack)
+from qspec_jax.kernels import (Execution, Layer, SplitSum, attention, fuses_rope_store, layer_view, linear,
+                               materialize, merge_heads, rms_norm, rope_store, stacked_of, swiglu, unstack)
 from pallas_kernels import reference
 from pallas_kernels.launch import check_positions
-from pallas_kernels.layout import QuantizedWeight
+from pallas_kernels.precision import W4A16, W16A16, Precision
 from pallas_kernels.rows import map_row_tiles
 from qspec_jax.rotation import apply_transform
 from qspec_jax.sampling import check_token_ids
@@ -42,7 +44,54 @@ from qspec_jax.sampling import check_token_ids
 # The decoder linears (module paths within a layer), whose weights a quantized checkpoint packs as INT4;
 # embeddings, norms, biases and the lm_head stay float
 LINEAR_PATHS = (("attn", "qkv"), ("attn", "o"), ("mlp", "gate_up"), ("mlp", "down"))
-KVCache = tuple[jax.Array, ...]  # (k, v), or (k, v, k_words, v_words, k_scales, v_scales) with the shadow (init_cache)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVShadow:
+    """The draft's quantized copy of the KV cache: int16 words of ``bits``-bit codes
+    ``[L, B, S, KV, d * bits / 16]`` and float32 scales, head-major ``[L, B, KV, S]``, for keys and
+    values (:func:`pallas_kernels.reference.quantize_kv`). Its leaves may be :class:`Layer` views."""
+
+    k_words: Any
+    v_words: Any
+    k_scales: Any
+    v_scales: Any
+    bits: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def arrays(self) -> tuple[Any, Any, Any, Any]:
+        """``(k_words, v_words, k_scales, v_scales)``: the order the fused RoPE / store kernel takes."""
+        return self.k_words, self.v_words, self.k_scales, self.v_scales
+
+    def with_arrays(self, arrays) -> KVShadow:
+        return KVShadow(*arrays, bits=self.bits)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Keys and values ``[L, B, S, KV, d]`` (the verifier's, in the compute dtype) and, with
+    ``Runtime.draft_kv``, the draft's :class:`KVShadow`. Inside the layer scan its leaves are
+    :class:`Layer` views of one layer (:func:`qspec_jax.kernels.layer_view`)."""
+
+    k: Any
+    v: Any
+    draft: KVShadow | None = None
+
+    def written(self, read_shadow: bool) -> tuple[Any, ...] | None:
+        """What a forward writes: the shadow's arrays for a draft over the shadow (None without
+        one), else the pair ``(k, v)``."""
+        if read_shadow:
+            return None if self.draft is None else self.draft.arrays
+        return self.k, self.v
+
+    def with_written(self, read_shadow: bool, arrays) -> KVCache:
+        """The cache with :meth:`written`'s arrays replaced by ``arrays``."""
+        if read_shadow:
+            return dataclasses.replace(self, draft=self.draft.with_arrays(arrays))
+        k, v = arrays
+        return dataclasses.replace(self, k=k, v=v)
 
 
 def rope_frequencies(config: LlamaConfig) -> np.ndarray:
@@ -95,53 +144,48 @@ def _param(module: nn.Module, name: str, init, *init_args) -> Any:
 
 
 class Linear(nn.Module):
-    """``y = x @ W.T (+ b)`` over a float or packed-INT4 weight ``[features, in]``; ``parts``: the float32
-    result as a :class:`~qspec_jax.kernels.SplitSum` instead, for a consumer kernel that adds and
-    rounds it itself."""
+    """``y = x @ W.T (+ b)`` over a float or packed-INT4 weight ``[features, in]`` in ``precision``;
+    ``parts``: the float32 result as a :class:`~qspec_jax.kernels.SplitSum` instead, for a consumer
+    kernel that adds and rounds it itself."""
 
     features: int
-    mode: str
+    precision: Precision
+    execution: Execution = Execution()
     use_bias: bool = False
-    row_tile: int | None = None
-    kernels: str = "reference"
     parts: bool = False
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array | SplitSum:
+    def __call__(self, x) -> jax.Array | SplitSum:
         w = _param(self, "w", _dense_init, (self.features, x.shape[-1]))
         if self.parts:
             if self.use_bias:
                 raise ValueError("a layer with a bias cannot hand out its partial sums")
-            return linear(x, w, self.mode, self.row_tile, self.kernels, parts=True)
-        y = linear(x, w, self.mode, self.row_tile, self.kernels, jnp.float32 if self.use_bias else x.dtype)
+            return linear(x, w, self.precision, self.execution, parts=True)
+        y = linear(x, w, self.precision, self.execution, jnp.float32 if self.use_bias else x.dtype)
         if self.use_bias:
             y = y + unstack(_param(self, "b", nn.initializers.zeros, (self.features,))).astype(jnp.float32)
         return y.astype(x.dtype)
 
 
 class RMSNorm(nn.Module):
-    """``defer``: the output feeds an INT4 linear layer, which may fuse the norm with its activation
-    prologue (:class:`qspec_jax.kernels.PendingNorm`)."""
+    """May return a lazy :class:`~qspec_jax.kernels.PendingNorm` (see :func:`qspec_jax.kernels.rms_norm`)."""
 
     eps: float
-    row_tile: int | None = None
-    kernels: str = "reference"
-    defer: bool = False
+    execution: Execution = Execution()
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array | PendingNorm:
+    def __call__(self, x: jax.Array):
         scale = _param(self, "scale", nn.initializers.ones, (x.shape[-1],))
-        return rms_norm(x, scale, self.eps, self.row_tile, self.kernels, self.defer)
+        return rms_norm(x, scale, self.eps, self.execution)
 
 
 class _Block(nn.Module):
     """What every part of a decoder layer is configured with (the model's settings)."""
 
     config: LlamaConfig
-    mode: str
+    precision: Precision
+    execution: Execution = Execution()
     online_rotation_seed: int | None = None
-    row_tile: int | None = None
-    kernels: str = "reference"
 
 
 class Attention(_Block):
@@ -150,22 +194,21 @@ class Attention(_Block):
     read_shadow: bool = False
 
     @nn.compact
-    def __call__(self, x, positions, rope: tuple[jax.Array, jax.Array], cache: tuple[Layer, ...] | None):
-        """``rope``: the positions' :func:`rope_tables`; ``cache``: views of this layer in the stacked
-        cache (and shadow); returned as views of the updated stack."""
-        c = self.config
+    def __call__(self, x, positions, rope: tuple[jax.Array, jax.Array], cache: KVCache | None):
+        """``rope``: the positions' :func:`rope_tables`; ``cache``: this layer's views of the stacked
+        cache; returned as views of the updated stack."""
+        c, ex = self.config, self.execution
         b, t, _ = x.shape
         hq, hk, d = c.num_heads, c.num_kv_heads, c.head_dim
         # on the kernel path one kernel rotates q and k and writes the cache, adding qkv's K splits itself
         # (a draft over the shadow writes only the shadow, as _write_kv does)
-        target = () if cache is None else cache[2:] if self.read_shadow else cache[:2]
-        fused = (len(target) in (2, 4) and not c.attention_bias
-                 and fuses_rope_store(x.dtype, cache[0], target[0], d, self.row_tile, self.kernels))
-        qkv = Linear((hq + 2 * hk) * d, self.mode, c.attention_bias, self.row_tile, self.kernels, fused, name="qkv")(x)
-        fuse = self.mode != "w16a16" and self.online_rotation_seed is None  # o's prologue merges the splits
+        target = None if cache is None else cache.written(self.read_shadow)
+        fused = (target is not None and not c.attention_bias
+                 and fuses_rope_store(x.dtype, cache.k, target[0], d, ex))
+        qkv = Linear((hq + 2 * hk) * d, self.precision, ex, c.attention_bias, fused, name="qkv")(x)
         if fused:
-            q, written = rope_store(qkv, *rope, positions, target, hq, self.kernels)
-            cache = (*cache[:2], *written) if self.read_shadow else (*written, *cache[2:])
+            q, written = rope_store(qkv, *rope, positions, target, hq, ex)
+            cache = cache.with_written(self.read_shadow, written)
         else:
             q, k, v = jnp.split(qkv, [hq * d, (hq + hk) * d], axis=-1)
             q, k = apply_rope(q.reshape(b, t, hq, d), *rope), apply_rope(k.reshape(b, t, hk, d), *rope)
@@ -174,55 +217,54 @@ class Attention(_Block):
                 cache = _write_kv(cache, k, v, positions, self.read_shadow)
         if cache is None:
             out = reference.attention(q, k, v, positions, positions)
-        else:  # attend over the layer
-            read = cache[2:] if self.read_shadow else cache[:2]
-            out = attention(q, *read[:2], positions, self.row_tile, self.kernels, defer=fuse,
-                            scales=tuple(read[2:]) or None)
-        if isinstance(out, jax.Array):
-            out = out.reshape(b, t, hq * d)
+        elif self.read_shadow:  # attend over the layer's shadow
+            s = cache.draft
+            out = attention(q, s.k_words, s.v_words, positions, ex, scales=(s.k_scales, s.v_scales))
+        else:
+            out = attention(q, cache.k, cache.v, positions, ex)
+        out = merge_heads(out)
         if self.online_rotation_seed is not None:  # per head: [.., hq*d] -> [.., hq, d] rows
             per_head = lambda r: apply_transform(r.reshape(r.shape[0], hq, d), self.online_rotation_seed)  # noqa: E731
-            out = map_row_tiles(lambda r: per_head(r).reshape(r.shape), out, self.row_tile)
-        out = Linear(c.hidden_size, self.mode, row_tile=self.row_tile, kernels=self.kernels, name="o")(out)
+            out = map_row_tiles(lambda r: per_head(r).reshape(r.shape), materialize(out), ex.row_tile)
+        out = Linear(c.hidden_size, self.precision, ex, name="o")(out)
         return out, cache
 
 
-def _write_kv(cache: tuple[Layer, ...], k: jax.Array, v: jax.Array, positions: jax.Array,
-              read_shadow: bool) -> tuple[Layer, ...]:
-    """Store new keys and values ``[B, T, KV, d]`` at their positions: quantized in the shadow if the
-    forward reads the shadow (a draft), else in the float pair (the caller re-quantizes the shadow
-    from the pair afterwards, :func:`sync_shadow`, leaving this forward's computation as it is
-    without a shadow)."""
-    if read_shadow and len(cache) == 2:
+def _write_kv(cache: KVCache, k: jax.Array, v: jax.Array, positions: jax.Array, read_shadow: bool) -> KVCache:
+    """Store new keys and values ``[B, T, KV, d]`` at their positions in ``cache`` (one layer's
+    views): quantized in the shadow if the forward reads the shadow (a draft), else in the float pair
+    (the caller re-quantizes the shadow from the pair afterwards, :func:`sync_shadow`, leaving this
+    forward's computation as it is without a shadow)."""
+    if read_shadow and cache.draft is None:
         raise ValueError("read_shadow needs a KV cache with the draft's shadow (init_cache(shadow_bits=...))")
     rows = jnp.arange(k.shape[0])[:, None]
-    full, shadow = cache[:2], cache[2:]
 
     def put(kv: Layer, new: jax.Array) -> Layer:
         return Layer(kv.stacked.at[kv.index, rows, positions].set(new.astype(kv.stacked.dtype), mode="drop"),
                      kv.index)
 
     if not read_shadow:
-        return (*(put(c, new) for c, new in zip(full, (k, v))), *shadow)
-    k, v = (new.astype(c.stacked.dtype) for c, new in zip(full, (k, v)))  # the values the pair would hold
-    stored = _store_shadow(tuple(c.stacked for c in shadow), shadow[0].index, rows, positions, k, v)
-    return (*full, *(Layer(a, shadow[0].index) for a in stored))
+        return dataclasses.replace(cache, k=put(cache.k, k), v=put(cache.v, v))
+    k, v = (new.astype(c.stacked.dtype) for c, new in zip((cache.k, cache.v), (k, v)))  # the values the pair would hold
+    index = cache.draft.k_words.index
+    stored = _store_shadow(stacked_of(cache.draft), index, rows, positions, k, v)
+    return dataclasses.replace(cache, draft=layer_view(stored, index))
 
 
-def _store_shadow(shadow: tuple[jax.Array, ...], layer, rows: jax.Array, positions: jax.Array, k: jax.Array,
-                  v: jax.Array) -> tuple[jax.Array, ...]:
-    """Quantize keys and values and store them in the shadow stacks at ``[layer, rows, positions]``:
+def _store_shadow(shadow: KVShadow, layer, rows: jax.Array, positions: jax.Array, k: jax.Array,
+                  v: jax.Array) -> KVShadow:
+    """Quantize keys and values and store them in the shadow's stacks at ``[layer, rows, positions]``:
     ``k, v [B, T, KV, d]`` of one layer (``layer`` an index), or ``[L, B, T, KV, d]`` of all layers
     (``layer`` None). Positions past the cache are dropped. The one place the shadow is written."""
-    bits = reference.kv_shadow_bits(shadow[0].shape[-1], k.shape[-1])
-    (kw, ks), (vw, vs) = reference.quantize_kv(k, bits), reference.quantize_kv(v, bits)
+    (kw, ks), (vw, vs) = reference.quantize_kv(k, shadow.bits), reference.quantize_kv(v, shadow.bits)
     if layer is None:  # the indexed dims (B, T) lead a scatter's update when a slice splits them
         words_at, scales_at = (slice(None), rows, positions), (slice(None), rows, slice(None), positions)
         ks, vs = (jnp.transpose(sc, (1, 2, 0, 3)) for sc in (ks, vs))  # [L, B, T, KV] -> [B, T, L, KV]
     else:
         words_at, scales_at = (layer, rows, positions), (layer, rows, slice(None), positions)
-    return (*(a.at[words_at].set(n, mode="drop") for a, n in zip(shadow[:2], (kw, vw))),
-            *(a.at[scales_at].set(n, mode="drop") for a, n in zip(shadow[2:], (ks, vs))))
+    put = lambda a, at, n: a.at[at].set(n, mode="drop")  # noqa: E731
+    return KVShadow(put(shadow.k_words, words_at, kw), put(shadow.v_words, words_at, vw),
+                    put(shadow.k_scales, scales_at, ks), put(shadow.v_scales, scales_at, vs), bits=shadow.bits)
 
 
 class MLP(_Block):
@@ -231,14 +273,12 @@ class MLP(_Block):
 
     @nn.compact
     def __call__(self, x):
-        f = self.config.intermediate_size
-        gate_up = Linear(2 * f, self.mode, row_tile=self.row_tile, kernels=self.kernels, name="gate_up")(x)
-        fuse = self.mode != "w16a16" and self.online_rotation_seed is None
-        h = swiglu(gate_up, self.row_tile, self.kernels, defer=fuse)
+        f, ex = self.config.intermediate_size, self.execution
+        gate_up = Linear(2 * f, self.precision, ex, name="gate_up")(x)
+        h = swiglu(gate_up, ex)
         if self.online_rotation_seed is not None:
-            h = map_row_tiles(lambda r: apply_transform(r, self.online_rotation_seed), h, self.row_tile)
-        return Linear(self.config.hidden_size, self.mode, row_tile=self.row_tile, kernels=self.kernels,
-                      name="down")(h)
+            h = map_row_tiles(lambda r: apply_transform(r, self.online_rotation_seed), materialize(h), ex.row_tile)
+        return Linear(self.config.hidden_size, self.precision, ex, name="down")(h)
 
 
 class DecoderLayer(_Block):
@@ -247,36 +287,35 @@ class DecoderLayer(_Block):
     read_shadow: bool = False
 
     @nn.compact
-    def __call__(self, x, cache: tuple[Layer, ...] | None, positions, rope: tuple[jax.Array, jax.Array]):
-        c, tile, kern = self.config, self.row_tile, self.kernels
-        fuse = self.mode != "w16a16"  # the norms feed INT4 linears: their activation prologue in the norm kernel
-        h, cache = Attention(c, self.mode, self.online_rotation_seed, tile, kern, self.read_shadow, name="attn")(
-            RMSNorm(c.rms_norm_eps, tile, kern, fuse, name="attn_norm")(x), positions, rope, cache)
+    def __call__(self, x, cache: KVCache | None, positions, rope: tuple[jax.Array, jax.Array]):
+        c, p, ex, seed = self.config, self.precision, self.execution, self.online_rotation_seed
+        h, cache = Attention(c, p, ex, seed, self.read_shadow, name="attn")(
+            RMSNorm(c.rms_norm_eps, ex, name="attn_norm")(x), positions, rope, cache)
         x = x + h
-        x = x + MLP(c, self.mode, self.online_rotation_seed, tile, kern, name="mlp")(
-            RMSNorm(c.rms_norm_eps, tile, kern, fuse, name="mlp_norm")(x))
+        x = x + MLP(c, p, ex, seed, name="mlp")(RMSNorm(c.rms_norm_eps, ex, name="mlp_norm")(x))
         return x, cache
 
 
 class Llama(nn.Module):
     """The decoder: ``(tokens[B,T], positions[B,T], cache) -> (float32 logits[B,T,V], cache)``.
 
-    ``row_tile`` (decode steps and verify passes) makes every token's logits independent of how
-    many tokens the call has; prefill and evaluation leave it ``None`` for speed. ``kernels``
-    (resolved, see :mod:`qspec_jax.kernels`) picks the references or the Pallas kernels.
-    ``read_shadow``: attend over the cache's quantized shadow and write only it (QSPEC's drafts).
+    ``precision``: the decoder linears' (the lm_head is always W16A16). ``execution``: a row tile
+    (decode steps and verify passes) makes every token's logits independent of how many tokens the
+    call has, prefill and evaluation leave it ``None`` for speed; its backend picks the references or
+    the Pallas kernels. ``read_shadow``: attend over the cache's quantized shadow and write only it
+    (QSPEC's drafts).
     """
 
     config: LlamaConfig
-    mode: str = "w4a16"
+    precision: Precision = W4A16
     dtype: Any = jnp.float32
     online_rotation_seed: int | None = None
-    row_tile: int | None = None
-    kernels: str = "reference"
+    execution: Execution = Execution()
     read_shadow: bool = False
 
     def setup(self):
-        check_mode(self.mode)
+        if not isinstance(self.precision, Precision):
+            raise TypeError(f"precision must be a Precision (parse_precision), got {self.precision!r}")
 
     @nn.compact
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache: KVCache | None = None):
@@ -284,7 +323,7 @@ class Llama(nn.Module):
         embed = self.param("embed", _dense_init, (c.vocab_size, c.hidden_size))
         x = jnp.take(embed, tokens, axis=0).astype(self.dtype)
         rope = rope_tables(positions, rope_frequencies(c), self.dtype)
-        layer = DecoderLayer(c, self.mode, self.online_rotation_seed, self.row_tile, self.kernels, self.read_shadow,
+        layer = DecoderLayer(c, self.precision, self.execution, self.online_rotation_seed, self.read_shadow,
                              parent=None)
 
         def init_layers(rng):
@@ -294,27 +333,25 @@ class Llama(nn.Module):
         def body(carry, i, layer_params=None):
             h, kv = carry
             if layer_params is None:
-                layer_params = jax.tree.map(lambda a: Layer(a, i), stacked,
-                                            is_leaf=lambda a: isinstance(a, QuantizedWeight))
-            h, kv = layer.apply({"params": layer_params}, h,
-                                None if kv is None else tuple(Layer(a, i) for a in kv), positions, rope)
-            return (h, None if kv is None else tuple(a.stacked for a in kv)), None
+                layer_params = layer_view(stacked, i)
+            h, kv = layer.apply({"params": layer_params}, h, layer_view(kv, i), positions, rope)
+            return (h, stacked_of(kv)), None
 
         stacked = _param(self, "layers", init_layers)
         _check_layer_counts(c, stacked, cache)
         if cache is not None:
             _check_cache_layout(c, cache, tokens.shape[0])
-        if isinstance(stacked, (list, tuple)):  # per-layer trees: an unrolled loop (see unstack_layers)
+        if isinstance(stacked, (list, tuple)):  # per-layer trees: an unrolled loop (plain-XLA baselines)
             for i, layer_params in enumerate(stacked):
                 (x, cache), _ = body((x, cache), i, layer_params)
         else:
             # a plain lax.scan over the layer index (flax's nn.scan cannot hold a pallas_call); each
             # layer sees Layer views of the stacked weights and cache, which the kernels read in place
             (x, cache), _ = jax.lax.scan(body, (x, cache), jnp.arange(c.num_layers))
-        x = RMSNorm(c.rms_norm_eps, self.row_tile, self.kernels, name="final_norm")(x)
+        x = RMSNorm(c.rms_norm_eps, self.execution, name="final_norm")(x)
         head = embed if c.tie_word_embeddings else self.param(
             "lm_head", _dense_init, (c.vocab_size, c.hidden_size))
-        return linear(x, head.astype(self.dtype), "w16a16", self.row_tile, self.kernels), cache
+        return linear(x, head.astype(self.dtype), W16A16, self.execution), cache
 
 
 def _check_layer_counts(config: LlamaConfig, layers: Any, cache: KVCache | None) -> None:
@@ -323,9 +360,9 @@ def _check_layer_counts(config: LlamaConfig, layers: Any, cache: KVCache | None)
     n = len(layers) if isinstance(layers, (list, tuple)) else jax.tree.leaves(layers)[0].shape[0]
     counts = {"config": config.num_layers, "params": n}
     if cache is not None:
-        if len(cache) not in (2, 6):
-            raise ValueError(f"a KV cache is (k, v) or (k, v) plus a 4-array shadow, got {len(cache)} arrays")
-        counts["cache"] = tuple(a.shape[0] for a in cache)
+        if not isinstance(cache, KVCache):
+            raise ValueError(f"a KV cache is a KVCache (init_cache), got {type(cache).__name__}")
+        counts["cache"] = tuple(a.shape[0] for a in jax.tree.leaves(cache))
     if n != config.num_layers or (cache is not None and set(counts["cache"]) != {n}):
         raise ValueError(f"layer counts differ: {counts}")
 
@@ -333,48 +370,36 @@ def _check_layer_counts(config: LlamaConfig, layers: Any, cache: KVCache | None)
 def _check_cache_layout(config: LlamaConfig, cache: KVCache, batch: int) -> None:
     """The cache must have :func:`init_cache`'s layout for this batch and config: the reference path
     would otherwise drop the writes of rows past the cache's batch and read another row's keys."""
-    slots = cache[0].shape[2]
-    bits = 16 * cache[2].shape[-1] // config.head_dim if len(cache) == 6 else None
+    slots = cache.k.shape[2]
+    bits = None if cache.draft is None else cache.draft.bits
     try:
-        want = [tuple(a.shape) for a in jax.eval_shape(lambda: init_cache(config, batch, slots, shadow_bits=bits))]
+        want = [tuple(a.shape) for a in
+                jax.tree.leaves(jax.eval_shape(lambda: init_cache(config, batch, slots, shadow_bits=bits)))]
     except ValueError:  # shadow words that pack head_dim in no supported width
         want = None
-    got = [tuple(a.shape) for a in cache]
+    got = [tuple(a.shape) for a in jax.tree.leaves(cache)]
     if got != want:
         raise ValueError(f"the KV cache's shapes {got} do not match init_cache's layout for a batch of {batch} "
                          f"sequences with {config.num_kv_heads} KV heads of size {config.head_dim}: {want}")
 
 
-def unstack_layers(params: dict[str, Any]) -> dict[str, Any]:
-    """``params`` with its stacked ``layers`` split into a list of per-layer trees, which
-    :class:`Llama` runs as an unrolled loop. For plain-XLA runs (the W16A16 benchmark baseline): XLA
-    hands a library dot a layer sliced out of a stack only after copying it, which the kernels avoid
-    by reading the stack in place. Longer compiles; the same math (XLA may fuse it differently)."""
-    layers = params["layers"]
-    if isinstance(layers, (list, tuple)):
-        raise ValueError("params['layers'] is already a list of per-layer trees")
-    n = jax.tree.leaves(layers)[0].shape[0]
-    per = [jax.tree.map(lambda a: a[i], layers) for i in range(n)]
-    return {**params, "layers": per}
-
-
 def init_cache(config: LlamaConfig, batch: int, length: int, dtype=jnp.float32,
                shadow_bits: int | None = None) -> KVCache:
-    """A zero KV cache of ``length`` slots per sequence; with ``shadow_bits`` (8 or 4) followed by the
-    draft's quantized shadow: int16 words of codes ``[L, B, S, KV, d * bits / 16]`` and float32
-    scales for keys and values, head-major ``[L, B, KV, S]`` so that the attention kernel reads a KV
-    block's scales as one contiguous run."""
+    """A zero KV cache of ``length`` slots per sequence; with ``shadow_bits`` (8 or 4) the draft's
+    quantized shadow too: int16 words of codes ``[L, B, S, KV, d * bits / 16]`` and float32 scales
+    for keys and values, head-major ``[L, B, KV, S]`` so that the attention kernel reads a KV block's
+    scales as one contiguous run."""
     shape = (config.num_layers, batch, length, config.num_kv_heads, config.head_dim)
-    cache = jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+    k, v = jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
     if shadow_bits is None:
-        return cache
+        return KVCache(k, v)
     if shadow_bits not in reference.KV_BITS or config.head_dim * shadow_bits % 16:
         raise ValueError(f"shadow_bits must be one of {reference.KV_BITS} and pack head_dim {config.head_dim} "
                          f"into 16-bit words, got {shadow_bits!r}")
     words = (*shape[:-1], config.head_dim * shadow_bits // 16)
     scales = (*shape[:2], shape[3], shape[2])
-    return (*cache, jnp.zeros(words, jnp.int16), jnp.zeros(words, jnp.int16),
-            jnp.zeros(scales, jnp.float32), jnp.zeros(scales, jnp.float32))
+    return KVCache(k, v, KVShadow(jnp.zeros(words, jnp.int16), jnp.zeros(words, jnp.int16),
+                                  jnp.zeros(scales, jnp.float32), jnp.zeros(scales, jnp.float32), bits=shadow_bits))
 
 
 SYNC_LAYERS_AT_ONCE = 4096  # sync_shadow re-quantizes all layers at once up to this many (row, position) slots
@@ -386,28 +411,30 @@ def sync_shadow(cache: KVCache, positions: jax.Array) -> KVCache:
     ``quantize_kv`` of what the pair holds, whatever a draft wrote there before. Decode-time calls
     (few slots) do all layers in one step; a prefill goes layer by layer, so its float32 temporaries
     stay one layer's."""
-    if len(cache) == 2:
+    if cache.draft is None:
         return cache
-    k, v = cache[:2]
+    k, v = cache.k, cache.v
     rows = jnp.arange(k.shape[1])[:, None]
     if positions.size <= SYNC_LAYERS_AT_ONCE:  # gathers clip past the cache; those writes drop
-        return (k, v, *_store_shadow(cache[2:], None, rows, positions, k[:, rows, positions], v[:, rows, positions]))
+        draft = _store_shadow(cache.draft, None, rows, positions, k[:, rows, positions], v[:, rows, positions])
+        return dataclasses.replace(cache, draft=draft)
 
     def one_layer(i, shadow):
         kl, vl = (jax.lax.dynamic_index_in_dim(a, i, keepdims=False)[rows, positions] for a in (k, v))
         return _store_shadow(shadow, i, rows, positions, kl, vl)
 
-    return (k, v, *jax.lax.fori_loop(0, k.shape[0], one_layer, tuple(cache[2:])))
+    return dataclasses.replace(cache, draft=jax.lax.fori_loop(0, k.shape[0], one_layer, cache.draft))
 
 
 def forward(params: dict[str, Any], config: LlamaConfig, tokens: jax.Array, positions: jax.Array,
-            cache: KVCache | None = None, *, mode: str, dtype: Any = jnp.float32,
-            online_rotation_seed: int | None = None, row_tile: int | None = None,
-            kernels: str = "auto", read_shadow: bool = False,
+            cache: KVCache | None = None, *, precision: Precision, execution: Execution | None = None,
+            dtype: Any = jnp.float32, online_rotation_seed: int | None = None, read_shadow: bool = False,
             ) -> tuple[jax.Array, KVCache | None]:
-    """Apply the model to a params pytree: ``(float32 logits [B, T, V], updated cache)``."""
+    """Apply the model to a params pytree: ``(float32 logits [B, T, V], updated cache)``.
+    ``execution`` None: :meth:`Execution.prefill` (no row tile, the kernels switch on ``"auto"``)."""
     _check_inputs(config, tokens, positions)
-    model = Llama(config, mode, dtype, online_rotation_seed, row_tile, resolve_kernels(kernels), read_shadow)
+    execution = Execution.prefill() if execution is None else execution
+    model = Llama(config, precision, dtype, online_rotation_seed, execution, read_shadow)
     return model.apply({"params": params}, tokens, positions, cache)
 
 

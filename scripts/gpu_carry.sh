@@ -5,7 +5,7 @@
 #   on the GPU: bash scripts/gpu_carry.sh stash      (each call, carrying one part: copies it to /tmp)
 #               bash scripts/gpu_carry.sh assemble   (after the last part: unpacks into $CACHE)
 # split also copies ../shared/data's GSM8K and WikiText-2 files to .carry/data: carry it with the last part.
-# then QSPEC_JAX_CACHE=/tmp/qspec-jax-cache finds it (qspec_jax.embedded.cache_dir).
+# then QSPEC_JAX_CACHE=/tmp/qspec-jax-cache finds it (convert.embedded.cache_dir).
 set -euo pipefail
 NAME=smollm2-rtn-asym-g32
 PART_BYTES=55000000  # leaves room for the tree and .carry/data beside a part (64 MiB per call)

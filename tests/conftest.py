@@ -16,13 +16,13 @@ from convert.pipeline import convert
 from convert.quantize import QuantScheme
 from convert.sources import LINEARS, SourceModel, expected_shapes, read_source
 from qspec_jax.config import LlamaConfig
-from qspec_jax.embedded import embedded_gguf
+from convert.embedded import embedded_gguf
 from qspec_jax.model import forward
 
 # forward under jit, for tests that call the model directly: calls of one shape share a compile
 # (called eagerly, each call compiled its layer scan again)
-jit_forward = jax.jit(forward, static_argnames=("config", "mode", "dtype", "online_rotation_seed", "row_tile",
-                                                "kernels", "read_shadow"))
+jit_forward = jax.jit(forward, static_argnames=("config", "precision", "dtype", "online_rotation_seed", "execution",
+                                                "read_shadow"))
 
 GOLDEN = Path(__file__).parent / "golden"
 SMOLLM2_TOKENIZER = None  # filled lazily by smollm2_tokenizer_json

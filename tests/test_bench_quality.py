@@ -108,7 +108,8 @@ def test_agreement_simulates_the_rounds_after_the_prefill_token(monkeypatch, gam
     for i, p in enumerate(prompts):
         draft[i, len(p) - 1] += 1  # the prefill's position (predicts the answer's first token)
     tops = {"w4a16": target, "w4a4": draft, "w4a8": draft}
-    monkeypatch.setattr(quality, "token_scores", lambda params, config, tokens, mode, **kw: (None, tops[mode]))
+    monkeypatch.setattr(quality, "token_scores",
+                        lambda params, config, tokens, precision, **kw: (None, tops[precision.name]))
     ck = type("Ck", (), {"params": None, "config": None, "online_rotation_seed": None})()
     res = quality.agreement(ck, prompts, answers)
     later = [len(a) - 1 for a in answers]

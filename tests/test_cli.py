@@ -9,7 +9,7 @@ import pytest
 from convert.pipeline import convert_model
 from convert.quantize import QuantScheme
 import qspec_jax.api as api
-from qspec_jax import cli
+from convert import qspec_cli as cli
 from tests.conftest import TINY, memory_model, random_source
 
 
@@ -23,6 +23,7 @@ def test_generate_flags_reach_generate(monkeypatch, capsys, rng):
                                     api._stats(None, 0.0))
 
     monkeypatch.setattr(api, "load", lambda path: ("model at", path))
+    monkeypatch.setattr(cli, "default_checkpoint", lambda: "embedded")
     monkeypatch.setattr(api, "generate", fake_generate)
     argv = ["generate", "--prompt", "hi", "--checkpoint", "ck", "--temperature", "0.5", "--top-k", "3",
             "--seed", str(seed), "--draft-kv", "8", "--chat"]
@@ -46,6 +47,7 @@ def test_generate_flags_reach_generate(monkeypatch, capsys, rng):
 def test_generate_bad_input_exits_2(monkeypatch, capsys, rng, flags, message):
     params, cfg, _ = convert_model(random_source(TINY, rng), QuantScheme(16, False), None)
     monkeypatch.setattr(api, "load", lambda path: memory_model(params, cfg))
+    monkeypatch.setattr(cli, "default_checkpoint", lambda: "embedded")
     capsys.readouterr()  # the conversion's progress bar
     assert cli.main(["generate", "--prompt", "hi", *flags]) == 2
     err = capsys.readouterr().err

@@ -22,11 +22,12 @@ from qspec_jax.checkpoint import MANIFEST, WEIGHTS, load_checkpoint, save_checkp
 from qspec_jax.config import LlamaConfig
 from qspec_jax.model import LINEAR_PATHS
 from tests.conftest import TINY, jit_forward, random_source, tiny_variant, write_gguf, write_hf_dir
+from pallas_kernels.precision import parse_precision
 
 
 def _logits(params, config, tokens, mode="w16a16", seed=None):
     pos = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    return np.asarray(jit_forward(params, config, jnp.asarray(tokens), pos, mode=mode,
+    return np.asarray(jit_forward(params, config, jnp.asarray(tokens), pos, precision=parse_precision(mode),
                                   online_rotation_seed=seed)[0])
 
 
@@ -817,7 +818,7 @@ def test_embedded_cache_converted_again_when_unreadable(tmp_path, monkeypatch, c
     beside the target and renamed into place; a temp dir a killed process left is removed (the
     conversion itself stubbed: it is tested above)."""
     import convert.pipeline
-    from qspec_jax import embedded
+    from convert import embedded
 
     monkeypatch.setenv("QSPEC_JAX_CACHE", str(tmp_path))
     out, lock = tmp_path / "smollm2-rtn-asym-g32", tmp_path / "smollm2-rtn-asym-g32.lock"
@@ -845,7 +846,7 @@ def test_embedded_cache_conversion_waits_for_another_process(tmp_path, monkeypat
 
     import convert.pipeline
     from filelock import FileLock
-    from qspec_jax import embedded
+    from convert import embedded
 
     monkeypatch.setenv("QSPEC_JAX_CACHE", str(tmp_path))
     out, lock = tmp_path / "smollm2-rtn-asym-g32", tmp_path / "smollm2-rtn-asym-g32.lock"

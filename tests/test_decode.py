@@ -9,6 +9,7 @@ from tests.conftest import TINY, jit_forward, memory_model, random_source
 from convert.pipeline import convert_model
 from convert.quantize import QuantScheme
 from qspec_jax.api import generate
+from pallas_kernels.precision import parse_precision
 
 NEW_TOKENS = 8
 # how close the top-2 logits of a naive step may be before the draw counts as a near-tie (the cached
@@ -21,7 +22,8 @@ def naive_generate(params, cfg, prompt: list[int], n: int, mode: str, eos_id: in
     seq, out, margin = list(prompt), [], np.inf
     for _ in range(n):
         t = len(seq)
-        logits, _ = jit_forward(params, cfg, np.asarray([seq], np.int32), np.arange(t, dtype=np.int32)[None], mode=mode)
+        logits, _ = jit_forward(params, cfg, np.asarray([seq], np.int32), np.arange(t, dtype=np.int32)[None],
+                                precision=parse_precision(mode))
         last = np.asarray(logits[0, -1], np.float64)
         top2 = np.sort(last)[-2:]
         margin = min(margin, top2[1] - top2[0])
@@ -89,8 +91,8 @@ def test_prompt_lengths_in_one_bucket_share_the_compiled_loop(rng):
     """Prompts are padded to a multiple of PROMPT_MULTIPLE: a longest prompt of 3 or of 40 tokens
     runs the same compiled prefill and loop (and the same tokens come out for the short one); 70
     tokens is the next bucket. (Evaluation over many prompts would otherwise compile per batch.)"""
-    from qspec_jax.api import PROMPT_MULTIPLE, _prefill
-    from qspec_jax.decode import ar_loop
+    from qspec_jax.api import PROMPT_MULTIPLE
+    from qspec_jax.decode import ar_loop, prefill_jit as _prefill
 
     assert PROMPT_MULTIPLE == 64
     params, cfg, _ = convert_model(random_source(TINY, rng), QuantScheme(16, True), None)
@@ -106,3 +108,34 @@ def test_prompt_lengths_in_one_bucket_share_the_compiled_loop(rng):
     generate(model, [rng.integers(0, cfg.vocab_size, 70).tolist()], max_new_tokens=4, method="w4a16",
              eos_token_id=-1, max_len=200)
     assert ar_loop._cache_size() == sizes[0] + 1
+
+
+def test_default_dtype_follows_the_backend(monkeypatch):
+    """``generate(dtype=None)``'s resolver: bfloat16 on a GPU backend, float32 on any other."""
+    import jax
+    import jax.numpy as jnp
+
+    from qspec_jax import api
+
+    assert api.default_dtype("gpu") == jnp.bfloat16
+    assert api.default_dtype("cpu") == api.default_dtype("tpu") == jnp.float32
+    for backend, want in (("gpu", jnp.bfloat16), ("cpu", jnp.float32)):
+        monkeypatch.setattr(jax, "default_backend", lambda backend=backend: backend)
+        assert api.default_dtype() == want
+
+
+def test_dtype_none_is_float32_on_cpu(rng):
+    """On the CPU ``dtype=None`` decodes exactly as ``dtype=float32`` (same tokens, greedy and sampled)."""
+    import jax
+    import jax.numpy as jnp
+
+    if jax.default_backend() == "gpu":
+        pytest.skip("None means bfloat16 on a GPU")
+    params, cfg, _ = convert_model(random_source(TINY, rng), QuantScheme(16, True), None)
+    model = memory_model(params, cfg)
+    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (3, 6)]
+    for kw in (dict(method="w4a16"), dict(method="qspec", temperature=1.0, seed=3)):
+        got = generate(model, prompts, max_new_tokens=6, eos_token_id=-1, **kw)
+        want = generate(model, prompts, max_new_tokens=6, eos_token_id=-1, dtype=jnp.float32, **kw)
+        for a, b in zip(got.sequences, want.sequences):
+            np.testing.assert_array_equal(a, b)

@@ -15,17 +15,19 @@ from convert.pipeline import convert_model
 from convert.quantize import QuantScheme, quantize_rtn
 from qspec_jax.api import generate
 from qspec_jax.decode import ROW_TILE
-from qspec_jax.kernels import (Layer, PendingAttention, PendingNorm, PendingSwiGLU, attention, linear,
+from qspec_jax.kernels import (Execution, Layer, PendingAttention, PendingNorm, PendingSwiGLU, attention, linear,
                                resolve_kernels, rms_norm, swiglu)
 from qspec_jax.model import init_cache
 from pallas_kernels import gpu_attention, gpu_matmul
 from pallas_kernels.layout import w4a16_weights
+from pallas_kernels.precision import W4A16, parse_precision
 from tests.conftest import TINY, jit_forward, memory_model, random_source
 from tests.test_kernels import _attention64
 
 # kernel-friendly: head_dim a power of two, K a multiple of 64, N a multiple of 16
 KCFG = dataclasses.replace(TINY, vocab_size=112, hidden_size=64, intermediate_size=128, head_dim=16)
 KCFG64 = dataclasses.replace(KCFG, head_dim=64)  # heads whose attention output o's prologue merges
+INTERPRET, REFERENCE = Execution("interpret", ROW_TILE), Execution("reference", ROW_TILE)
 
 
 def _model(rng, cfg=KCFG, group=32):
@@ -37,13 +39,14 @@ def _prefilled(rng, params, cfg, b=2, p=9, slots=32):
     toks = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, p + 4)), jnp.int32)
     cache = init_cache(cfg, b, slots)
     _, cache = jit_forward(params, cfg, toks[:, :p], jnp.broadcast_to(jnp.arange(p), (b, p)), cache,
-                       mode="w4a16", kernels="reference")
+                       precision=W4A16, execution=Execution.prefill("reference"))
     return toks[:, p:], jnp.broadcast_to(jnp.arange(p, p + 4), (b, 4)), cache
 
 
 def _check_kernel_path(params, cfg, toks, pos, cache, mode):
     """The kernel path (interpret) against the references, and bitwise equal to one-token steps."""
-    run = lambda t, p, c, k: jit_forward(params, cfg, t, p, c, mode=mode, row_tile=ROW_TILE, kernels=k)  # noqa: E731
+    run = lambda t, p, c, k: jit_forward(params, cfg, t, p, c, precision=parse_precision(mode),  # noqa: E731
+                                         execution=Execution.decode(k))
     got, got_cache = run(toks, pos, cache, "interpret")
     want, _ = run(toks, pos, cache, "reference")
     # w16a16 stays in float32; the other modes round activations to bf16 / int codes, which turns
@@ -60,7 +63,7 @@ def _check_kernel_path(params, cfg, toks, pos, cache, mode):
         lg, c = run(toks[:, i:i + 1], pos[:, i:i + 1], c, "interpret")
         steps.append(lg)
     np.testing.assert_array_equal(np.asarray(jnp.concatenate(steps, 1)), np.asarray(got))
-    for a, b in zip(c, got_cache):
+    for a, b in zip(jax.tree.leaves(c), jax.tree.leaves(got_cache)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -104,11 +107,10 @@ def test_pending_norm_fused_equals_norm_then_linear(rng, dtype):
     layers = params["layers"]
     w = Layer(layers["mlp"]["gate_up"]["w"], jnp.int32(1))
     x = jnp.asarray(rng.standard_normal((2, 3, cfg.hidden_size)), dtype)
-    pending = PendingNorm(x, Layer(layers["mlp_norm"]["scale"], jnp.int32(1)), cfg.rms_norm_eps,
-                          ROW_TILE, "interpret")
+    pending = PendingNorm(x, Layer(layers["mlp_norm"]["scale"], jnp.int32(1)), cfg.rms_norm_eps, INTERPRET)
     for mode in ("w4a16", "w4a8", "w4a4"):
-        fused = linear(pending, w, mode, ROW_TILE, "interpret")
-        plain = linear(pending.value(), w, mode, ROW_TILE, "interpret")
+        fused = linear(pending, w, parse_precision(mode), INTERPRET)
+        plain = linear(pending.value(), w, parse_precision(mode), INTERPRET)
         assert fused.shape == (2, 3, 2 * cfg.intermediate_size)
         np.testing.assert_array_equal(np.asarray(fused), np.asarray(plain), err_msg=mode)
 
@@ -122,16 +124,16 @@ def test_pending_swiglu_fused_equals_swiglu_then_linear(rng, dtype):
     w = Layer(params["layers"]["mlp"]["down"]["w"], jnp.int32(1))
     f = cfg.intermediate_size
     gate_up = jnp.asarray(rng.standard_normal((2, 3, 2 * f)), dtype)
-    pending = swiglu(gate_up, ROW_TILE, "interpret", defer=True)
+    pending = swiglu(gate_up, INTERPRET)
     assert isinstance(pending, PendingSwiGLU) and pending.shape == (2, 3, f) and pending.dtype == dtype
-    plain_h = swiglu(gate_up, ROW_TILE, "reference", defer=True)
+    plain_h = swiglu(gate_up, REFERENCE)
     assert not isinstance(plain_h, PendingSwiGLU)
     g64, u64 = (np.asarray(a.astype(jnp.float32), np.float64) for a in jnp.split(gate_up, 2, axis=-1))
     np.testing.assert_allclose(np.asarray(pending.value(), np.float64), g64 / (1 + np.exp(-g64)) * u64,
                                rtol=1e-6 if dtype == jnp.float32 else 8e-3, atol=1e-30)
     for mode in ("w4a16", "w4a8", "w4a4"):
-        fused = linear(pending, w, mode, ROW_TILE, "interpret")
-        plain = linear(plain_h, w, mode, ROW_TILE, "interpret")
+        fused = linear(pending, w, parse_precision(mode), INTERPRET)
+        plain = linear(plain_h, w, parse_precision(mode), INTERPRET)
         assert fused.shape == (2, 3, cfg.hidden_size)
         np.testing.assert_array_equal(np.asarray(fused), np.asarray(plain), err_msg=mode)
 
@@ -148,18 +150,18 @@ def test_pending_attention_fused_close_to_merged_then_linear(rng, dtype):
     q = jnp.asarray(rng.standard_normal((b, t, cfg.num_heads, d)), dtype)
     k, v = (jnp.asarray(rng.standard_normal((b, s, cfg.num_kv_heads, d)), dtype) for _ in range(2))
     pos = jnp.asarray([[5, 6, 7], [20, 21, 22]], jnp.int32)
-    pending = attention(q, k, v, pos, ROW_TILE, "interpret", defer=True)
+    pending = attention(q, k, v, pos, INTERPRET)
     assert isinstance(pending, PendingAttention) and pending.shape == (b, t, cfg.num_heads * d)
     merged = pending.value()
     want = _attention64(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), pos)
     assert np.linalg.norm(np.asarray(merged, np.float64) - want.reshape(merged.shape)) / np.linalg.norm(want) < (
         1e-5 if dtype == jnp.float32 else 1e-2)
-    assert not isinstance(attention(q, k, v, pos, ROW_TILE, "reference", defer=True), PendingAttention)
-    assert not isinstance(attention(q[..., :16], k[..., :16], v[..., :16], pos, ROW_TILE, "interpret", defer=True),
+    assert not isinstance(attention(q, k, v, pos, REFERENCE), PendingAttention)
+    assert not isinstance(attention(q[..., :16], k[..., :16], v[..., :16], pos, INTERPRET),
                           PendingAttention)  # 16-wide heads: not whole 64-blocks
     for mode in ("w4a16", "w4a8", "w4a4"):
-        fused = np.asarray(linear(pending, w, mode, ROW_TILE, "interpret"))
-        plain = np.asarray(linear(merged, w, mode, ROW_TILE, "interpret"))
+        fused = np.asarray(linear(pending, w, parse_precision(mode), INTERPRET))
+        plain = np.asarray(linear(merged, w, parse_precision(mode), INTERPRET))
         assert fused.shape == (b, t, cfg.hidden_size)
         tol = 2e-2 if mode != "w4a16" or dtype == jnp.bfloat16 else 1e-5  # a W4AX code or a bf16 rounding may move
         assert np.linalg.norm(fused - plain) / np.linalg.norm(plain) < tol, mode
@@ -183,8 +185,8 @@ def test_kernel_attention_needs_the_cache_in_the_compute_dtype(rng):
     k, v = (jnp.asarray(rng.standard_normal((1, 32, 2, 16)), jnp.float32) for _ in range(2))
     pos = jnp.asarray([[5, 6]], jnp.int32)
     with pytest.raises(ValueError, match="compute dtype"):
-        attention(q, k, v, pos, row_tile=ROW_TILE, kernels="interpret")
-    out = attention(q, k, v, pos, row_tile=ROW_TILE, kernels="reference")
+        attention(q, k, v, pos, execution=Execution.decode("interpret"))
+    out = attention(q, k, v, pos, execution=Execution.decode("reference"))
     assert out.shape == q.shape and bool(jnp.all(jnp.isfinite(out.astype(jnp.float32))))
 
 
@@ -195,12 +197,12 @@ def test_concrete_layer_out_of_range_raises_on_every_path(rng):
     stack = jax.tree.map(lambda *a: jnp.stack(a), *stack_w)
     x = jnp.asarray(rng.standard_normal((1, 2, 128)), jnp.float32)
     i = int(rng.integers(3))
-    want = np.asarray(linear(x, stack_w[i], "w4a16", ROW_TILE, "reference"))
-    np.testing.assert_array_equal(np.asarray(linear(x, Layer(stack, jnp.int32(i)), "w4a16", ROW_TILE, "reference")), want)
+    want = np.asarray(linear(x, stack_w[i], W4A16, REFERENCE))
+    np.testing.assert_array_equal(np.asarray(linear(x, Layer(stack, jnp.int32(i)), W4A16, REFERENCE)), want)
     for bad in (3, 5, -1):
         for kernels in ("reference", "interpret"):
             with pytest.raises(ValueError, match=f"layer {bad} out of range for a stack of 3"):
-                linear(x, Layer(stack, jnp.int32(bad)), "w4a16", ROW_TILE, kernels)
+                linear(x, Layer(stack, jnp.int32(bad)), W4A16, Execution(kernels, ROW_TILE))
 
 
 def test_w4a16_reference_rounds_its_activations_at_any_row_count(rng):
@@ -212,8 +214,9 @@ def test_w4a16_reference_rounds_its_activations_at_any_row_count(rng):
     w = quantize_rtn(rng.standard_normal((n, k)), QuantScheme(16, bool(rng.integers(2))))
     wd = np.asarray(w4a16_weights(w), np.float64)
     scale = jnp.asarray(rng.uniform(0.5, 2, k), jnp.float32)
-    fused = jax.jit(lambda a: linear(rms_norm(a, scale, 1e-5, None, "reference", True), w, "w4a16", None, "reference"))
-    normed = jax.jit(lambda a: rms_norm(a, scale, 1e-5, None, "reference", False))
+    ref = Execution("reference")
+    fused = jax.jit(lambda a: linear(rms_norm(a, scale, 1e-5, ref), w, W4A16, ref))
+    normed = jax.jit(lambda a: rms_norm(a, scale, 1e-5, ref))
     for m in (4095, 4096, int(rng.integers(4097, 9000))):
         x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
         xb = np.asarray(normed(x).astype(jnp.bfloat16), np.float64)

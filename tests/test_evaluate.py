@@ -10,6 +10,7 @@ import pytest
 from tests.conftest import TINY, jit_forward, random_source
 from convert.pipeline import convert_model
 from qspec_jax.evaluate import perplexity, simulate_rounds, token_scores
+from pallas_kernels.precision import W16A16
 
 
 def rounds_by_runs(agree: np.ndarray, gamma: int) -> int:
@@ -52,7 +53,7 @@ def np_nll(logits: np.ndarray, tokens: np.ndarray) -> np.ndarray:
 
 def full_logits(params, cfg, tokens):
     pos = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
-    return np.asarray(jit_forward(params, cfg, tokens.astype(np.int32), pos, mode="w16a16")[0])
+    return np.asarray(jit_forward(params, cfg, tokens.astype(np.int32), pos, precision=W16A16)[0])
 
 
 @pytest.fixture
@@ -64,7 +65,7 @@ def tiny_model(rng):
 def test_token_scores_match_numpy(tiny_model, rng):
     params, cfg = tiny_model
     tokens = rng.integers(0, cfg.vocab_size, (3, 10)).astype(np.int32)
-    nll, top = token_scores(params, cfg, tokens, mode="w16a16")
+    nll, top = token_scores(params, cfg, tokens, precision=W16A16)
     logits = full_logits(params, cfg, tokens)
     assert nll.shape == (3, 9) and top.shape == (3, 10)
     np.testing.assert_allclose(nll, np_nll(logits, tokens), rtol=1e-5, atol=1e-5)
@@ -79,7 +80,7 @@ def test_perplexity_matches_numpy_windows(tiny_model, rng):
     window, n_windows = 8, 5
     extra = int(rng.integers(1, window))  # a trailing partial window, which must be dropped
     ids = rng.integers(0, cfg.vocab_size, n_windows * window + extra)
-    got = perplexity(params, cfg, ids, window=window, mode="w16a16", batch=2)  # batches of 2, 2, 1
+    got = perplexity(params, cfg, ids, window=window, precision=W16A16, batch=2)  # batches of 2, 2, 1
     windows = ids[: n_windows * window].reshape(n_windows, window)
     want = math.exp(np_nll(full_logits(params, cfg, windows), windows).mean())
     assert got == pytest.approx(want, rel=1e-5)
@@ -89,7 +90,7 @@ def test_perplexity_needs_one_window(tiny_model, rng):
     params, cfg = tiny_model
     window = int(rng.integers(2, 12))
     with pytest.raises(ValueError, match=f"need at least {window} tokens"):
-        perplexity(params, cfg, rng.integers(0, cfg.vocab_size, window - 1), window=window, mode="w16a16")
+        perplexity(params, cfg, rng.integers(0, cfg.vocab_size, window - 1), window=window, precision=W16A16)
 
 
 def test_bad_windows_and_ids_are_refused(tiny_model, rng):
@@ -99,18 +100,18 @@ def test_bad_windows_and_ids_are_refused(tiny_model, rng):
     ids = rng.integers(0, cfg.vocab_size, 64)
     for window in (0, 1, 8.0, cfg.max_position_embeddings + 1):
         with pytest.raises(ValueError, match="window must be an integer in"):
-            perplexity(params, cfg, ids, window=window, mode="w16a16")
+            perplexity(params, cfg, ids, window=window, precision=W16A16)
     for batch in (0, -1, 2.0):
         with pytest.raises(ValueError, match="batch must be an integer >= 1"):
-            perplexity(params, cfg, ids, window=8, mode="w16a16", batch=batch)
+            perplexity(params, cfg, ids, window=8, precision=W16A16, batch=batch)
     i = int(rng.integers(len(ids)))
     for bad, match in [(ids.astype(np.float32), "must be integers"), (ids.reshape(8, 8), "1-D"),
                        (np.where(np.arange(len(ids)) == i, cfg.vocab_size, ids), r"must lie in \[0, 97\)"),
                        (np.where(np.arange(len(ids)) == i, -1, ids), r"must lie in \[0, 97\)")]:
         with pytest.raises(ValueError, match=match):
-            perplexity(params, cfg, bad, window=8, mode="w16a16")
+            perplexity(params, cfg, bad, window=8, precision=W16A16)
     with pytest.raises(ValueError, match=r"tokens must be \[B, T\]"):
-        token_scores(params, cfg, ids[:10], mode="w16a16")
+        token_scores(params, cfg, ids[:10], precision=W16A16)
 
 
 def test_perplexity_passes_its_kernels_to_the_forward(tiny_model, rng, monkeypatch):
@@ -123,8 +124,9 @@ def test_perplexity_passes_its_kernels_to_the_forward(tiny_model, rng, monkeypat
     ids = rng.integers(0, cfg.vocab_size, 16)
     seen = []
     real_forward = evaluate.forward
-    monkeypatch.setattr(evaluate, "forward", lambda *a, **k: seen.append(k["kernels"]) or real_forward(*a, **k))
-    perplexity(params, cfg, ids, window=8, mode="w16a16", kernels="interpret")
+    monkeypatch.setattr(evaluate, "forward",
+                        lambda *a, **k: seen.append(k["execution"].backend) or real_forward(*a, **k))
+    perplexity(params, cfg, ids, window=8, precision=W16A16, kernels="interpret")
     assert seen == ["interpret"]  # traced here: no other test scores with "interpret"
     with pytest.raises(ValueError, match="unknown kernels 'triton'"):
-        perplexity(params, cfg, ids, window=8, mode="w16a16", kernels="triton")
+        perplexity(params, cfg, ids, window=8, precision=W16A16, kernels="triton")

@@ -34,6 +34,8 @@ from bench.gpu_decode_check import random_model
 from pallas_kernels import gpu_attention, gpu_matmul, gpu_norm, gpu_rope, reference
 from pallas_kernels.layout import QuantizedWeight, dequantize, pack_codes, w4a16_weights
 from tests.test_kernels import _attention64, as_jnp, rope_store_case
+from pallas_kernels.precision import W4A16, parse_precision
+from qspec_jax.kernels import Execution
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 
@@ -88,7 +90,7 @@ def test_matmul_kernels_match_references(rng, n, k, group, symmetric):
         # of 4M reciprocals differed from numpy's in session 9), so its activation codes may differ
         with jax.default_device(cpu := jax.devices("cpu")[0]):
             w_cpu, x_cpu = jax.device_put(w, cpu), jax.device_put(x, cpu)
-            exp = jax.jit(lambda a: reference.quantized_matmul(a, w_cpu, mode))(x_cpu)
+            exp = jax.jit(lambda a: reference.quantized_matmul(a, w_cpu, parse_precision(mode)))(x_cpu)
         split = gpu_matmul.default_config(n, k, group, "w4ax")[2]
         if symmetric and split == 1:
             np.testing.assert_array_equal(np.asarray(got), np.asarray(exp))
@@ -406,7 +408,6 @@ def test_swiglu_prologue_kernels(rng, dtype, f):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
 def test_verify_pass_row_count_invariant(rng, dtype, mode):
-    from qspec_jax.decode import ROW_TILE
     from qspec_jax.model import forward, init_cache
 
     model = random_model(rng)
@@ -415,16 +416,16 @@ def test_verify_pass_row_count_invariant(rng, dtype, mode):
     toks = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, p + g)))
     cache = init_cache(cfg, b, 512, dtype)  # several cache splits: o's prologue merges them
     _, cache = forward(params, cfg, toks[:, :p], jnp.broadcast_to(jnp.arange(p), (b, p)), cache,
-                       mode="w4a16", dtype=dtype, kernels="pallas")
-    step = jax.jit(lambda t, pos, c: forward(params, cfg, t, pos, c, mode=mode, dtype=dtype,
-                                             row_tile=ROW_TILE, kernels="pallas"))
+                       precision=W4A16, dtype=dtype, execution=Execution.prefill("pallas"))
+    step = jax.jit(lambda t, pos, c: forward(params, cfg, t, pos, c, precision=parse_precision(mode), dtype=dtype,
+                                             execution=Execution.decode("pallas")))
     lv, cv = step(toks[:, p:], jnp.broadcast_to(jnp.arange(p, p + g), (b, g)), cache)
     ca, la = cache, []
     for i in range(g):
         l1, ca = step(toks[:, p + i:p + i + 1], jnp.full((b, 1), p + i), ca)
         la.append(l1)
     np.testing.assert_array_equal(np.asarray(jnp.concatenate(la, 1)), np.asarray(lv))
-    for a, c in zip(ca, cv):
+    for a, c in zip(jax.tree.leaves(ca), jax.tree.leaves(cv)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
 
 
@@ -445,7 +446,7 @@ def test_greedy_qspec_equals_w4a16_random_model(rng, dtype):
 
 def _smollm2():
     from qspec_jax.api import load
-    from qspec_jax.embedded import cache_dir
+    from convert.embedded import cache_dir
 
     path = cache_dir() / "smollm2-rtn-asym-g32"
     if not (path / "manifest.json").is_file():
@@ -490,9 +491,10 @@ def test_smollm2_generate_gpu_kernels_equal_cpu_reference():
         pos = jnp.arange(ids.shape[1])[None]
         with jax.default_device(cpu_dev):
             l_cpu = np.asarray(forward(cpu_params, model.config, jax.device_put(ids, cpu_dev),
-                                       jax.device_put(pos, cpu_dev), mode="w4a16", kernels="reference")[0][0, -1])
-        l_gpu = np.asarray(forward(model.checkpoint.params, model.config, ids, pos, mode="w4a16",
-                                   kernels="pallas")[0][0, -1])
+                                       jax.device_put(pos, cpu_dev), precision=W4A16,
+                                       execution=Execution.prefill("reference"))[0][0, -1])
+        l_gpu = np.asarray(forward(model.checkpoint.params, model.config, ids, pos, precision=W4A16,
+                                   execution=Execution.prefill("pallas"))[0][0, -1])
         delta = float(np.abs(l_gpu - l_cpu).max())
         margin = float(l_cpu[want[j]] - l_cpu[got[j]])
         report.append(f"prompt {i}: token {j} GPU {got[j]} vs CPU {want[j]}, CPU margin {margin:.4f}, "

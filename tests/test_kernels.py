@@ -34,6 +34,7 @@ import pytest
 from pallas_kernels import gpu_attention, gpu_matmul as gm, gpu_norm, gpu_rope, gpu_activations as gq
 from pallas_kernels import reference as ref
 from pallas_kernels.layout import QuantizedWeight, pack_codes, w4a16_weights
+from pallas_kernels.precision import parse_precision
 
 ROOT = Path(__file__).resolve().parents[1]
 BN = 16  # small N tiles so the interpreted grids have several programs
@@ -94,7 +95,7 @@ def test_w4ax_bitwise_and_group_accumulations(rng, n, k, group, symmetric, block
         kw = dict(block_n=BN, block_k=block_k, split_k=1, rows_first=rows_first, interpret=True)
         for bits, mode in ((4, "w4a4"), (8, "w4a8")):
             got = np.asarray(gm.w4ax_matmul(x, w, bits, **kw))
-            want = np.asarray(ref.quantized_matmul(x, w, mode))
+            want = np.asarray(ref.quantized_matmul(x, w, parse_precision(mode)))
             assert_w4ax_output(got, want, x, w, bits, f"{mode} rows_first={rows_first}")
         qx, sa = ref.quantize_activations(x, 4)
         acc = gm.w4ax_quantized(qx, sa, w, return_acc=True, **kw)
@@ -128,8 +129,8 @@ def test_w4ax_words_bitwise(rng, group, symmetric, block_k):
     want_acc = ref.group_accumulate(qx, ref.signed_codes(layers[1]), group).transpose(1, 0, 2)
     np.testing.assert_array_equal(np.asarray(acc), np.asarray(want_acc))
     got = gm.w4ax_quantized(qx, sa, stack, words=True, **kw)
-    assert_w4ax_output(np.asarray(got), np.asarray(ref.quantized_matmul(x, layers[1], "w4a8")), x, layers[1], 8,
-                       "words")
+    assert_w4ax_output(np.asarray(got), np.asarray(ref.quantized_matmul(x, layers[1], parse_precision("w4a8"))), x,
+                       layers[1], 8, "words")
 
 
 @pytest.mark.parametrize("n,k,group,symmetric,block_k", CASES)
@@ -143,7 +144,7 @@ def test_w4a16_against_float64(rng, n, k, group, symmetric, block_k):
     exact = x64 @ w64.T
     rel = np.linalg.norm(got - exact) / np.linalg.norm(exact)
     assert rel < 1e-5, rel  # same bf16 operands: only the float32 summation differs
-    want = np.asarray(ref.quantized_matmul(x, w, "w4a16"), np.float64)
+    want = np.asarray(ref.quantized_matmul(x, w, parse_precision("w4a16")), np.float64)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
     units = k // max(group, gm.default_config(n, k, group, "w4a16", BN, block_k)[1])  # K ranges a split may take
     for split in (1, 2)[:units]:  # a bf16 result: the float32 one rounded once, by the kernel's store or after the sum
@@ -231,14 +232,14 @@ def test_split_k(rng, symmetric, k, splits):
     x = random_x(rng, 13, k)
     for split in splits:
         got = np.asarray(gm.w4ax_matmul(x, w, 4, block_n=BN, split_k=split, interpret=True))
-        want = np.asarray(ref.quantized_matmul(x, w, "w4a4"))
+        want = np.asarray(ref.quantized_matmul(x, w, parse_precision("w4a4")))
         assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
         qx, sa = ref.quantize_activations(x, 4)
         acc = gm.w4ax_quantized(qx, sa, w, block_n=BN, split_k=split, interpret=True, return_acc=True)
         want_acc = ref.group_accumulate(qx, ref.signed_codes(w), group).transpose(1, 0, 2)
         np.testing.assert_array_equal(np.asarray(acc), np.asarray(want_acc))
         y16 = np.asarray(gm.w4a16_matmul(x, w, block_n=BN, block_k=128, split_k=split, interpret=True))
-        w16 = np.asarray(ref.quantized_matmul(x, w, "w4a16"))
+        w16 = np.asarray(ref.quantized_matmul(x, w, parse_precision("w4a16")))
         assert np.linalg.norm(y16 - w16) / np.linalg.norm(w16) < 1e-5
         # tokens on the MMA's M side (a tuning variant): the same products and K order
         y16t = gm.w4a16_matmul(x, w, block_n=BN, block_k=128, split_k=split, rows_first=True, interpret=True)
@@ -660,7 +661,8 @@ def test_activation_prologue_kernels(rng, dtype, bits):
     w = random_weight(rng, 32, h, 32, False)  # the planes feed the W4AX kernel as its own quantization would
     planes, sa = cases["quantize_rows"][0]
     assert_w4ax_output(np.asarray(gm.w4ax_quantized(planes, sa, w, interpret=True)),
-                       np.asarray(ref.quantized_matmul(x, w, f"w4a{bits}")), x, w, bits, "quantize_rows planes")
+                       np.asarray(ref.quantized_matmul(x, w, parse_precision(f"w4a{bits}"))), x, w, bits,
+                       "quantize_rows planes")
     np.testing.assert_array_equal(np.asarray(gm.w4a16_matmul(bf_planes, w, interpret=True)),
                                   np.asarray(gm.w4a16_matmul(normed, w, interpret=True)))
     with pytest.raises(ValueError, match="planes"):

@@ -19,9 +19,10 @@ import pytest
 from bench.gpu_decode_check import random_model
 from pallas_kernels import gpu_activations, gpu_matmul as gm
 from pallas_kernels.layout import dequantize
-from qspec_jax.decode import ROW_TILE
 from qspec_jax.model import forward, init_cache
 from tests.test_kernels import random_weight
+from pallas_kernels.precision import parse_precision
+from qspec_jax.kernels import Execution
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 # Per forward: qkv, the RoPE + KV write, o, gate/up, down, attention and two RMSNorms in the layer
@@ -71,7 +72,8 @@ def test_decode_forward_lowers_for_cuda(cuda_target, model, mode, dtype, tokens)
     pos = jnp.broadcast_to(jnp.arange(tokens), (b, tokens))
 
     def step(p, t, q, c):
-        return forward(p, cfg, t, q, c, mode=mode, dtype=dtype, row_tile=ROW_TILE, kernels="pallas")
+        return forward(p, cfg, t, q, c, precision=parse_precision(mode), dtype=dtype,
+                       execution=Execution.decode("pallas"))
 
     want = _kernels_per_forward(mode, b * tokens, cfg)
     assert _triton_calls(step, params, toks, pos, cache) == want
@@ -88,7 +90,8 @@ def test_draft_forward_over_the_kv_shadow_lowers_for_cuda(cuda_target, model, mo
     toks, pos = jnp.zeros((b, 1), jnp.int32), jnp.full((b, 1), 7, jnp.int32)
 
     def step(p, t, q, c):
-        return forward(p, cfg, t, q, c, mode=mode, dtype=jnp.bfloat16, row_tile=ROW_TILE, kernels="pallas",
+        return forward(p, cfg, t, q, c, precision=parse_precision(mode), dtype=jnp.bfloat16,
+                       execution=Execution.decode("pallas"),
                        read_shadow=True)
 
     assert _triton_calls(step, params, toks, pos, cache) == _kernels_per_forward(mode, b, cfg)

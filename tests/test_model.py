@@ -16,7 +16,10 @@ from convert.quantize import QuantScheme
 from pallas_kernels.layout import QuantizedWeight, dequantize
 import qspec_jax.model as model_mod
 from pallas_kernels.reference import quantize_kv as ref_quantize_kv
-from qspec_jax.model import Linear, Llama, forward, init_cache, sync_shadow, unstack_layers
+from bench.hooks import unstack_layers
+from qspec_jax.model import KVCache, KVShadow, Linear, Llama, forward, init_cache, sync_shadow
+from pallas_kernels.precision import W4A4, W4A16, W16A16, parse_precision
+from qspec_jax.kernels import Execution
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 64}
@@ -131,7 +134,7 @@ def to_f64(params) -> dict:
 
 def random_params(cfg, rng, tokens, positions) -> dict:
     """Params in the model's layout (from ``Llama.init``), redrawn so norms, biases and attention matter."""
-    init = Llama(cfg, "w16a16").init(jax.random.key(int(rng.integers(2**31))), tokens, positions)["params"]
+    init = Llama(cfg, W16A16).init(jax.random.key(int(rng.integers(2**31))), tokens, positions)["params"]
 
     def draw(path, leaf):
         name = jax.tree_util.keystr(path)
@@ -172,7 +175,7 @@ def test_forward_matches_float64_reference(name, rng):
     params = random_params(cfg, rng, tokens, positions)
     assert ("lm_head" in params) == (not cfg.tie_word_embeddings)
     assert ("b" in params["layers"]["attn"]["qkv"]) == cfg.attention_bias
-    logits, cache = jit_forward(params, cfg, tokens, positions, mode="w16a16")
+    logits, cache = jit_forward(params, cfg, tokens, positions, precision=W16A16)
     assert cache is None and logits.dtype == jnp.float32
     ref = ref_forward(to_f64(params), cfg, tokens, positions)
     scale = max(1.0, float(np.abs(ref).max()))
@@ -184,7 +187,7 @@ def test_forward_packed_weights_w16a16_matches_reference(rng):
     cfg = CONFIGS["gqa-untied"]
     params, cfg, _ = convert_model(random_source(cfg, rng), QuantScheme(16, bool(rng.integers(2))), None)
     tokens, positions = random_batch(cfg, rng, 2, 7)
-    logits, _ = jit_forward(params, cfg, tokens, positions, mode="w16a16")
+    logits, _ = jit_forward(params, cfg, tokens, positions, precision=W16A16)
     ref = ref_forward(to_f64(params), cfg, tokens, positions)
     assert np.abs(np.asarray(logits, np.float64) - ref).max() < 1e-4 * max(1.0, float(np.abs(ref).max()))
 
@@ -195,19 +198,19 @@ def test_kv_cache_chunks_match_full_forward(rng):
     assert prefill + sum(chunks) == t
     tokens, positions = random_batch(cfg, rng, 2, t, gaps=False)
     params = random_params(cfg, rng, tokens, positions)
-    full, _ = jit_forward(params, cfg, tokens, positions, mode="w16a16")
+    full, _ = jit_forward(params, cfg, tokens, positions, precision=W16A16)
     cache = init_cache(cfg, 2, t + 5)  # spare slots beyond the sequence must stay invisible
-    got, cache = jit_forward(params, cfg, tokens[:, :prefill], positions[:, :prefill], cache, mode="w16a16")
+    got, cache = jit_forward(params, cfg, tokens[:, :prefill], positions[:, :prefill], cache, precision=W16A16)
     parts, start = [got], prefill
     for n in chunks:
         got, cache = jit_forward(params, cfg, tokens[:, start:start + n], positions[:, start:start + n], cache,
-                          mode="w16a16")
+                          precision=W16A16)
         parts.append(got)
         start += n
     np.testing.assert_allclose(np.concatenate(parts, axis=1), full, rtol=0, atol=1e-5 * max(1.0, np.abs(full).max()))
     # the cache holds one entry per position, zero beyond the sequence
-    assert cache[0].shape == (cfg.num_layers, 2, t + 5, cfg.num_kv_heads, cfg.head_dim)
-    assert not np.any(np.asarray(cache[0])[:, :, t:]) and np.all(np.any(np.asarray(cache[0])[:, :, :t], axis=-1))
+    assert cache.k.shape == (cfg.num_layers, 2, t + 5, cfg.num_kv_heads, cfg.head_dim)
+    assert not np.any(np.asarray(cache.k)[:, :, t:]) and np.all(np.any(np.asarray(cache.k)[:, :, :t], axis=-1))
 
 
 @pytest.mark.parametrize("mode", ["w16a16", "w4a16"])
@@ -223,8 +226,10 @@ def test_unstacked_layers_give_the_stacked_results(mode, rng):
     tokens, positions = random_batch(cfg, rng, 2, 6, gaps=False)
     per_layer = unstack_layers(params)
     assert isinstance(per_layer["layers"], list) and len(per_layer["layers"]) == cfg.num_layers
-    outs = [jit_forward(p, cfg, tokens, positions, init_cache(cfg, 2, 8), mode=mode) for p in (params, per_layer)]
-    (la, (ka, va)), (lb, (kb, vb)) = outs
+    outs = [jit_forward(p, cfg, tokens, positions, init_cache(cfg, 2, 8), precision=parse_precision(mode))
+            for p in (params, per_layer)]
+    (la, ca), (lb, cb) = outs
+    (ka, va), (kb, vb) = (ca.k, ca.v), (cb.k, cb.v)
     np.testing.assert_allclose(np.asarray(lb), np.asarray(la), rtol=1e-6, atol=1e-6 * float(np.abs(la).max()))
     for a, b in ((ka, kb), (va, vb)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-6)
@@ -237,9 +242,14 @@ def test_layer_count_mismatch_raises(rng):
     tokens, positions = random_batch(cfg, rng, 1, 3, gaps=False)
     params = random_params(cfg, rng, tokens, positions)
     with pytest.raises(ValueError, match="layer counts differ"):
-        forward(params, cfg, tokens, positions, tuple(c[:-1] for c in init_cache(cfg, 1, 8)), mode="w16a16")
+        forward(params, cfg, tokens, positions, jax.tree.map(lambda c: c[:-1], init_cache(cfg, 1, 8)), precision=W16A16)
     with pytest.raises(ValueError, match="layer counts differ"):
-        forward(params, dataclasses.replace(cfg, num_layers=cfg.num_layers + 1), tokens, positions, mode="w16a16")
+        forward(params, dataclasses.replace(cfg, num_layers=cfg.num_layers + 1), tokens, positions, precision=W16A16)
+
+
+def _with_scales(cache, scales):
+    """``cache`` with both shadow scale arrays replaced by ``scales``."""
+    return dataclasses.replace(cache, draft=dataclasses.replace(cache.draft, k_scales=scales, v_scales=scales))
 
 
 def test_cache_of_another_layout_raises(rng):
@@ -250,12 +260,13 @@ def test_cache_of_another_layout_raises(rng):
     params = random_params(cfg, rng, tokens, positions)
     other = dataclasses.replace(cfg, num_kv_heads=cfg.num_heads)
     for cache in (init_cache(cfg, 1, 8), init_cache(cfg, 3, 8), init_cache(other, 2, 8),
-                  init_cache(cfg, 1, 8, shadow_bits=8), init_cache(cfg, 2, 8, shadow_bits=8)[:4] + (
-                      jnp.zeros((cfg.num_layers, 2, 8, cfg.num_kv_heads), jnp.float32),) * 2):
+                  init_cache(cfg, 1, 8, shadow_bits=8), _with_scales(init_cache(cfg, 2, 8, shadow_bits=8),
+                               jnp.zeros((cfg.num_layers, 2, 8, cfg.num_kv_heads), jnp.float32))):
         for row_tile in (None, 8):
             with pytest.raises(ValueError, match="KV cache"):
-                forward(params, cfg, tokens, positions, cache, mode="w16a16", row_tile=row_tile)
-    logits, _ = forward(params, cfg, tokens, positions, init_cache(cfg, 2, 8, shadow_bits=4), mode="w16a16")
+                forward(params, cfg, tokens, positions, cache, precision=W16A16,
+                        execution=Execution.decode(row_tile=row_tile))
+    logits, _ = forward(params, cfg, tokens, positions, init_cache(cfg, 2, 8, shadow_bits=4), precision=W16A16)
     assert logits.shape == (2, 3, cfg.vocab_size)
 
 
@@ -277,8 +288,8 @@ def test_bad_tokens_or_positions_raise(rng):
              ((tokens[:, :0], positions[:, :0]), "at least one token")]
     for (t, p), msg in cases:
         with pytest.raises(ValueError, match=msg):
-            forward(params, cfg, t, p, cache, mode="w16a16")
-    logits, _ = forward(params, cfg, tokens, positions, cache, mode="w16a16")
+            forward(params, cfg, t, p, cache, precision=W16A16)
+    logits, _ = forward(params, cfg, tokens, positions, cache, precision=W16A16)
     assert np.isfinite(np.asarray(logits)).all()
 
 
@@ -288,7 +299,7 @@ def test_quantized_modes(symmetric, rng):
     params, cfg, _ = convert_model(random_source(cfg, rng), QuantScheme(16, symmetric), None)
     assert isinstance(params["layers"]["attn"]["qkv"]["w"], QuantizedWeight)
     tokens, positions = random_batch(cfg, rng, 4, 8)
-    out = {m: np.asarray(jit_forward(params, cfg, tokens, positions, mode=m)[0], np.float64)
+    out = {m: np.asarray(jit_forward(params, cfg, tokens, positions, precision=parse_precision(m))[0], np.float64)
            for m in ("w16a16", "w4a16", "w4a8", "w4a4")}
     ref = out["w16a16"]
     assert rel_err(out["w4a16"], ref) < 5e-2
@@ -301,16 +312,16 @@ def test_quantized_modes(symmetric, rng):
 def test_linear_float_weight_needs_w16a16(rng):
     x = jnp.asarray(rng.standard_normal((2, 8)), jnp.float32)
     with pytest.raises(ValueError, match="needs packed INT4"):
-        Linear(4, "w4a4").init(jax.random.key(0), x)
+        Linear(4, W4A4).init(jax.random.key(0), x)
     with pytest.raises(ValueError, match="needs packed INT4"):
-        Linear(4, "w4a16").init(jax.random.key(0), x)
+        Linear(4, W4A16).init(jax.random.key(0), x)
 
 
 def test_unknown_mode_raises(rng):
     cfg = CONFIGS["gqa-untied"]
     tokens, positions = random_batch(cfg, rng, 1, 3)
     with pytest.raises(ValueError, match="unknown mode"):
-        Llama(cfg, "w3a3").init(jax.random.key(0), tokens, positions)
+        Llama(cfg, parse_precision("w3a3")).init(jax.random.key(0), tokens, positions)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -321,14 +332,15 @@ def test_sync_shadow_requantizes_exactly_the_given_slots(rng, monkeypatch, bits)
     cfg = TINY
     b, s = 3, 16
     cache = init_cache(cfg, b, s, jnp.float32, shadow_bits=bits)
-    k, v = (jnp.asarray(rng.standard_normal(cache[0].shape), jnp.float32) for _ in range(2))
+    k, v = (jnp.asarray(rng.standard_normal(cache.k.shape), jnp.float32) for _ in range(2))
     junk = tuple(jnp.asarray(rng.integers(-2**15, 2**15, a.shape), a.dtype) if a.dtype == jnp.int16
-                 else jnp.asarray(rng.standard_normal(a.shape), a.dtype) for a in cache[2:])
+                 else jnp.asarray(rng.standard_normal(a.shape), a.dtype) for a in cache.draft.arrays)
     positions = jnp.asarray([[0, 5, 15], [3, 4, 16], [7, 9, 2]], jnp.int32)  # 16: past the cache
     outs = []
     for at_once in (10**6, 0):
         monkeypatch.setattr(model_mod, "SYNC_LAYERS_AT_ONCE", at_once)
-        outs.append([np.asarray(a) for a in sync_shadow((k, v, *junk), positions)])
+        synced = sync_shadow(KVCache(k, v, KVShadow(*junk, bits=bits)), positions)
+        outs.append([np.asarray(a) for a in jax.tree.leaves(synced)])
     for a, c in zip(*outs):
         np.testing.assert_array_equal(a, c)
     got = outs[0]
@@ -345,5 +357,5 @@ def test_sync_shadow_requantizes_exactly_the_given_slots(rng, monkeypatch, bits)
         stored, old = np.swapaxes(stored, 2, 3), np.swapaxes(np.asarray(old), 2, 3)
         np.testing.assert_array_equal(stored[:, hit], np.asarray(want)[:, hit])
         np.testing.assert_array_equal(stored[:, ~hit], old[:, ~hit])
-    assert sync_shadow((k, v), positions)[0] is k
+    assert sync_shadow(KVCache(k, v), positions).k is k
 

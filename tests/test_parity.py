@@ -17,6 +17,7 @@ from qspec_jax.checkpoint import load_checkpoint
 from qspec_jax.model import forward
 from qspec_jax.tokenizer import load_tokenizer
 from tests.conftest import GOLDEN
+from pallas_kernels.precision import W16A16
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,7 @@ def test_w16a16_logits_match_transformers(smollm2_ckpt, golden_logits):
     for i in range(n_prompts):
         ids = golden_logits[f"ids_{i}"]
         logits, _ = forward(ck.params, ck.config, jnp.asarray(ids)[None], jnp.arange(len(ids))[None],
-                            mode="w16a16", dtype=jnp.float32)
+                            precision=W16A16, dtype=jnp.float32)
         logits = np.asarray(logits[0])
         diff = np.abs(logits[:, cols] - golden_logits[f"logits_{i}"]).max()
         assert diff < 1e-3, f"prompt {i}: max |dlogit| {diff}"

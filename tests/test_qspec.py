@@ -19,9 +19,10 @@ from scipy.stats import chi2
 from convert.pipeline import convert_model
 from convert.quantize import QuantScheme
 from pallas_kernels.reference import quantize_kv as ref_quantize_kv
-from qspec_jax.decode import ROW_TILE, Runtime, prefill
+from qspec_jax.decode import Runtime, prefill
 from qspec_jax.api import MAX_GAMMA, generate, load
-from qspec_jax.model import init_cache
+from qspec_jax.model import KVCache, init_cache
+from bench import hooks
 from qspec_jax.qspec import qspec_loop, qspec_round
 from qspec_jax.sampling import Sampling, probabilities, sample
 from qspec_jax.tokenizer import chat_prompt
@@ -30,6 +31,8 @@ from tests.conftest import TINY, jit_forward, memory_model, random_source, tiny_
 # the modules themselves (the package re-exports a function named ``generate``)
 import qspec_jax.api as gen_mod
 import qspec_jax.qspec as qspec_mod
+from pallas_kernels.precision import W4A16, W4A4, W4A8
+from qspec_jax.kernels import Execution
 
 GSM8K = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "gsm8k_test_dev.jsonl"
 FALLBACK_PROMPTS = [
@@ -113,21 +116,21 @@ def test_verify_pass_is_row_count_invariant(smol, rng, width):
     prompts = rng.integers(0, cfg.vocab_size, (3, p)).astype(np.int32)
     cache = init_cache(cfg, 3, p + width + 2)
     _, cache = jit_forward(params, cfg, prompts, np.broadcast_to(np.arange(p, dtype=np.int32), (3, p)), cache,
-                    mode="w4a16", online_rotation_seed=seed)
+                    precision=W4A16, online_rotation_seed=seed)
     toks = rng.integers(0, cfg.vocab_size, (3, width)).astype(np.int32)
     toks[:, 0] = prompts[np.arange(3), lengths - 1]  # the last committed token, as in a round
     pos = (lengths[:, None] - 1 + np.arange(width)[None]).astype(np.int32)
 
-    many, many_cache = jit_forward(params, cfg, toks, pos, cache, mode="w4a16", row_tile=ROW_TILE,
+    many, many_cache = jit_forward(params, cfg, toks, pos, cache, precision=W4A16, execution=Execution.decode(),
                             online_rotation_seed=seed)
     one_cache, ones = cache, []
     for i in range(width):
-        lg, one_cache = jit_forward(params, cfg, toks[:, i:i + 1], pos[:, i:i + 1], one_cache, mode="w4a16",
-                             row_tile=ROW_TILE, online_rotation_seed=seed)
+        lg, one_cache = jit_forward(params, cfg, toks[:, i:i + 1], pos[:, i:i + 1], one_cache, precision=W4A16,
+                             execution=Execution.decode(), online_rotation_seed=seed)
         ones.append(lg)
     ones = np.concatenate([np.asarray(x) for x in ones], axis=1)
     np.testing.assert_array_equal(np.asarray(many), ones)
-    for a, b in zip(many_cache, one_cache):
+    for a, b in zip(jax.tree.leaves(many_cache), jax.tree.leaves(one_cache)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -151,22 +154,22 @@ def exact_target(params, cfg, prompt: np.ndarray):
     the W4A16 logits behind p (for the distributions that temperature / top-k / top-p make of them)."""
     v, n = cfg.vocab_size, len(prompt)
     pos = lambda b, t: np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))  # noqa: E731
-    lg, _ = jit_forward(params, cfg, prompt[None], pos(1, n), init_cache(cfg, 1, n + 4), mode="w4a16")
+    lg, _ = jit_forward(params, cfg, prompt[None], pos(1, n), init_cache(cfg, 1, n + 4), precision=W4A16)
     l1 = np.asarray(lg[0, -1])
     p1 = _softmax64(l1)
     seq1 = np.concatenate([np.tile(prompt, (v, 1)), np.arange(v)[:, None]], 1).astype(np.int32)
-    lg, _ = jit_forward(params, cfg, seq1, pos(v, n + 1), mode="w4a16")
+    lg, _ = jit_forward(params, cfg, seq1, pos(v, n + 1), precision=W4A16)
     l2 = np.asarray(lg[:, -1])
     p2 = _softmax64(l2)
     x1, x2 = np.meshgrid(np.arange(v), np.arange(v), indexing="ij")
     seq2 = np.concatenate([np.tile(prompt, (v * v, 1)), x1.reshape(-1, 1), x2.reshape(-1, 1)], 1)
-    lg, _ = jit_forward(params, cfg, seq2.astype(np.int32), pos(v * v, n + 2), mode="w4a16")
+    lg, _ = jit_forward(params, cfg, seq2.astype(np.int32), pos(v * v, n + 2), precision=W4A16)
     l3 = np.asarray(lg[:, -1]).reshape(v, v, v)
     p3 = _softmax64(l3)
     cache = init_cache(cfg, v, n + 4)
-    _, cache = jit_forward(params, cfg, np.tile(prompt, (v, 1)), pos(v, n), cache, mode="w4a16")
+    _, cache = jit_forward(params, cfg, np.tile(prompt, (v, 1)), pos(v, n), cache, precision=W4A16)
     lg, _ = jit_forward(params, cfg, np.arange(v, dtype=np.int32)[:, None], np.full((v, 1), n, np.int32), cache,
-                 mode="w4a4")
+                 precision=W4A4)
     q2 = _softmax64(lg[:, 0])
     return p1, p2, p3, q2, (l1, l2, l3)
 
@@ -305,8 +308,8 @@ def test_top_k_1_sampling_equals_greedy_w4a16(rng):
 # 4. the KV invariant after some rounds
 # ---------------------------------------------------------------------------------------------
 
-_prefill_jit = jax.jit(prefill, static_argnames=("rt", "buffer_len", "cache_len", "mode"))
-_round_jit = jax.jit(qspec_round, static_argnames=("rt", "gamma", "draft_mode"))
+_prefill_jit = jax.jit(prefill, static_argnames=("rt", "buffer_len", "cache_len", "precision"))
+_round_jit = jax.jit(qspec_round, static_argnames=("rt", "gamma", "draft"))
 
 
 def test_committed_kv_slots_hold_w4a16_values(rng):
@@ -319,21 +322,21 @@ def test_committed_kv_slots_hold_w4a16_values(rng):
     rt = Runtime(cfg, new, (), Sampling())
     buf = int(lengths.max()) + new + gamma + 1
     state = _prefill_jit(params, prompts, lengths, jax.random.key(0), rt=rt, buffer_len=buf, cache_len=buf,
-                         mode="w4a16")
+                         precision=W4A16)
     for _ in range(rounds):
-        state = _round_jit(params, state, rt=rt, gamma=gamma, draft_mode="w4a4")
+        state = _round_jit(params, state, rt=rt, gamma=gamma, draft=W4A4)
     toks, lens = np.asarray(state.tokens), np.asarray(state.lengths)
     assert np.all(lens > lengths + rounds)  # every round committed at least one token
-    cache_k, cache_v = (np.asarray(c) for c in state.cache)
+    cache_k, cache_v = (np.asarray(c) for c in (state.cache.k, state.cache.v))
 
     differing = 0
     for b in range(3):
         n = int(lens[b])
         seq = toks[b:b + 1, :n]
         pos = np.arange(n, dtype=np.int32)[None]
-        _, ref16 = jit_forward(params, cfg, seq, pos, init_cache(cfg, 1, n), mode="w4a16")
-        _, ref4 = jit_forward(params, cfg, seq, pos, init_cache(cfg, 1, n), mode="w4a4")
-        for got, want16, want4 in zip((cache_k, cache_v), ref16, ref4):
+        _, ref16 = jit_forward(params, cfg, seq, pos, init_cache(cfg, 1, n), precision=W4A16)
+        _, ref4 = jit_forward(params, cfg, seq, pos, init_cache(cfg, 1, n), precision=W4A4)
+        for got, want16, want4 in zip((cache_k, cache_v), (ref16.k, ref16.v), (ref4.k, ref4.v)):
             got = got[:, b, : n - 1]
             want16, want4 = np.asarray(want16)[:, 0, : n - 1], np.asarray(want4)[:, 0, : n - 1]
             scale = np.abs(want16).max()
@@ -360,10 +363,10 @@ def test_kv_shadow_follows_the_cache_and_alone_feeds_the_drafts(rng, bits):
     rt = Runtime(cfg, new, (), Sampling(), draft_kv=bits)
     buf = int(lengths.max()) + new + gamma + 1
     state = _prefill_jit(params, prompts, lengths, jax.random.key(0), rt=rt, buffer_len=buf, cache_len=buf,
-                         mode="w4a16")
+                         precision=W4A16)
     for _ in range(3):
-        state = _round_jit(params, state, rt=rt, gamma=gamma, draft_mode="w4a8")
-    k, v, *shadow = state.cache
+        state = _round_jit(params, state, rt=rt, gamma=gamma, draft=W4A8)
+    k, v, shadow = state.cache.k, state.cache.v, state.cache.draft.arrays
     for b, n in enumerate(np.asarray(state.lengths)):
         for full, words, scales in ((k, shadow[0], shadow[2]), (v, shadow[1], shadow[3])):
             want_w, want_s = ref_quantize_kv(full[:, b, :n - 1], bits)
@@ -371,12 +374,13 @@ def test_kv_shadow_follows_the_cache_and_alone_feeds_the_drafts(rng, bits):
             np.testing.assert_array_equal(np.asarray(scales[:, b, :, :n - 1]), np.swapaxes(np.asarray(want_s), 1, 2))
     tok = jnp.asarray(np.asarray(state.tokens)[np.arange(2), np.asarray(state.lengths) - 1][:, None])
     pos = (state.lengths - 1)[:, None]
-    draft = jax.jit(lambda c: rt.run(params, tok, pos, c, "w4a8", read_shadow=True)[0])
+    draft = jax.jit(lambda c: rt.run(params, tok, pos, c, W4A8, read_shadow=True)[0])
     base = np.asarray(draft(state.cache))
     noise = [jnp.asarray(rng.standard_normal(a.shape), a.dtype) for a in (k, v)]
-    np.testing.assert_array_equal(np.asarray(draft((*noise, *shadow))), base)
+    np.testing.assert_array_equal(np.asarray(draft(KVCache(*noise, state.cache.draft))), base)
     scrambled = jnp.asarray(rng.integers(-2**15, 2**15, shadow[0].shape), jnp.int16)
-    assert not np.array_equal(np.asarray(draft((k, v, scrambled, *shadow[1:]))), base)
+    scrambled_cache = KVCache(k, v, state.cache.draft.with_arrays((scrambled, *shadow[1:])))
+    assert not np.array_equal(np.asarray(draft(scrambled_cache)), base)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -498,7 +502,7 @@ def test_cache_length_does_not_depend_on_method_or_gamma(tiny_model, monkeypatch
         seen.append((kw["buffer_len"], kw["cache_len"]))
         raise Sized
 
-    monkeypatch.setattr(gen_mod, "_prefill", spy)
+    monkeypatch.setattr(gen_mod, "prefill_jit", spy)
     for new in (1, 30, 31, 63, 64):
         seen.clear()
         runs = [dict(method="w4a16"), dict(method="w4a8"), *(dict(method="qspec", gamma=g) for g in (1, 5, MAX_GAMMA))]
@@ -592,14 +596,14 @@ def predicted_counters(stop: int, gamma: int) -> tuple[int, int, int]:
 def _greedy_margin(params, cfg, prompt: list[int], seq: np.ndarray) -> float:
     """Smallest top-2 logit gap along a greedy path (no-cache W4A16 forward of prompt + seq)."""
     full = np.asarray(prompt + seq.tolist(), np.int32)[None]
-    lg, _ = jit_forward(params, cfg, full, np.arange(full.shape[1], dtype=np.int32)[None], mode="w4a16")
+    lg, _ = jit_forward(params, cfg, full, np.arange(full.shape[1], dtype=np.int32)[None], precision=W4A16)
     top2 = np.sort(np.asarray(lg[0, len(prompt) - 1:-1], np.float64), axis=-1)[:, -2:]
     return float(np.min(top2[:, 1] - top2[:, 0]))
 
 
 def test_eos_inside_accepted_drafts_and_exact_counters(rng, monkeypatch):
     """Self-draft (the target weights as draft: every draft accepted) makes every counter predictable."""
-    monkeypatch.setattr(gen_mod, "DRAFTS", gen_mod.DRAFTS + ("w4a16",))
+    monkeypatch.setattr(gen_mod, "DRAFT_PRECISIONS", gen_mod.DRAFT_PRECISIONS + (W4A16,))
     gamma, new = 3, 12
     for _ in range(8):
         params, cfg, _ = convert_model(random_source(TINY, rng), QuantScheme(16, bool(rng.integers(2))), None)
@@ -677,11 +681,11 @@ def test_qspec_loop_is_one_while_loop_and_compiles_once(tiny_model, rng):
     tokens = np.zeros((2, 7), np.int32)
     tokens[0, :4], tokens[1] = prompts[0], prompts[1]
     state = _prefill_jit(params, tokens, np.array([4, 7], np.int32), jax.random.key(0), rt=rt, buffer_len=19,
-                         cache_len=19, mode="w4a16")
-    text = qspec_loop.lower(params, state, rt=rt, gamma=4, draft_mode="w4a4").as_text()
+                         cache_len=19, precision=W4A16)
+    text = qspec_loop.lower(params, state, rt=rt, gamma=4, draft=W4A4).as_text()
     assert "stablehlo.while" in text
     # the jitted function is exactly one while loop: nothing (no round, no step) runs outside it
-    outer = jax.make_jaxpr(functools.partial(qspec_loop, rt=rt, gamma=4, draft_mode="w4a4"))(params, state)
+    outer = jax.make_jaxpr(functools.partial(qspec_loop, rt=rt, gamma=4, draft=W4A4))(params, state)
     assert [e.primitive.name for e in outer.jaxpr.eqns] == ["jit"]
     assert [e.primitive.name for e in outer.jaxpr.eqns[0].params["jaxpr"].jaxpr.eqns] == ["while"]
 
@@ -706,17 +710,17 @@ def test_replayed_acceptance_trace(tiny_model, rng):
 
     def fresh():
         return _prefill_jit(params, tokens, lengths, jax.random.key(0), rt=rt, buffer_len=22, cache_len=22,
-                            mode="w4a16")
+                            precision=W4A16)
 
-    trace = qspec_mod.acceptance_trace(params, fresh(), rt=rt, gamma=3, draft_mode="w4a4")
-    greedy = qspec_loop(params, fresh(), rt=rt, gamma=3, draft_mode="w4a4")
-    replayed = qspec_loop(params, fresh(), rt=rt, gamma=3, draft_mode="w4a4", replay=jnp.asarray(trace))
+    trace = hooks.acceptance_trace(params, fresh(), rt=rt, gamma=3, draft=W4A4)
+    greedy = qspec_loop(params, fresh(), rt=rt, gamma=3, draft=W4A4)
+    replayed = hooks.replay_loop(params, fresh(), jnp.asarray(trace), rt=rt, gamma=3, draft=W4A4)
     for a, b in zip((greedy.tokens, greedy.lengths, greedy.rounds, greedy.accepted),
                     (replayed.tokens, replayed.lengths, replayed.rounds, replayed.accepted)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert trace.shape == (int(np.asarray(greedy.rounds).max()), 3)
     made_up = np.array([[3, 0, 2]], np.int32)  # every round: 3, 0 and 2 accepted drafts
-    st = qspec_loop(params, fresh(), rt=rt, gamma=3, draft_mode="w4a4", replay=jnp.asarray(made_up))
+    st = hooks.replay_loop(params, fresh(), jnp.asarray(made_up), rt=rt, gamma=3, draft=W4A4)
     # 11 tokens after the prefill's first: rounds of 4, 1 and 3 tokens -> 3, 11 and 4 rounds
     np.testing.assert_array_equal(np.asarray(st.rounds), [3, 11, 4])
     np.testing.assert_array_equal(np.asarray(st.lengths - lengths), [12, 12, 12])

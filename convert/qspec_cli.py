@@ -1,5 +1,6 @@
 """qspec-jax: `generate` (one prompt, any method) and `demo` (QSPEC next to W4A16 on the embedded
-SmolLM2, the README's main job). Converting a checkpoint is `qspec-convert`."""
+SmolLM2, the README's main job). Converting a checkpoint is `qspec-convert`. It lives in ``convert``
+(not ``qspec_jax``) because its default model is the embedded SmolLM2, converted on first use."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import sys
 from pathlib import Path
 
 import numpy as np
+
+from convert.embedded import default_checkpoint
 
 DEMO_PROMPTS = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
@@ -22,6 +25,11 @@ def _print_stats(label: str, stats: dict) -> None:
           f"acceptance {stats['acceptance_rate']:.3f}, tokens/round {stats['tokens_per_round']:.2f}")
 
 
+def _checkpoint(args) -> Path:
+    """``--checkpoint``, else the embedded SmolLM2's (converted on first use)."""
+    return default_checkpoint() if args.checkpoint is None else args.checkpoint
+
+
 def cmd_generate(args) -> None:
     from qspec_jax.api import generate, load
 
@@ -30,7 +38,7 @@ def cmd_generate(args) -> None:
     if args.method != "qspec" and qspec_only:  # refused, not silently ignored
         flags = ", ".join("--" + name.replace("_", "-") for name in qspec_only)
         raise ValueError(f"{flags} only apply to --method qspec, not {args.method}")
-    model = load(args.checkpoint)
+    model = load(_checkpoint(args))
     res = generate(model, [args.prompt], max_new_tokens=args.max_new_tokens, method=args.method, **qspec_only,
                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=args.chat)
     print(res.texts[0] if res.texts else res.sequences[0].tolist())
@@ -41,7 +49,7 @@ def cmd_generate(args) -> None:
 def cmd_demo(args) -> None:
     from qspec_jax.api import generate, load
 
-    model = load(args.checkpoint)
+    model = load(_checkpoint(args))
     print(f"checkpoint: {model.checkpoint.path}")
     runs = {}
     for label, method, draft in (("w4a16", "w4a16", "w4a4"), ("qspec/w4a4", "qspec", "w4a4"),
