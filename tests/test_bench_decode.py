@@ -1,11 +1,10 @@
 """bench/decode.py end to end on a tiny random model (CPU): every method runs, QSPEC's accept
 decisions follow the replayed trace (so its round count is known in advance), the report is written;
-its shards and bench/decode_gpus.py's merge; bench/plot.py draws that report; bench/hf_baseline.py's
+bench/plot.py draws that report; bench/hf_baseline.py's
 arguments and report (its runs need a GPU)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import jax
@@ -471,79 +470,3 @@ def test_time_loop_warms_up_on_a_nearly_finished_state():
     secs, out = decode.time_loop(fake_loop, None, make, 16, reps=2)
     assert seen == [16 - decode.WARM_TOKENS, 0, 0]
     assert secs > 0 and int((out.lengths - out.prompt_lengths)[0]) == 0
-
-
-def test_shards_split_every_configuration_once_and_balance_cost(rng):
-    """--shard's split: each configuration in exactly one share, the shares' estimated costs within
-    one configuration of each other; bad --shard values are refused."""
-    items = [(f"m{i}", int(rng.integers(1, 9)), int(rng.integers(1, 99))) for i in range(int(rng.integers(5, 40)))]
-    cost = lambda t: float(t[1] * t[2])  # noqa: E731
-    parts = int(rng.integers(1, 6))
-    split = decode.split_by_cost(items, cost, parts)
-    assert len(split) == parts and sorted(x for part in split for x in part) == sorted(items)
-    loads = [sum(map(cost, part)) for part in split]
-    assert max(loads) - min(loads) <= max(map(cost, items))
-    for bad in ("2/2", "1", "a/3", "-1/2"):
-        with pytest.raises(argparse.ArgumentTypeError):
-            decode.parse_shard(bad)
-
-
-def test_decode_gpus_merge_keeps_resumed_and_adds_shards():
-    """bench.decode_gpus' merge: --resume's sections kept (a shard's copy of one is not new), a shard's
-    re-measured section replaces the old one in place, a skipped one does not, new ones are added."""
-    from bench import decode_gpus
-
-    def sec(batch, label, **kw):
-        return {"model": "a", "context": 64, "batch": batch, "label": label, **kw}
-
-    old = {"command": "first", "results": [sec(1, "old"), sec(2, "old"), sec(3, "old")]}
-    shard0 = {"device": "gpu0", "copy_bw": 1.0, "command": "x", "results": [sec(1, "old"), sec(2, "new")]}
-    shard1 = {"device": "gpu1", "copy_bw": 2.0, "command": "y",
-              "results": [sec(3, "old"), sec(3, "new", skipped="needs ~200 GB"), sec(4, "new")]}
-    run = decode_gpus.merge(old, [shard0, shard1], "python3 -m bench.decode_gpus --gpus 2")
-    assert [(r["batch"], r["label"]) for r in run["results"]] == [(1, "old"), (2, "new"), (3, "old"), (4, "new")]
-    assert run["device"] == "gpu0" and run["command"] == "first; then python3 -m bench.decode_gpus --gpus 2"
-    assert decode_gpus.merge(None, [shard1], "c")["results"][0] == sec(3, "old")
-
-
-def test_decode_gpus_runs_one_process_per_shard(tmp_path, monkeypatch):
-    """Two shards on the CPU: two processes, each with its own GPU index and share, measure disjoint
-    shares covering both configurations, kept in DIR/decode_shards and merged into DIR/decode.json
-    (again by --merge-only); a failing shard's log is named; a flag that is the launcher's own, or
-    more GPUs than visible, is refused before any process starts."""
-    import subprocess
-
-    from bench import decode_gpus
-
-    launched = []
-    real_popen = subprocess.Popen
-
-    def popen(cmd, env, **kw):
-        launched.append((cmd[cmd.index("--shard") + 1], env["CUDA_VISIBLE_DEVICES"]))
-        return real_popen(cmd, env=env, **kw)
-
-    monkeypatch.setattr(subprocess, "Popen", popen)
-    monkeypatch.setattr(decode_gpus, "visible_gpus", lambda: None)  # a CPU machine: no GPUs to count
-    common = ["--contexts", "64", "--new", "8", "--gammas", "1", "--drafts", "w4a8",
-              "--ar", "w4a16", "--kernels", "reference", *_trace(tmp_path), "--threads", "1"]
-    out = tmp_path / "out"
-    decode_gpus.main(["--gpus", "2", "--models", "smoke", *common, "--batches", "2,3", "--out", str(out)])
-    assert sorted(launched) == [("0/2", "0"), ("1/2", "1")]
-    shares = [{r["batch"] for r in json.loads((out / "decode_shards" / f"shard{i}" / "decode.json").read_text())[
-        "results"]} for i in range(2)]
-    assert shares[0] | shares[1] == {2, 3} and not shares[0] & shares[1]
-    merged = json.loads((out / "decode.json").read_text())
-    assert sorted(r["batch"] for r in merged["results"]) == [2, 3] and all("skipped" not in r for r in merged["results"])
-    (out / "decode.json").unlink()
-    decode_gpus.main(["--gpus", "2", "--merge-only", "--out", str(out)])
-    assert json.loads((out / "decode.json").read_text())["results"] == merged["results"]
-    with pytest.raises(SystemExit, match="shard0/log.txt"):
-        decode_gpus.main(["--gpus", "1", "--models", "nosuch", *common, "--out", str(tmp_path / "bad")])
-    assert "unknown models" in (tmp_path / "bad" / "decode_shards" / "shard0" / "log.txt").read_text()
-    n = len(launched)
-    with pytest.raises(SystemExit):
-        decode_gpus.main(["--gpus", "2", "--models", "smoke", *common, "--shard", "0/2", "--out", str(tmp_path / "x")])
-    monkeypatch.setattr(decode_gpus, "visible_gpus", lambda: ["0"])
-    with pytest.raises(SystemExit):
-        decode_gpus.main(["--gpus", "2", "--models", "smoke", *common, "--out", str(tmp_path / "x")])
-    assert len(launched) == n and not (tmp_path / "x").exists()

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bench.gpu_decode_check import random_model
+from tests.random_model import random_model
 from pallas_kernels import gpu_attention, gpu_matmul, gpu_norm, gpu_rope, reference
 from pallas_kernels.layout import QuantizedWeight, dequantize, pack_codes, w4a16_weights
 from tests.test_kernels import _attention64, as_jnp, rope_store_case
