@@ -19,6 +19,7 @@ def _no_phase_check(monkeypatch):
     """CPU timings are host wall times with no meaning as phases: the physical check is off here, so
     that a noisy round cannot mark a test's section disturbed (its own test turns it back on)."""
     monkeypatch.setattr(decode, "PHASE_SLACK", float("inf"))
+    monkeypatch.setattr(decode, "CALIBRATION", None)  # the budget's prior pace: PACE, not the repository's results
 
 
 def _fake_timing(monkeypatch, events: list | None = None) -> None:
@@ -65,7 +66,9 @@ def test_decode_bench_smoke(tmp_path):
                  "--trace", str(trace), "--out", str(out), "--label", "test build"])
     run = json.loads((out / "decode.json").read_text())
     (res,) = run["results"]
-    assert res["label"] == "test build" and "Measured: test build." in (out / "decode.md").read_text()
+    assert res["label"] == "test build" and "Note: test build." in (out / "decode.md").read_text()
+    assert res["gpu"] == jax.devices()[0].device_kind and res["date"].endswith("UTC") and res["commit"]
+    assert res["command"].startswith("python3 -m bench.decode --models smoke")
     assert set(res["methods"]) == {"w16a16", "w4a16", "w4a8", "qspec w4a8 g=3", "qspec w4a8/kv4 g=3"}
     q = res["methods"]["qspec w4a8 g=3"]
     assert abs(q["tokens_per_round"] - 16 / 6) < 1e-9  # 2 accepted + 1 per round: 16 tokens in 6 rounds
@@ -301,7 +304,7 @@ def test_decode_bench_budget_does_not_start_what_would_not_end(tmp_path, monkeyp
 def test_decode_bench_cheaper_configuration_after_one_that_does_not_fit(tmp_path, monkeypatch):
     """The budget skips a configuration that would not end in time and still runs a cheaper one after it."""
     _fake_timing(monkeypatch)
-    monkeypatch.setattr(decode, "config_cost_s", lambda name, context, batch, args: 1e6 if batch == 2 else 1e-3)
+    monkeypatch.setattr(decode, "config_cost_s", lambda name, context, batch, *_: 1e6 if batch == 2 else 1e-3)
     decode.main([*SMOKE, *_trace(tmp_path), "--batches", "2,3", "--budget-s", "1000", "--out", str(tmp_path)])
     assert [r["batch"] for r in json.loads((tmp_path / "decode.json").read_text())["results"]] == [3]
 

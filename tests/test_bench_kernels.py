@@ -13,7 +13,7 @@ from bench import kernels
 
 
 def test_kernels_smoke_reports_every_part(tmp_path, monkeypatch):
-    for name in ("MODELS", "MS", "CHECK_CASES", "ATTN", "L2_BYTES", "CALLS", "COPY_ELEMS"):
+    for name in ("MODELS", "DEFAULT_MODELS", "MS", "CHECK_CASES", "ATTN", "L2_BYTES", "CALLS", "COPY_ELEMS"):
         monkeypatch.setattr(kernels, name, getattr(kernels, name))  # --smoke rebinds them: restored after
     monkeypatch.setattr(kernels, "KW", {})
     kernels.main(["--smoke", "--out", str(tmp_path)])
@@ -37,7 +37,7 @@ def test_kernels_smoke_reports_every_part(tmp_path, monkeypatch):
 def test_a_check_that_stops_early_is_not_reported_passed(tmp_path, monkeypatch):
     """Resuming a file whose check had passed, a check part that raises leaves no verdict: kernels.md
     must not say PASSED for kernels whose check never ran."""
-    for name in ("MODELS", "MS", "CHECK_CASES", "ATTN", "L2_BYTES", "CALLS", "COPY_ELEMS"):
+    for name in ("MODELS", "DEFAULT_MODELS", "MS", "CHECK_CASES", "ATTN", "L2_BYTES", "CALLS", "COPY_ELEMS"):
         monkeypatch.setattr(kernels, name, getattr(kernels, name))
     monkeypatch.setattr(kernels, "KW", {})
     old = {"runs": [{"command": "old", "date": "x", "device": "H200", "jax": "0", "seed": 0, "parts": ["check"],
