@@ -202,13 +202,14 @@ def runs_w16a16(weight_bytes: float, cfg: LlamaConfig, args, limit: float) -> bo
 
 
 def memory_need(weight_bytes: float, cfg: LlamaConfig, context: int, batch: int, args, w16a16: bool | None = None) -> float:
-    """Device bytes one configuration needs, estimated: the weights (three times with the W16A16
-    baseline's bf16 copy), 1.5 x the KV cache (a state and a loop's copy), and the draft's shadow."""
+    """Device bytes one configuration needs, estimated: the weights (five times with the W16A16
+    baseline's bf16 copy, 2 bytes per weight against ~0.5), 1.5 x the KV cache (a state and a loop's
+    copy), and the draft's shadow."""
     kv = kv_bytes(cfg, batch, context + args.new + 64)
     shadow = max([parse_draft(d)[1] or 0 for d in args.drafts] + [0]) / 16  # a shadow's bytes per cache byte
     if w16a16 is None:
         w16a16 = "w16a16" in args.ar
-    return weight_bytes * (3 if w16a16 else 1) + 1.5 * kv + (kv * (shadow + 1 / 32) if shadow else 0)
+    return weight_bytes * (5 if w16a16 else 1) + 1.5 * kv + (kv * (shadow + 1 / 32) if shadow else 0)
 
 
 def _section_args(r: dict) -> argparse.Namespace:
@@ -729,23 +730,29 @@ CALIBRATION = ROOT / "bench" / "results" / "decode.json"  # recorded sections th
 PRESETS = {
     "headline": {"models": f"llama2-7b,llama3-8b,llama2-13b,{REAL_MODEL}", "batches": "1,8,16,32",
                  "contexts": "512,4096", "new": "512", "gammas": "1,3", "drafts": "w4a8", "ar": "w4a16,w4a8",
-                 "trace": str(DEFAULT_TRACE), "phase_reps": "8"},
+                 "trace": str(DEFAULT_TRACE), "phase_reps": "8", "real_contexts": "512"},
     "full": {"models": f"llama3-8b,llama2-7b,llama2-13b,llama2-70b,{REAL_MODEL}", "batches": "1,8,16,32,64",
              "contexts": "512,4096", "new": "512", "gammas": "1,3,5", "drafts": "w4a8,w4a4,w4a8/kv8",
              "ar": "w16a16,w4a16,w4a8,w4a4", "trace": str(DEFAULT_TRACE), "phase_reps": "16"},
+    # the headline's methods on the tiny model, for a check of the whole tool on the CPU
+    "smoke": {"models": "smoke", "batches": "2", "contexts": "32,64", "new": "8", "gammas": "1,3", "drafts": "w4a8",
+              "ar": "w4a16,w4a8", "trace": str(DEFAULT_TRACE), "phase_reps": "2", "kernels": "reference"},
 }
 
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                    help="a matrix's defaults (headline: the README's table; full: everything); flags override")
+                    help="a matrix's defaults (headline: the README's table; full: everything; smoke: a CPU check); "
+                         "flags override")
     ap.add_argument("--plan", choices=["here", *CARDS], default=None,
                     help="print the matrix, what fits and the estimated time on this GPU or on an H100 / H200, "
                          "then exit without measuring")
     ap.add_argument("--models", default="llama3-8b,llama2-7b,llama2-13b")
     ap.add_argument("--batches", type=int_list(), default="1,8,16,32,64")
     ap.add_argument("--contexts", type=int_list(), default="512")
+    ap.add_argument("--real-contexts", type=int_list(), default=None,
+                    help=f"{REAL_MODEL}'s contexts (default: --contexts)")
     ap.add_argument("--new", type=positive_int, default=512)
     ap.add_argument("--gammas", type=int_list(), default="1,3,5")
     ap.add_argument("--drafts", default="w4a8,w4a4")
@@ -885,8 +892,8 @@ def main(argv: list[str] | None = None) -> None:
     if old is not None:
         run["results"] = [r for r in old["results"] if "skipped" not in r]
         run["command"] = f"{old['command']}; then {command}"
-    contexts, batches = args.contexts, args.batches
-    grid = [(n, c, b) for n in names for c in contexts for b in batches]
+    batches = args.batches
+    grid = [(n, c, b) for n in names for c in _contexts(n, args) for b in batches]
     done = set()
     for r in run["results"]:  # a disturbed section, or one that lacks what this run measures, is measured again
         if (why := "disturbed" if r.get("disturbed") else _lacks(r, args)) is None:
@@ -919,7 +926,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{rates['int8'] / 1e12:.0f} TOP/s int8")
     meta = {"gpu": run["device"], "date": utc_now(), "commit": git_commit(), "command": command}
     for name in names:
-        todo_model = [(c, b) for c in contexts for b in batches if (name, c, b) not in done]
+        todo_model = [(c, b) for c in _contexts(name, args) for b in batches if (name, c, b) not in done]
         if todo_model:
             _bench_model(name, todo_model, args, trace, bw, rates, run, budget, limit, meta)
     save(run, args.out)
@@ -931,6 +938,10 @@ def main(argv: list[str] | None = None) -> None:
     log(f"{len(left)} of {len(grid)} configurations remain"
         + (f" (~{median * sum(config_cost_s(*t, args, bw, limit) for t in left) / 60:.1f} min): continue with "
            f"--resume {args.out / 'decode.json'}" if left else "") + (f"; {len(skipped)} skipped" if skipped else ""))
+
+
+def _contexts(name: str, args) -> list[int]:
+    return args.real_contexts if name == REAL_MODEL and args.real_contexts else args.contexts
 
 
 def _bench_model(name: str, todo: list[tuple[int, int]], args, trace: dict, bw: float, rates: dict[str, float],

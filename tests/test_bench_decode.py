@@ -473,3 +473,86 @@ def test_time_loop_warms_up_on_a_nearly_finished_state():
     secs, out = decode.time_loop(fake_loop, None, make, 16, reps=2)
     assert seen == [16 - decode.WARM_TOKENS, 0, 0]
     assert secs > 0 and int((out.lengths - out.prompt_lengths)[0]) == 0
+
+
+def test_presets_expand_to_their_matrix():
+    """--preset headline / full give the listed matrix; flags given explicitly override a preset's values."""
+    args, _ = decode.parse_args(["--preset", "headline"])
+    assert args.models == ["llama2-7b", "llama3-8b", "llama2-13b", "smollm2"]
+    assert (args.batches, args.contexts, args.new, args.gammas) == ([1, 8, 16, 32], [512, 4096], 512, [1, 3])
+    assert (args.ar, args.drafts, str(args.trace)) == (["w4a16", "w4a8"], ["w4a8"], str(decode.DEFAULT_TRACE))
+    assert decode.DEFAULT_GAMMA in args.gammas and args.real_contexts == [512]
+    args, _ = decode.parse_args(["--preset", "full"])
+    assert args.models == ["llama3-8b", "llama2-7b", "llama2-13b", "llama2-70b", "smollm2"]
+    assert (args.batches, args.contexts, args.gammas) == ([1, 8, 16, 32, 64], [512, 4096], [1, 3, 5])
+    assert args.drafts == ["w4a8", "w4a4", "w4a8/kv8"] and args.ar == ["w16a16", "w4a16", "w4a8", "w4a4"]
+    args, explicit = decode.parse_args(["--preset", "headline", "--batches", "4", "--gammas=5", "--models", "smoke"])
+    assert (args.batches, args.gammas, args.models, args.contexts) == ([4], [5], ["smoke"], [512, 4096])
+    assert {"batches", "gammas", "models"} <= explicit and "contexts" not in explicit
+
+
+def test_preset_leaves_out_smollm2_without_its_files(tmp_path, monkeypatch, capsys):
+    """A preset drops SmolLM2 (saying why) where its GSM8K files are not found; --plan prints the matrix,
+    what is too large for the card, and the estimated time, without measuring or writing anything."""
+    monkeypatch.setattr(decode, "DATA_DIRS", (tmp_path / "nowhere",))
+    decode.main(["--preset", "headline", "--plan", "h100", "--out", str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    assert "smollm2 left out of the headline preset: it needs --gsm8k and --gsm8k-train" in out
+    assert "headline matrix on H100 (assumed): 24 configurations" in out and "estimated" in out
+    assert "llama2-13b ctx=4096 B=32: too large: skipped" in out and "smollm2 ctx" not in out
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(SystemExit, match="needs --gsm8k"):  # named explicitly: an error, not dropped
+        decode.main(["--preset", "headline", "--models", "smollm2", "--plan", "h100"])
+
+
+def test_smoke_preset_end_to_end_and_resume(tmp_path, monkeypatch, capsys):
+    """The smoke preset measures every configuration on the CPU with the headline's methods, records
+    where and what measured it, and lists skipped ones; a call stopped by its budget says how many
+    configurations remain, and --resume finishes them."""
+    out = tmp_path / "a"
+    decode.main(["--preset", "smoke", "--out", str(out)])
+    run = json.loads((out / "decode.json").read_text())
+    assert [(r["context"], r["batch"]) for r in run["results"]] == [(32, 2), (64, 2)]
+    for r in run["results"]:
+        assert set(r["methods"]) == {"w4a16", "w4a8", "qspec w4a8 g=1", "qspec w4a8 g=3"}
+        assert {"gpu", "date", "commit", "command"} <= set(r)
+    md = (out / "decode.md").read_text()
+    assert "qspec w4a8 g=3 (default)" in md and "best γ (w4a8)" in md
+    assert "0 of 2 configurations remain" in capsys.readouterr().out
+    _fake_timing(monkeypatch)
+    monkeypatch.setattr(decode, "config_cost_s", lambda name, context, batch, *_: 1e-3 if context == 32 else 1e6)
+    monkeypatch.setattr(decode, "MEM_LIMIT", 1e12)
+    decode.main(["--preset", "smoke", "--contexts", "32,64,128", "--budget-s", "1000",
+                 "--out", str(tmp_path / "b")])
+    assert [r["context"] for r in json.loads((tmp_path / "b" / "decode.json").read_text())["results"]] == [32]
+    assert "2 of 3 configurations remain" in capsys.readouterr().out
+    decode.main(["--preset", "smoke", "--contexts", "32,64,128", "--resume", str(tmp_path / "b" / "decode.json"),
+                 "--out", str(tmp_path / "c")])
+    res = json.loads((tmp_path / "c" / "decode.json").read_text())["results"]
+    assert [r["context"] for r in res] == [32, 64, 128]
+    assert "0 of 3 configurations remain" in capsys.readouterr().out
+    monkeypatch.setattr(decode, "MEM_LIMIT", 0.0)  # a card too small for any: each one reported as skipped
+    decode.main(["--preset", "smoke", "--out", str(tmp_path / "d")])
+    assert "Not measured: smoke batch 2 context 32 (needs ~" in (tmp_path / "d" / "decode.md").read_text()
+
+
+def test_cost_model_calibration_and_memory_limit(monkeypatch):
+    """The pace is recorded seconds / the cost model's estimate over recorded sections (median, largest);
+    the memory limit is a share of the device's bytes_limit (none where the device reports none)."""
+    methods = {"w4a16": {}, "w4a8": {}, "qspec w4a8 g=1": {}, "qspec w4a8 g=3": {}}
+    args = decode.parse_args(["--preset", "headline", "--batches", "8", "--contexts", "512"])[0]
+    est = decode.config_cost_s("llama3-8b", 512, 8, args, 4e12, float("inf"))
+    assert est > decode.COMPILE_S * 8  # 4 loops and 4 phase programs compiled, then the loops' tokens
+    sec = {"model": "llama3-8b", "context": 512, "batch": 8, "new": 512, "copy_bw": 4e12, "methods": methods}
+    got = decode.calibrated_pace([{**sec, "bench_s": {"compile_wait": est, "timing": est}},
+                                  {**sec, "bench_s": {"compile_wait": est, "timing": 2 * est}},
+                                  {**sec, "bench_s": {"compile_wait": 0.0, "timing": 2 * est}}, sec])
+    assert got == pytest.approx((2.0, 3.0))
+    assert decode.calibrated_pace([sec]) is None
+    fake = type("Device", (), {"memory_stats": lambda self: {"bytes_limit": 100e9}})()
+    monkeypatch.setattr(decode.jax, "devices", lambda: [fake])
+    assert decode.memory_limit() == pytest.approx(decode.MEM_HEADROOM * 100e9)
+    fake.memory_stats = lambda: None
+    assert decode.memory_limit() == float("inf")
+    monkeypatch.setattr(decode, "MEM_LIMIT", 5.0)
+    assert decode.memory_limit() == 5.0
