@@ -201,7 +201,8 @@ def runs_w16a16(weight_bytes: float, cfg: LlamaConfig, args, limit: float) -> bo
                                                 True) <= limit
 
 
-def memory_need(weight_bytes: float, cfg: LlamaConfig, context: int, batch: int, args, w16a16: bool | None = None) -> float:
+def memory_need(weight_bytes: float, cfg: LlamaConfig, context: int, batch: int, args,
+                w16a16: bool | None = None) -> float:
     """Device bytes one configuration needs, estimated: the weights (five times with the W16A16
     baseline's bf16 copy, 2 bytes per weight against ~0.5), 1.5 x the KV cache (a state and a loop's
     copy), and the draft's shadow."""
@@ -917,7 +918,8 @@ def main(argv: list[str] | None = None) -> None:
         f"copy bandwidth {bw / 1e12:.2f} TB/s)")
     if args.plan:
         for t in todo:
-            log(f"  {t[0]} ctx={t[1]} B={t[2]}: " + (f"~{median * costs[t]:.0f} s" if costs[t] else "too large: skipped"))
+            log(f"  {t[0]} ctx={t[1]} B={t[2]}: "
+                + (f"~{median * costs[t]:.0f} s" if costs[t] else "too large: skipped"))
         return
     rates = matmul_rates()
     run |= {"device": jax.devices()[0].device_kind, "copy_bw": bw, "matmul_rates": rates,
@@ -925,12 +927,17 @@ def main(argv: list[str] | None = None) -> None:
     log(f"copy bandwidth {bw / 1e12:.2f} TB/s; dense matmul {rates['bf16'] / 1e12:.0f} TFLOP/s bf16, "
         f"{rates['int8'] / 1e12:.0f} TOP/s int8")
     meta = {"gpu": run["device"], "date": utc_now(), "commit": git_commit(), "command": command}
+    for name, context, batch in too_large:  # on the estimate, without loading the model
+        cfg, packed = MODELS[name], matmul_flops_per_token(MODELS[name]) / 4  # as config_cost_s estimates
+        need = memory_need(packed, cfg, context, batch, args, runs_w16a16(packed, cfg, args, limit))
+        _skip(run, name, context, batch, args, need, limit, meta)
     for name in names:
-        todo_model = [(c, b) for c in _contexts(name, args) for b in batches if (name, c, b) not in done]
+        todo_model = [(c, b) for c in _contexts(name, args) for b in batches
+                      if (name, c, b) not in done and (name, c, b) not in too_large]
         if todo_model:
             _bench_model(name, todo_model, args, trace, bw, rates, run, budget, limit, meta)
     save(run, args.out)
-    print(markdown(run))
+    print("\n".join(summary(run)))  # the full tables: decode.md
     measured = {_key(r) for r in run["results"] if "skipped" not in r and not r.get("disturbed")
                 and _lacks(r, args) is None}
     skipped = {_key(r) for r in run["results"] if "skipped" in r}
@@ -938,6 +945,13 @@ def main(argv: list[str] | None = None) -> None:
     log(f"{len(left)} of {len(grid)} configurations remain"
         + (f" (~{median * sum(config_cost_s(*t, args, bw, limit) for t in left) / 60:.1f} min): continue with "
            f"--resume {args.out / 'decode.json'}" if left else "") + (f"; {len(skipped)} skipped" if skipped else ""))
+
+
+def _skip(run: dict, name: str, context: int, batch: int, args, need: float, limit: float, meta: dict) -> None:
+    log(f"{name} B={batch} ctx={context}: skipped, needs ~{need / 1e9:.0f} GB of {limit / 1e9:.0f} GB")
+    record(run, {"model": name, "batch": batch, "context": context, "new": args.new,
+                 "skipped": f"needs ~{need / 1e9:.0f} GB, more than the {limit / 1e9:.0f} GB it may use on this "
+                            f"{meta['gpu']}"})
 
 
 def _contexts(name: str, args) -> list[int]:
@@ -963,10 +977,7 @@ def _bench_model(name: str, todo: list[tuple[int, int]], args, trace: dict, bw: 
     for context, batch in todo:
         need = memory_need(weight_bytes(params), cfg, context, batch, args, w16a16)
         if need > limit:
-            log(f"{name} B={batch} ctx={context}: skipped, needs ~{need / 1e9:.0f} GB of {limit / 1e9:.0f} GB")
-            record(run, {"model": name, "batch": batch, "context": context, "new": args.new,
-                         "skipped": f"needs ~{need / 1e9:.0f} GB, more than the {limit / 1e9:.0f} GB it may use "
-                                    f"on this {meta['gpu']}"})
+            _skip(run, name, context, batch, args, need, limit, meta)
             continue
         estimate = config_cost_s(name, context, batch, args, bw, limit)
         if not budget.fits(estimate):

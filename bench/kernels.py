@@ -711,7 +711,8 @@ def _smoke() -> None:
 def _args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {PARTS}")
-    ap.add_argument("--models", default=None, help=f"comma-separated, of {tuple(MODELS)} (default {','.join(DEFAULT_MODELS)})")
+    ap.add_argument("--models", default=None,
+                    help=f"comma-separated, of {tuple(MODELS)} (default {','.join(DEFAULT_MODELS)})")
     ap.add_argument("--ms", type=int_list(), default=None, help=f"row counts (default {','.join(map(str, MS))})")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench/results"))
     ap.add_argument("--resume", type=Path, default=None, help="an earlier kernels.json to merge into")

@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> None:
     params = random_params(cfg, jax.random.key(1))
     rt = Runtime(cfg, 64, (), Sampling(), jnp.bfloat16, None, "auto")
     out = {"command": command_line("bench.profile", argv),
-           "device": jax.devices()[0].device_kind, "date": utc_now(), "commit": git_commit(), "model": args.model, "batch": args.batch,
+           "device": jax.devices()[0].device_kind, "date": utc_now(), "commit": git_commit(),
+           "model": args.model, "batch": args.batch,
            "context": args.context, "reps": args.reps, "runs": {}}
     for spec, mode, bits, tokens in runs:  # a fresh state each: the loop donates its cache
         state = fresh_state(cfg, args.batch, args.context, 64, tokens, 0, bits)

@@ -311,7 +311,7 @@ def test_decode_bench_cheaper_configuration_after_one_that_does_not_fit(tmp_path
 
 def test_decode_bench_never_compiles_while_timing(tmp_path, monkeypatch):
     """Each configuration is compiled, then timed: no compile starts while a configuration is timed
-    (session 13: a compile beside the timings slowed them up to 1.8x)."""
+    (a compile beside the timings slows them)."""
     events = []
     _fake_timing(monkeypatch, events)
     decode.main([*SMOKE, *_trace(tmp_path), "--batches", "2,3", "--out", str(tmp_path)])
