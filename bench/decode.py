@@ -913,8 +913,9 @@ def main(argv: list[str] | None = None) -> None:
     too_large = [t for t in todo if costs[t] == 0.0]
     total = median * sum(costs.values())
     log(f"{args.preset or 'custom'} matrix on {device}: {len(grid)} configurations, {len(grid) - len(todo)} done, "
-        f"{len(todo) - len(too_large)} to measure, {len(too_large)} too large for {limit / 1e9:.0f} GB "
-        f"(skipped); estimated {total / 60:.1f} min ({median:.2f} x the cost model, from {source}; "
+        f"{len(todo) - len(too_large)} to measure"
+        + (f", {len(too_large)} too large for {limit / 1e9:.0f} GB (skipped)" if limit < float("inf") else "")
+        + f"; estimated {total / 60:.1f} min ({median:.2f} x the cost model, from {source}; "
         f"copy bandwidth {bw / 1e12:.2f} TB/s)")
     if args.plan:
         for t in todo:
