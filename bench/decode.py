@@ -1,7 +1,8 @@
 """End-to-end decode throughput of QSPEC against autoregressive decoding, on Llama-shaped models with
 random INT4 weights (and on SmolLM2's real weights and prompts).
 
-    # the headline matrix (~20 min on one H100 / H200), over several calls of at most ~9 minutes each:
+    # the headline matrix (~16 min on one H100 / H200), over calls of at most 9 minutes each; every call
+    # prints the configurations left and the --resume that continues:
     PYTHONPATH=. python3 -m bench.decode --preset headline --budget-s 540 --out $OUT
     PYTHONPATH=. python3 -m bench.decode --preset headline --budget-s 540 --resume PREV/decode.json --out $OUT
     # what a preset measures, what fits the card and how long it should take, without measuring:
@@ -12,13 +13,15 @@ random INT4 weights (and on SmolLM2's real weights and prompts).
         [--contexts 512,4096] [--new 512] [--gammas 1,3,5] [--drafts w4a8,w4a4,w4a8/kv8]
         [--ar w16a16,w4a16,w4a8,w4a4] [--out DIR] [--resume OLD.json] [--rerun] [--budget-s 540]
         [--threads 8] [--reps 1] [--phase-reps 16] [--label TEXT]
+        [--gsm8k DEV.jsonl --gsm8k-train TRAIN.jsonl [--checkpoint DIR] [--real-contexts 512]]
     # the acceptance trace replayed on random weights, recorded on SmolLM2:
     PYTHONPATH=. python3 -m bench.decode --record-trace bench/results/acceptance_trace.json \
         --gsm8k ../shared/data/gsm8k_test_dev.jsonl
 
 Presets: ``headline`` (Llama-2-7B, Llama-3-8B, Llama-2-13B x batch 1, 8, 16, 32 x context 512 and 4096,
-W4A16 and W4A8 AR, QSPEC with W4A8 drafts at gamma 1 and 3, plus SmolLM2 when its checkpoint and the
-GSM8K files are found) and ``full`` (every model, batch 1-64, gamma 1, 3, 5, drafts W4A8, W4A4 and
+W4A16 and W4A8 AR, QSPEC with W4A8 drafts at gamma 1 and 3, plus SmolLM2 at context 512 when its
+checkpoint and the GSM8K files are found: ``--gsm8k`` / ``--gsm8k-train``, else .carry/data or
+../shared/data) and ``full`` (every model, batch 1-64, gamma 1, 3, 5, drafts W4A8, W4A4 and
 W4A8 over an INT8 KV shadow, the W16A16 baseline), both resumable.
 
 Per (model, context P, batch B): a decode state of P committed tokens per sequence (random tokens, a
