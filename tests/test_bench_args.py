@@ -112,7 +112,10 @@ def test_fidelity_refuses_bad_arguments_before_loading(tmp_path, capsys):
     assert not (tmp_path / "f.md").exists()
 
 
-def test_kernels_and_plot_refuse_bad_arguments(tmp_path, rng, capsys):
+def test_kernels_and_plot_refuse_bad_arguments(tmp_path, rng, capsys, monkeypatch):
+    for name in ("MODELS", "DEFAULT_MODELS", "MS", "CHECK_CASES", "ATTN", "L2_BYTES", "CALLS", "COPY_ELEMS"):
+        monkeypatch.setattr(kernels, name, getattr(kernels, name))  # --smoke rebinds them: restored after
+    monkeypatch.setattr(kernels, "KW", {})
     for argv in (["--smoke", "--ms", "0"], ["--smoke", "--ms", "a"], ["--smoke", "--parts", ""],
                  ["--smoke", "--threads", "0"], ["--smoke", "--budget-s", "-5"]):
         with pytest.raises(SystemExit):
