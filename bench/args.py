@@ -4,9 +4,11 @@ with a ``SystemExit`` naming the file) before any measurement starts, not deep i
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import shlex
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +19,23 @@ def command_line(module: str, argv: list[str] | None) -> str:
     """The shell command that runs ``module`` with ``argv`` (the process's own arguments when None), for
     a report's "made by" line: a call from Python records the arguments it passed."""
     return shlex.join(["python3", "-m", module, *(sys.argv[1:] if argv is None else argv)])
+
+
+def git_commit() -> str:
+    """The checked-out commit of this tree (``+dirty`` when it has changes), or "unknown" outside git."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "") if head else "unknown"
+
+
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
 def at_least(minimum: int) -> Callable[[str], int]:

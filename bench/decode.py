@@ -1,59 +1,51 @@
-"""End-to-end decode throughput: W16A16 (XLA bf16), W4A16 / W4A8 / W4A4 autoregressive, and QSPEC
-(both draft precisions, several gamma), for Llama-shaped models with random weights.
+"""End-to-end decode throughput of QSPEC against autoregressive decoding, on Llama-shaped models with
+random INT4 weights (and on SmolLM2's real weights and prompts).
 
+    # the headline matrix (~16 min on one H100 / H200), over calls of at most 9 minutes each; every call
+    # prints the configurations left and the --resume that continues:
+    PYTHONPATH=. python3 -m bench.decode --preset headline --budget-s 540 --out $OUT
+    PYTHONPATH=. python3 -m bench.decode --preset headline --budget-s 540 --resume PREV/decode.json --out $OUT
+    # what a preset measures, what fits the card and how long it should take, without measuring:
+    PYTHONPATH=. python3 -m bench.decode --preset headline --plan h100
+    # any matrix (flags given explicitly override a preset's):
     PYTHONPATH=. python3 -m bench.decode --trace bench/results/acceptance_trace.json \
-        [--models llama3-8b,llama2-7b,llama2-13b] [--batches 1,8,16,32,64] [--contexts 512]
-        [--new 512] [--gammas 1,3,5] [--drafts w4a8,w4a4,w4a8/kv8] [--out DIR] [--resume OLD.json] [--budget-s 480]
-        [--threads 8] [--reps 1] [--label TEXT] [--rerun] [--shard I/N]
-    python -m bench.decode --record-trace bench/results/acceptance_trace.json \
-        --gsm8k ../shared/data/gsm8k_test_dev.jsonl      # the trace, on SmolLM2's real weights
+        [--models llama3-8b,llama2-7b,llama2-13b,llama2-70b,smollm2] [--batches 1,8,16,32,64]
+        [--contexts 512,4096] [--new 512] [--gammas 1,3,5] [--drafts w4a8,w4a4,w4a8/kv8]
+        [--ar w16a16,w4a16,w4a8,w4a4] [--out DIR] [--resume OLD.json] [--rerun] [--budget-s 540]
+        [--threads 8] [--reps 1] [--phase-reps 16] [--label TEXT]
+        [--gsm8k DEV.jsonl --gsm8k-train TRAIN.jsonl [--checkpoint DIR] [--real-contexts 512]]
+    # the acceptance trace replayed on random weights, recorded on SmolLM2:
+    PYTHONPATH=. python3 -m bench.decode --record-trace bench/results/acceptance_trace.json \
+        --gsm8k ../shared/data/gsm8k_test_dev.jsonl
 
-``--models smollm2`` (with ``--gsm8k`` and ``--gsm8k-train``): the embedded SmolLM2 (or
-``--checkpoint``) on real prompts (GSM8K-dev questions after as many few-shot train examples as fit
-in the context, chat template, prefilled), QSPEC with its own accept decisions.
+Presets: ``headline`` (Llama-2-7B, Llama-3-8B, Llama-2-13B x batch 1, 8, 16, 32 x context 512 and 4096,
+W4A16 and W4A8 AR, QSPEC with W4A8 drafts at gamma 1 and 3, plus SmolLM2 at context 512 when its
+checkpoint and the GSM8K files are found: ``--gsm8k`` / ``--gsm8k-train``, else .carry/data or
+../shared/data) and ``full`` (every model, batch 1-64, gamma 1, 3, 5, drafts W4A8, W4A4 and
+W4A8 over an INT8 KV shadow, the W16A16 baseline), both resumable.
 
-Per (model, context P, batch B): a decode state holding P committed tokens per sequence is made
-directly (random tokens, a zeroed KV cache: decode time does not depend on the values), then each
-method generates ``--new`` tokens in its jitted ``while_loop`` (a configuration's loops are all
-compiled first, the Pallas ones ``--threads`` at once, then the plain-XLA baseline alone, and nothing
-compiles while anything is timed: session 13's runs that compiled the next configuration meanwhile
-timed phases up to 1.8x too slow; each loop is timed on a fresh state after a warm-up run of a few
-tokens): tokens/s, ms per step (AR) or
-per round (QSPEC), and the ratio to W4A16 AR measured in the same run. QSPEC's accept decisions are
-**replayed** from a per-round accepted-draft trace recorded on SmolLM2's real weights
-(``--record-trace``; every draft step and verify pass still runs, only the accept decision is
-replayed): random weights would accept nothing. A draft ``MODE/kvBITS`` reads an INT8 / INT4
-shadow of the KV cache (``generate(draft_kv=...)``; its trace recorded with that shadow).
+Per (model, context P, batch B): a decode state of P committed tokens per sequence (random tokens, a
+zeroed KV cache: decode time does not depend on the values), then each method generates ``--new``
+tokens in its jitted ``while_loop``. A configuration's programs are all compiled first and nothing
+compiles while anything is timed; each loop is timed on a fresh state after a short warm-up run.
+Reported: tokens/s, ms per step (AR) or per round (QSPEC), the ratio to W4A16 AR of the same run, the
+best fixed gamma, and gamma = ``generate``'s default marked "default". QSPEC's accept decisions are
+**replayed** from a per-round trace recorded on SmolLM2 (every draft step and verify still runs; random
+weights would accept nothing); ``smollm2`` (real few-shot GSM8K prompts, prefilled) uses its own. A
+draft ``MODE/kvBITS`` reads an INT8 / INT4 shadow of the KV cache.
 
-Phases: one draft step (1 token per sequence, draft mode) and one verify pass (gamma + 1 tokens,
-W4A16) timed alone; the rest of a round (one iteration of the batch's loop) is overhead. The
-speed-up model of DESIGN.md §2, ``S = E[L] * T_w4a16 / (gamma * T_draft + T_verify + T_overhead)``
-with E[L] the measured tokens per round (the sequences' mean), stands next to the measured
-speed-up. The loop runs until its slowest sequence is done: the batch tail, iterations / the
-sequences' mean rounds, is what separates the two (measured ≈ S / tail). Beside it, the same model
-fed with the measured acceptance rate alpha, E[L] = (1 - alpha**(gamma+1)) / (1 - alpha):
-DESIGN.md's formula as written, which assumes independent accepts. Floor per
-step: the bytes one W4A16 step must move (packed weights + scales + bf16 lm_head + the KV cache
-read) over the copy bandwidth measured in the same run. Phase floors: a draft step or verify pass
-cannot beat the larger of that byte floor and its matmul FLOPs (2 x the matmul weights per token,
-attention left out) over the dense matmul rate measured in the same run (XLA's bf16 dot for the
-W4A16 verify, its int8 dot for a W4A8 / W4A4 draft); each phase is reported as a multiple of its
-floor. Memory per method (paper Table 5): the buffers its compiled decode loop needs, from XLA's
-buffer assignment (weights, decode state, outputs and temporaries; a donated state counted once;
-constants inside the executable left out).
+QSPEC phases (a draft step, a verify of gamma + 1 tokens) are also timed alone: the speed-up model of
+DESIGN.md §2, ``S = E[L] * T_w4a16 / (gamma * T_draft + T_verify + T_overhead)``, stands beside the
+measured speed-up, and each phase beside its floor (bytes over the copy bandwidth, or matmul FLOPs over
+the dense matmul rate, both measured in the same run). Memory per method: the buffers its compiled loop
+needs (XLA's buffer assignment). A configuration whose estimated memory exceeds the card's is skipped
+and listed as such; a section whose rounds come out shorter than their phases is marked ``disturbed``
+and measured again by the next ``--resume``.
 
-Writes ``decode.json`` / ``decode.md`` under ``--out`` (default ``$OUT``, else bench/results), after
-every configuration. ``--resume OLD.json`` continues an earlier run: its configurations are kept and
-not run again (so a matrix larger than one device call is measured over several calls), except with
-``--rerun``, where the configurations this call names are measured again and replace the old ones
-(unless the new one comes out disturbed and the old one is valid);
-``--budget-s``: no configuration starts that would not end within that many seconds (its
-:func:`config_cost_s` estimate times the slowest measured / estimated ratio of the call so far,
-:data:`PACE` before the first). A section whose QSPEC rounds come out more than
-:data:`PHASE_SLACK` shorter than their timed phases is marked ``disturbed`` (:func:`phase_check`: not a
-valid measurement; decode.md says so, bench.plot leaves it out, ``--resume`` measures it again); ``--label``: a note on the code
-measured, kept with each new section; ``--shard I/N``: only share I of N of the configurations left
-to measure, split by estimated cost (one GPU's share; ``bench.decode_gpus`` runs all N and merges).
+Writes ``decode.json`` / ``decode.md`` under ``--out`` (default ``$OUT``, else bench/results) after every
+configuration; each section records the GPU, date (UTC), commit and command line. ``--resume OLD.json``
+keeps its configurations (``--rerun``: measures the named ones again); ``--budget-s``: no configuration
+starts that would not end in time (estimated from the cost model, calibrated on recorded sections).
 """
 
 from __future__ import annotations
@@ -62,27 +54,29 @@ import argparse
 import dataclasses
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-# the benchmark owns the GPU: let XLA take 95% of it (its default 75% of an H200 runs the 13B and
-# MHA 7B caches at batch 64 out of memory)
+# the benchmark owns the GPU: XLA's default 75% would leave the largest caches out of memory
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.args import command_line, int_list, positive_int, positive_seconds, read_gsm8k, read_json  # noqa: E402
+from bench.args import (command_line, git_commit, int_list, positive_int, positive_seconds, read_gsm8k,  # noqa: E402
+                        read_json, utc_now)
 from bench.hooks import acceptance_trace, replay_loop, unstack_layers  # noqa: E402
+from bench.shapes import MODELS  # noqa: E402
 from convert.embedded import default_checkpoint  # noqa: E402
 from pallas_kernels.layout import QuantizedWeight, dequantize  # noqa: E402
 from pallas_kernels.precision import W4A16, parse_precision  # noqa: E402
 from pallas_kernels.reference import KV_BITS  # noqa: E402
-from qspec_jax.api import DRAFTS, METHODS, cache_slots, load  # noqa: E402
+from qspec_jax.api import DEFAULT_GAMMA, DRAFTS, METHODS, cache_slots, load  # noqa: E402
 from qspec_jax.config import LlamaConfig  # noqa: E402
 from qspec_jax.kernels import KERNELS, Execution, resolve_kernels  # noqa: E402
 from qspec_jax.decode import DecodeState, Runtime, ar_loop, prefill_jit  # noqa: E402
@@ -90,24 +84,28 @@ from qspec_jax.model import init_cache  # noqa: E402
 from qspec_jax.qspec import qspec_loop  # noqa: E402
 from qspec_jax.sampling import Sampling  # noqa: E402
 
-MODELS = {
-    "llama2-7b": LlamaConfig(32000, 4096, 11008, 32, 32, 32, 128, max_position_embeddings=8192),
-    "llama3-8b": LlamaConfig(128256, 4096, 14336, 32, 32, 8, 128, rope_theta=500000.0, max_position_embeddings=8192),
-    "llama2-13b": LlamaConfig(32000, 5120, 13824, 40, 40, 40, 128, max_position_embeddings=8192),
-    "smoke": LlamaConfig(256, 128, 256, 2, 4, 2, 32, max_position_embeddings=1024),
-}
 GROUP = 128  # random weights: symmetric, group 128
 REAL_MODEL = "smollm2"  # the embedded model (or --checkpoint) with real prompts and real acceptance
-MEM_LIMIT = 125e9  # skip a configuration whose weights + 1.5 x its KV cache (a state and a loop's copy) exceed this
-FORWARD_REPS = 16  # forwards per timed phase loop
+DEFAULT_TRACE = Path("bench/results/acceptance_trace.json")
+# a configuration runs only if its estimated bytes (memory_need) fit this share of the card's memory:
+# the estimate leaves out XLA's temporaries and the allocator's fragmentation
+MEM_HEADROOM = 0.87
+MEM_LIMIT: float | None = None  # bytes; None: the device's (memory_limit)
+FORWARD_REPS = 16  # forwards per timed phase loop (--phase-reps)
 WARM_TOKENS = 4  # tokens per sequence a decode loop's warm-up run generates
-# a configuration's seconds / its config_cost_s before one is measured: 1.0-3.5 in sessions 10-13, the
-# most where its compile is a large share (Llama-3-8B, batch 1)
-PACE = 3.5
+# the cost model (config_cost_s), fitted to recorded sections: seconds per program compiled (8 threads),
+# and per generated token a multiple of the W4A16 step's bytes floor plus a fixed part (launches, phases)
+COMPILE_S = 1.5
+STEP_FLOOR_FACTOR = 2.0
+STEP_S = 4.7e-3
+# measured / estimated seconds assumed before any section calibrates it (calibrated_pace)
+PACE = 1.5
 # a round (one loop iteration) cannot be shorter than its gamma draft steps and its verify, each timed
-# alone; sections timed alone came within 3% of that, those timed beside a compile up to -112%
-# (bench/results/decode_timing_check.md)
+# alone: more than this share shorter means the phases were slowed while they were timed
 PHASE_SLACK = 0.05
+# assumed by --plan for a card this process does not run on: copy bandwidth (bytes/s) and XLA's memory
+# limit at a 0.95 memory fraction (bytes)
+CARDS = {"h100": (3.0e12, 81.2e9), "h200": (4.3e12, 143.0e9)}
 
 
 def log(*a: Any) -> None:
@@ -165,47 +163,82 @@ def kv_bytes(cfg: LlamaConfig, batch: int, slots: int) -> int:
     return 2 * cfg.num_layers * batch * slots * cfg.num_kv_heads * cfg.head_dim * 2
 
 
-def config_cost_s(name: str, context: int, batch: int, args) -> float:
-    """A rough estimate of one configuration's seconds (its compiles, then every decode loop at the
-    bytes-floor step time; about 0 for one too large for :data:`MEM_LIMIT`, which is skipped): to
-    balance ``--shard``'s split, and scaled by the measured pace, for ``--budget-s`` (:class:`Budget`)."""
+def _programs(args) -> tuple[int, int]:
+    """(decode loops, programs compiled) of one configuration: every loop, plus the phase forwards (the
+    W4A16 step, and per draft its step and a verify per gamma)."""
     loops = len(args.ar) + len(args.drafts) * len(args.gammas)
-    if name == REAL_MODEL:  # a 135M model: launch-bound steps of a few ms, ~1 min in session 12
-        return 20.0 + loops * args.new * 4e-3
+    phases = (1 + len(args.drafts) * (1 + len(args.gammas))) if args.drafts else 0
+    return loops, loops + phases
+
+
+def config_cost_s(name: str, context: int, batch: int, args, bw: float = CARDS["h200"][0],
+                  limit: float | None = None) -> float:
+    """One configuration's seconds, estimated: its compiles, then every decode loop's tokens at
+    :data:`STEP_FLOOR_FACTOR` x the W4A16 step's bytes floor (packed weights + the KV read at the mid
+    context, over ``bw``) plus :data:`STEP_S`; 0 for one too large for ``limit`` (it is skipped).
+    Scaled by the pace (:func:`calibrated_pace`, :class:`Budget`)."""
+    loops, programs = _programs(args)
+    if name == REAL_MODEL:  # a 135M model: its steps are launch-bound
+        return COMPILE_S * programs + loops * args.new * STEP_S
     cfg = MODELS[name]
     packed = matmul_flops_per_token(cfg) / 4  # ~ the INT4 weights' bytes (half a byte per weight)
-    if memory_need(packed, cfg, context, batch, args) > MEM_LIMIT:  # _bench_model's test, on estimated bytes
+    limit = memory_limit() if limit is None else limit
+    w16a16 = runs_w16a16(packed, cfg, args, limit)
+    if memory_need(packed, cfg, context, batch, args, w16a16) > limit:
         return 0.0
-    return 20.0 + loops * args.new * (packed + kv_bytes(cfg, batch, context + args.new // 2)) / 4e12
+    loops -= "w16a16" in args.ar and not w16a16
+    step = STEP_FLOOR_FACTOR * (packed + kv_bytes(cfg, batch, context + args.new // 2)) / bw + STEP_S
+    return COMPILE_S * programs + loops * args.new * step
 
 
-def memory_need(weight_bytes: float, cfg: LlamaConfig, context: int, batch: int, args) -> float:
-    """Device bytes one configuration needs, estimated: the weights (three times with the W16A16
-    baseline's bf16 copy), 1.5 x the KV cache (a state and a loop's copy), and the draft's shadow."""
+def memory_limit() -> float:
+    """Bytes a configuration may need (:func:`memory_need`): :data:`MEM_HEADROOM` of what XLA may
+    allocate on the device (its ``bytes_limit``), :data:`MEM_LIMIT` where set; no limit without either."""
+    if MEM_LIMIT is not None:
+        return MEM_LIMIT
+    stats = jax.devices()[0].memory_stats() or {}
+    return MEM_HEADROOM * stats["bytes_limit"] if stats.get("bytes_limit") else float("inf")
+
+
+def runs_w16a16(weight_bytes: float, cfg: LlamaConfig, args, limit: float) -> bool:
+    """Whether a model runs the W16A16 baseline: asked for, and its bf16 copy fits beside the smallest
+    configuration (its bf16 weights stay in memory for all of the model's configurations)."""
+    return "w16a16" in args.ar and memory_need(weight_bytes, cfg, min(args.contexts), min(args.batches), args,
+                                                True) <= limit
+
+
+def memory_need(weight_bytes: float, cfg: LlamaConfig, context: int, batch: int, args,
+                w16a16: bool | None = None) -> float:
+    """Device bytes one configuration needs, estimated: the weights (five times with the W16A16
+    baseline's bf16 copy, 2 bytes per weight against ~0.5), 1.5 x the KV cache (a state and a loop's
+    copy), and the draft's shadow."""
     kv = kv_bytes(cfg, batch, context + args.new + 64)
     shadow = max([parse_draft(d)[1] or 0 for d in args.drafts] + [0]) / 16  # a shadow's bytes per cache byte
-    return weight_bytes * (3 if "w16a16" in args.ar else 1) + 1.5 * kv + (kv * (shadow + 1 / 32) if shadow else 0)
+    if w16a16 is None:
+        w16a16 = "w16a16" in args.ar
+    return weight_bytes * (5 if w16a16 else 1) + 1.5 * kv + (kv * (shadow + 1 / 32) if shadow else 0)
 
 
-def split_by_cost(items: list, cost, parts: int) -> list[list]:
-    """``items`` in ``parts`` lists of near-equal total ``cost``: the costliest first, each to the
-    least loaded list (longest processing time first); deterministic, so every shard computes the
-    same split."""
-    out: list[list] = [[] for _ in range(parts)]
-    loads = [0.0] * parts
-    for item in sorted(items, key=cost, reverse=True):
-        i = loads.index(min(loads))
-        out[i].append(item)
-        loads[i] += cost(item)
-    return out
+def _section_args(r: dict) -> argparse.Namespace:
+    """The method set a recorded section measured, as :func:`config_cost_s` reads it."""
+    qspec = [m.split() for m in r.get("methods", {}) if m.startswith("qspec ")]
+    return argparse.Namespace(ar=[m for m in r.get("methods", {}) if not m.startswith("qspec ")],
+                              drafts=sorted({q[1] for q in qspec}), gammas=sorted({q[2] for q in qspec}),
+                              new=r.get("new", 512), contexts=[r["context"]], batches=[r["batch"]])
 
 
-def parse_shard(spec: str) -> tuple[int, int]:
-    """``--shard I/N``: ``(I, N)`` with 0 <= I < N."""
-    i, slash, n = spec.partition("/")
-    if not (slash and i.isdigit() and n.isdigit() and int(i) < int(n)):
-        raise argparse.ArgumentTypeError(f"--shard takes I/N with 0 <= I < N, got {spec!r}")
-    return int(i), int(n)
+def calibrated_pace(sections: list[dict]) -> tuple[float, float] | None:
+    """(median, largest) of recorded seconds / :func:`config_cost_s` over ``sections`` that record
+    their time (``bench_s``) and copy bandwidth; None without any."""
+    ratios = []
+    for r in sections:
+        if "bench_s" not in r or "methods" not in r or not r.get("copy_bw") or (
+                r["model"] not in MODELS and r["model"] != REAL_MODEL):
+            continue
+        est = config_cost_s(r["model"], r["context"], r["batch"], _section_args(r), r["copy_bw"], float("inf"))
+        if est > 0:
+            ratios.append((r["bench_s"]["compile_wait"] + r["bench_s"]["timing"]) / est)
+    return (float(np.median(ratios)), max(ratios)) if ratios else None
 
 
 def parse_draft(spec: str, modes: tuple[str, ...] = DRAFTS) -> tuple[str, int | None]:
@@ -338,7 +371,7 @@ def time_forward(compiled, params, carry, reps: int) -> float:
 
 def _best_seconds(call: Callable[[], Any], repeats: int = 5) -> float:
     """The fastest of ``repeats`` wall-clock timings of ``call()`` after one warm-up call (a single
-    sample can be slowed by the host: one session-20 copy measured 3.05 TB/s, every other 3.9-4.1)."""
+    sample can be slowed by the host)."""
     jax.block_until_ready(call())
     best = float("inf")
     for _ in range(repeats):
@@ -384,7 +417,7 @@ def loop_memory_bytes(compiled) -> int:
 
 # ------------------------------------------------------------------------------ one configuration
 
-KERNELS_MEASURED = "pallas"  # what a section that does not record its kernels (before session 28) ran on
+KERNELS_MEASURED = "pallas"  # what a section that does not record its kernels ran on
 XLA_JOB = ("ar", "w16a16")  # plain XLA: its dots autotune on the GPU while it compiles
 
 
@@ -438,18 +471,20 @@ def plan_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None,
                                                                                                precision=p),
                                       donate_argnums=1), (p, state))
     if args.drafts and ("ar", "w4a16") in jobs:
-        jobs["fwd", "w4a16", 1, None] = (forward_loop(rt, "w4a16", FORWARD_REPS), (params, carry(1)))
+        jobs["fwd", "w4a16", 1, None] = (forward_loop(rt, "w4a16", args.phase_reps), (params, carry(1)))
     for draft in args.drafts:
         mode, bits = parse_draft(draft)
         rt_d, state_d = dataclasses.replace(rt, draft_kv=bits), jax.eval_shape(makes[bits])
-        jobs["fwd", mode, 1, bits] = (forward_loop(rt_d, mode, FORWARD_REPS, bits is not None), (params, carry(1, bits)))
+        jobs["fwd", mode, 1, bits] = (forward_loop(rt_d, mode, args.phase_reps, bits is not None),
+                                          (params, carry(1, bits)))
         for g in args.gammas:
             replay = None if trace is None else jnp.asarray(trace[draft][str(g)], jnp.int32)
             jobs["qspec", draft, g] = (jax.jit(lambda q, s, g=g, p=parse_precision(mode), rt_d=rt_d, replay=replay: (
                 qspec_loop(q, s, rt=rt_d, gamma=g, draft=p) if replay is None
                 else replay_loop(q, s, replay, rt=rt_d, gamma=g, draft=p)), donate_argnums=1), (params, state_d))
             # the verify on the draft's state: with a shadow, its re-quantization (sync_shadow) included
-            jobs["fwd", "w4a16", g + 1, bits] = (forward_loop(rt_d, "w4a16", FORWARD_REPS), (params, carry(g + 1, bits)))
+            jobs["fwd", "w4a16", g + 1, bits] = (forward_loop(rt_d, "w4a16", args.phase_reps),
+                                                  (params, carry(g + 1, bits)))
     return Config(res, rt, makes, jobs, ahead)
 
 
@@ -471,10 +506,11 @@ class Budget:
 
     deadline: float
     slowest: float | None = None  # the largest measured / estimated ratio of this call so far
+    prior: float = PACE  # the ratio assumed before the first (main: calibrated on recorded sections)
 
     def pace(self) -> float:
-        """The slowest measured / estimated ratio so far, :data:`PACE` before the first."""
-        return PACE if self.slowest is None else self.slowest
+        """The slowest measured / estimated ratio so far, :attr:`prior` before the first."""
+        return self.prior if self.slowest is None else self.slowest
 
     def left(self) -> float:
         return self.deadline - time.perf_counter()
@@ -513,7 +549,7 @@ def run_config(c: Config, compiled: dict, params: dict, fparams: dict | None, ar
 
     def forward_ms(mode: str, tokens: int, bits: int | None = None) -> float:
         carry = forward_carry(c.makes[bits](), tokens, ahead)
-        return time_forward(compiled["fwd", mode, tokens, bits], params, carry, FORWARD_REPS)
+        return time_forward(compiled["fwd", mode, tokens, bits], params, carry, args.phase_reps)
 
     for method in _ar_methods(args, fparams):
         # [0]: the loop's final state is dropped at once (held in a variable, a 70 GB cache would
@@ -597,6 +633,50 @@ def _over_floor(e: dict) -> str:
     return f"{e['draft_ms'] / e['draft_floor_ms']:.2f} / {e['verify_ms'] / e['verify_floor_ms']:.2f}"
 
 
+def _qspec_label(name: str) -> str:
+    """``qspec w4a8 g=3`` -> ``qspec w4a8 g=3 (default)`` where gamma is ``generate``'s default."""
+    return f"{name} (default)" if name.endswith(f" g={DEFAULT_GAMMA}") else name
+
+
+def best_gamma(r: dict) -> dict[str, tuple[str, float]]:
+    """Per draft: the QSPEC method with the best tokens/s among the fixed gammas measured, and its
+    speed-up over W4A16 AR."""
+    best: dict[str, tuple[str, float]] = {}
+    for m, e in r.get("methods", {}).items():
+        if m.startswith("qspec ") and "speedup_vs_w4a16" in e:
+            draft = m.split()[1]
+            if draft not in best or e["speedup_vs_w4a16"] > best[draft][1]:
+                best[draft] = (m, e["speedup_vs_w4a16"])
+    return best
+
+
+def summary(run: dict) -> list[str]:
+    """One row per measured section: W4A16 tok/s, every other method's speed-up over it, each draft's
+    best gamma; then the configurations skipped and why."""
+    measured = [r for r in run["results"] if "skipped" not in r and "methods" in r]
+    methods = list(dict.fromkeys(m for r in measured for m in r["methods"] if m != "w4a16"))
+    drafts = list(dict.fromkeys(d for r in measured for d in best_gamma(r)))
+    lines = ["| model | batch | context | W4A16 tok/s | " + " | ".join(_qspec_label(m) for m in methods)
+             + "".join(f" | best γ ({d})" for d in drafts) + " |",
+             "|---" * (4 + len(methods) + len(drafts)) + "|"]
+    for r in measured:
+        base = r["methods"].get("w4a16", {}).get("tokens_per_s")
+        cells = []
+        for m in methods:
+            e = r["methods"].get(m)
+            cells.append(f"{e['tokens_per_s'] / base:.2f}×" if e and base else "")
+        best = best_gamma(r)
+        cells += [f"γ={best[d][0].split('g=')[1]}: {best[d][1]:.2f}×" if d in best else "" for d in drafts]
+        flag = " (not valid)" if r.get("disturbed") else ""
+        lines.append(f"| {r['model']}{flag} | {r['batch']} | {r['context']} | {f'{base:.0f}' if base else ''} | "
+                     + " | ".join(cells) + " |")
+    skipped = [r for r in run["results"] if "skipped" in r]
+    if skipped:
+        lines += ["", "Not measured: " + "; ".join(f"{r['model']} batch {r['batch']} context {r['context']} "
+                                                  f"({r['skipped']})" for r in skipped) + "."]
+    return lines
+
+
 def markdown(run: dict) -> str:
     lines = [f"# Decode throughput ({run['device']})", "", f"`{run['command']}`", "",
              f"Copy bandwidth {run['copy_bw'] / 1e12:.2f} TB/s (this call; each section's floor uses its own "
@@ -611,15 +691,17 @@ def markdown(run: dict) -> str:
                 f"{run['matmul_rates']['int8'] / 1e12:.0f} TOP/s int8" if "matmul_rates" in run else "")
              + ". A QSPEC round is one iteration of the batch's loop, which runs until its slowest sequence is "
              "done; tokens/round is the sequences' mean; batch tail = the loop's iterations / the sequences' "
-             "mean rounds, so measured ≈ model / tail (sections measured before session 11 divided by the mean "
-             "rounds: the tail is inside their overhead). α: the fraction of drafts accepted; model (α): DESIGN.md "
+             "mean rounds, so measured ≈ model / tail. α: the fraction of drafts accepted; model (α): DESIGN.md "
              "§2's model with E[L] = (1 - α^(γ+1)) / (1 - α), as if each draft were accepted independently, "
-             "instead of the measured tokens per round.", ""]
-    for r in run["results"]:
+             f"instead of the measured tokens per round. γ = {DEFAULT_GAMMA} is `generate`'s default; best γ: the "
+             "fastest fixed gamma measured.", "", *summary(run), ""]
+    for r in (r for r in run["results"] if "skipped" not in r):
         acceptance = r.get("acceptance", "replayed")
         prompt = f"; prompts of {r['prompt_tokens']:.0f} tokens on average" if "prompt_tokens" in r else ""
         lines += [f"## {r['model']}, batch {r['batch']}, context {r['context']} + {r['new']}", "",
-                  (f"Measured: {r['label']}. " if r.get("label") else "")
+                  (f"Measured on {r['gpu']}, {r['date']}, commit {r['commit']}. " if "gpu" in r else "")
+                  + (f"Note: {r['label']}. " if r.get("label") else "")
+                  + "".join(f"{m} not measured: {why}. " for m, why in r.get("not_run", {}).items())
                   + f"W4A16 step floor {r['floor_ms_per_step']:.2f} ms; KV cache {r['cache_bytes'] / 1e9:.1f} GB"
                   + (f"; the process's peak GPU memory so far {r['peak_bytes'] / 1e9:.1f} GB" if r.get("peak_bytes") else "")
                   + prompt + "; QSPEC phases timed at context "
@@ -640,7 +722,7 @@ def markdown(run: dict) -> str:
                 tail = f"{e['tail']:.2f}" if "tail" in e else "(in overhead)"
                 alpha = f"{e['alpha']:.3f}" if "alpha" in e else ""
                 model_alpha = f"{e['model_speedup_alpha']:.2f}×" if "model_speedup_alpha" in e else ""
-                lines.append(f"| qspec {m[6:]} ({acceptance}) | {e['tokens_per_s']:.0f} | {e['ms_per_round']:.2f} | "
+                lines.append(f"| {_qspec_label(m)} ({acceptance}) | {e['tokens_per_s']:.0f} | {e['ms_per_round']:.2f} | "
                              f"{e['tokens_per_round']:.2f} | {alpha} | {tail} | {e['draft_ms']:.2f} / {e['verify_ms']:.2f} / "
                              f"{e['overhead_ms']:.2f} | {_over_floor(e)} | {e.get('speedup_vs_w4a16', float('nan')):.2f}× | "
                              f"{e.get('model_speedup', float('nan')):.2f}× | {model_alpha} | {mem} |")
@@ -649,13 +731,36 @@ def markdown(run: dict) -> str:
 
 
 AR = tuple(m for m in METHODS if m != "qspec")  # the autoregressive methods
+ROOT = Path(__file__).resolve().parent.parent
+# where a preset looks for the GSM8K files SmolLM2's prompts come from (scripts/gpu_carry.sh's copy first)
+DATA_DIRS = (ROOT / ".carry" / "data", ROOT.parent / "shared" / "data")
+CALIBRATION = ROOT / "bench" / "results" / "decode.json"  # recorded sections that calibrate the cost model
+PRESETS = {
+    "headline": {"models": f"llama2-7b,llama3-8b,llama2-13b,{REAL_MODEL}", "batches": "1,8,16,32",
+                 "contexts": "512,4096", "new": "512", "gammas": "1,3", "drafts": "w4a8", "ar": "w4a16,w4a8",
+                 "trace": str(DEFAULT_TRACE), "phase_reps": "8", "real_contexts": "512"},
+    "full": {"models": f"llama3-8b,llama2-7b,llama2-13b,llama2-70b,{REAL_MODEL}", "batches": "1,8,16,32,64",
+             "contexts": "512,4096", "new": "512", "gammas": "1,3,5", "drafts": "w4a8,w4a4,w4a8/kv8",
+             "ar": "w16a16,w4a16,w4a8,w4a4", "trace": str(DEFAULT_TRACE), "phase_reps": "16"},
+    # the headline's methods on the tiny model, for a check of the whole tool on the CPU
+    "smoke": {"models": "smoke", "batches": "2", "contexts": "32,64", "new": "8", "gammas": "1,3", "drafts": "w4a8",
+              "ar": "w4a16,w4a8", "trace": str(DEFAULT_TRACE), "phase_reps": "2", "kernels": "reference"},
+}
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                    help="a matrix's defaults (headline: the README's table; full: everything; smoke: a CPU check); "
+                         "flags override")
+    ap.add_argument("--plan", choices=["here", *CARDS], default=None,
+                    help="print the matrix, what fits and the estimated time on this GPU or on an H100 / H200, "
+                         "then exit without measuring")
     ap.add_argument("--models", default="llama3-8b,llama2-7b,llama2-13b")
     ap.add_argument("--batches", type=int_list(), default="1,8,16,32,64")
     ap.add_argument("--contexts", type=int_list(), default="512")
+    ap.add_argument("--real-contexts", type=int_list(), default=None,
+                    help=f"{REAL_MODEL}'s contexts (default: --contexts)")
     ap.add_argument("--new", type=positive_int, default=512)
     ap.add_argument("--gammas", type=int_list(), default="1,3,5")
     ap.add_argument("--drafts", default="w4a8,w4a4")
@@ -669,7 +774,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--checkpoint", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench/results"))
     ap.add_argument("--resume", type=Path, default=None, help="an earlier decode.json: its configurations are kept")
-    ap.add_argument("--label", default="", help="a note on the code measured (e.g. a commit), kept with each new section")
+    ap.add_argument("--label", default="", help="a note on the code measured, kept with each new section")
     ap.add_argument("--rerun", action="store_true",
                     help="with --resume: measure the configurations named here again, replacing the old ones")
     ap.add_argument("--budget-s", type=positive_seconds, default=float("inf"),
@@ -677,10 +782,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=positive_int, default=min(8, os.cpu_count() or 1), help="compiles at once")
     ap.add_argument("--reps", type=positive_int, default=1,
                     help="timed runs of each decode loop after its short warm-up (the best is kept)")
-    ap.add_argument("--shard", type=parse_shard, default=None,
-                    help="I/N: measure only share I of N of the configurations left to measure (one GPU's "
-                         "share: bench.decode_gpus)")
+    ap.add_argument("--phase-reps", type=positive_int, default=FORWARD_REPS,
+                    help="forwards per timed QSPEC phase loop")
+    return ap
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, set[str]]:
+    """The arguments, a ``--preset``'s values as defaults (flags given explicitly override them), and
+    the destinations given explicitly."""
+    ap = _parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    preset = ap.parse_known_args(argv)[0].preset
+    if preset:
+        ap.set_defaults(**PRESETS[preset])
     args = ap.parse_args(argv)
+    explicit = {a.dest for a in ap._actions for arg in argv for opt in a.option_strings
+                if arg == opt or arg.startswith(opt + "=")}
     args.drafts = [d for d in args.drafts.split(",") if d]
     for d in args.drafts:
         try:
@@ -690,18 +807,40 @@ def main(argv: list[str] | None = None) -> None:
     args.ar = [m for m in args.ar.split(",") if m]
     if unknown_ar := [m for m in args.ar if m not in AR]:
         ap.error(f"--ar: unknown methods {unknown_ar}; expected some of {', '.join(AR)}")
-    if args.record_trace:
-        if not args.gsm8k:
-            raise SystemExit("--record-trace needs --gsm8k")
-        record_trace(args)
-        return
-    trace = read_json(args.trace, "--trace") if args.trace else {}
-    names = args.models.split(",")
-    unknown = [n for n in names if n not in MODELS and n != REAL_MODEL]
-    if unknown:
-        raise SystemExit(f"unknown models {unknown}; known: {', '.join([*MODELS, REAL_MODEL])}")
-    if REAL_MODEL in names and not (args.gsm8k and args.gsm8k_train):
-        raise SystemExit(f"{REAL_MODEL} (real prompts) needs --gsm8k and --gsm8k-train")
+    args.models = [n for n in args.models.split(",") if n]
+    return args, explicit
+
+
+def real_model_missing(args) -> str | None:
+    """Why SmolLM2 cannot run here (no GSM8K files, no checkpoint), or None."""
+    if not (args.gsm8k and args.gsm8k_train):
+        return "it needs --gsm8k and --gsm8k-train (GSM8K dev / train JSONL), not found in " + \
+            " or ".join(str(d) for d in DATA_DIRS)
+    if args.checkpoint is not None:
+        return None if (args.checkpoint / "manifest.json").is_file() else f"no checkpoint at {args.checkpoint}"
+    from convert.embedded import cache_dir, embedded_gguf
+
+    if (cache_dir() / "smollm2-rtn-asym-g32" / "manifest.json").is_file():
+        return None
+    try:
+        embedded_gguf()  # converted on first use
+    except FileNotFoundError as e:
+        return f"no converted checkpoint in {cache_dir()} and {e}"
+    return None
+
+
+def _preset_real_model(args, explicit: set[str]) -> None:
+    """A preset finds SmolLM2's GSM8K files by itself, and leaves SmolLM2 out (saying why) where they
+    or its checkpoint are missing; a model list given explicitly is kept as given."""
+    for dest, name in (("gsm8k", "gsm8k_test_dev.jsonl"), ("gsm8k_train", "gsm8k_train.jsonl")):
+        if getattr(args, dest) is None:
+            setattr(args, dest, next((d / name for d in DATA_DIRS if (d / name).is_file()), None))
+    if "models" not in explicit and REAL_MODEL in args.models and (why := real_model_missing(args)):
+        log(f"{REAL_MODEL} left out of the {args.preset} preset: {why}")
+        args.models.remove(REAL_MODEL)
+
+
+def _check_trace(args, trace: dict, names: list[str]) -> None:
     if args.drafts and not args.trace and any(n != REAL_MODEL for n in names):
         raise SystemExit("QSPEC on random weights needs --trace (make one with --record-trace)")
     for d in args.drafts if any(n != REAL_MODEL for n in names) else ():
@@ -715,21 +854,54 @@ def main(argv: list[str] | None = None) -> None:
                     isinstance(a, int) and 0 <= a <= g for a in x) for x in r)):
                 raise SystemExit(f"the trace's {d} gamma-{g} entry must be a non-empty list of rounds, each a "
                                  f"non-empty list of accepted counts in [0, {g}]")
+
+
+def prior_pace(resume: dict | None) -> tuple[float, float, str]:
+    """(pace for the total estimate, pace the budget assumes before this call measures one, source):
+    the median and the largest of :func:`calibrated_pace` over the resumed run's and
+    :data:`CALIBRATION`'s sections, else :data:`PACE` for both."""
+    sections = list(resume["results"]) if resume else []
+    if CALIBRATION is not None and Path(CALIBRATION).is_file():
+        try:
+            sections += json.loads(Path(CALIBRATION).read_text()).get("results", [])
+        except (OSError, ValueError, AttributeError):
+            pass
+    got = calibrated_pace([r for r in sections if isinstance(r, dict)])
+    if got is None:
+        return PACE, PACE, "no recorded sections"
+    return got[0], got[1], "recorded sections"
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, explicit = parse_args(argv)
+    if args.record_trace:
+        if not args.gsm8k:
+            raise SystemExit("--record-trace needs --gsm8k")
+        record_trace(args)
+        return
+    if args.preset:
+        _preset_real_model(args, explicit)
+    names = args.models
+    unknown = [n for n in names if n not in MODELS and n != REAL_MODEL]
+    if unknown:
+        raise SystemExit(f"unknown models {unknown}; known: {', '.join([*MODELS, REAL_MODEL])}")
+    if REAL_MODEL in names and not (args.gsm8k and args.gsm8k_train):
+        raise SystemExit(f"{REAL_MODEL} (real prompts) needs --gsm8k and --gsm8k-train")
+    trace = read_json(args.trace, "--trace") if args.trace else {}
+    _check_trace(args, trace, names)
     for n in names:
         if n in MODELS and max(args.contexts) + args.new > MODELS[n].max_position_embeddings:
             raise SystemExit(f"{n}: context {max(args.contexts)} + {args.new} new tokens exceeds its "
                              f"{MODELS[n].max_position_embeddings} positions")
     old = read_json(args.resume, "--resume", {"command": str, "results": list}) if args.resume else None
     budget = Budget(time.perf_counter() + args.budget_s)
-    bw, rates = copy_bandwidth(), matmul_rates()
     command = command_line("bench.decode", argv)
-    run = {"command": command, "device": jax.devices()[0].device_kind, "copy_bw": bw, "matmul_rates": rates,
-           "trace_source": trace.get("source", "-"), "results": []}
+    run = {"command": command, "results": []}
     if old is not None:
         run["results"] = [r for r in old["results"] if "skipped" not in r]
         run["command"] = f"{old['command']}; then {command}"
-    contexts, batches = args.contexts, args.batches
-    grid = {(n, c, b) for n in names for c in contexts for b in batches}
+    batches = args.batches
+    grid = [(n, c, b) for n in names for c in _contexts(n, args) for b in batches]
     done = set()
     for r in run["results"]:  # a disturbed section, or one that lacks what this run measures, is measured again
         if (why := "disturbed" if r.get("disturbed") else _lacks(r, args)) is None:
@@ -737,40 +909,85 @@ def main(argv: list[str] | None = None) -> None:
         elif _key(r) in grid:
             log(f"{r['model']} B={r['batch']} ctx={r['context']}: measured again, the earlier section is {why}")
     if args.rerun:  # measured again; each old section stays until its new one replaces it (record)
-        done -= grid
-    if args.shard:  # the other shards' configurations count as done here
-        wanted = [(n, c, b) for n in names for c in contexts for b in batches if (n, c, b) not in done]
-        i, parts = args.shard
-        done |= set(wanted) - set(split_by_cost(wanted, lambda t: config_cost_s(*t, args), parts)[i])
+        done -= set(grid)
+    if args.plan in CARDS:
+        bw, limit, device = *CARDS[args.plan], args.plan.upper() + " (assumed)"
+    else:
+        bw, limit, device = copy_bandwidth(), memory_limit(), jax.devices()[0].device_kind
+    median, budget.prior, source = prior_pace(old)
+    todo = [t for t in grid if t not in done]
+    costs = {t: config_cost_s(*t, args, bw, limit) for t in todo}
+    too_large = [t for t in todo if costs[t] == 0.0]
+    total = median * sum(costs.values())
+    log(f"{args.preset or 'custom'} matrix on {device}: {len(grid)} configurations, {len(grid) - len(todo)} done, "
+        f"{len(todo) - len(too_large)} to measure"
+        + (f", {len(too_large)} too large for {limit / 1e9:.0f} GB (skipped)" if limit < float("inf") else "")
+        + f"; estimated {total / 60:.1f} min ({median:.2f} x the cost model, from {source}; "
+        f"copy bandwidth {bw / 1e12:.2f} TB/s)")
+    if args.plan:
+        for t in todo:
+            log(f"  {t[0]} ctx={t[1]} B={t[2]}: "
+                + (f"~{median * costs[t]:.0f} s" if costs[t] else "too large: skipped"))
+        return
+    rates = matmul_rates()
+    run |= {"device": jax.devices()[0].device_kind, "copy_bw": bw, "matmul_rates": rates,
+            "trace_source": trace.get("source", "-")}
     log(f"copy bandwidth {bw / 1e12:.2f} TB/s; dense matmul {rates['bf16'] / 1e12:.0f} TFLOP/s bf16, "
         f"{rates['int8'] / 1e12:.0f} TOP/s int8")
+    meta = {"gpu": run["device"], "date": utc_now(), "commit": git_commit(), "command": command}
+    for name, context, batch in too_large:  # on the estimate, without loading the model
+        cfg, packed = MODELS[name], matmul_flops_per_token(MODELS[name]) / 4  # as config_cost_s estimates
+        need = memory_need(packed, cfg, context, batch, args, runs_w16a16(packed, cfg, args, limit))
+        _skip(run, name, context, batch, args, need, limit, meta)
     for name in names:
-        todo = [(c, b) for c in contexts for b in batches if (name, c, b) not in done]
-        if todo:
-            _bench_model(name, todo, args, trace, bw, rates, run, budget)
+        todo_model = [(c, b) for c in _contexts(name, args) for b in batches
+                      if (name, c, b) not in done and (name, c, b) not in too_large]
+        if todo_model:
+            _bench_model(name, todo_model, args, trace, bw, rates, run, budget, limit, meta)
     save(run, args.out)
-    print(markdown({**run, "results": [r for r in run["results"] if "skipped" not in r]}))
+    print("\n".join(summary(run)))  # the full tables: decode.md
+    measured = {_key(r) for r in run["results"] if "skipped" not in r and not r.get("disturbed")
+                and _lacks(r, args) is None}
+    skipped = {_key(r) for r in run["results"] if "skipped" in r}
+    left = [t for t in grid if t not in measured and t not in skipped]
+    log(f"{len(left)} of {len(grid)} configurations remain"
+        + (f" (~{median * sum(config_cost_s(*t, args, bw, limit) for t in left) / 60:.1f} min): continue with "
+           f"--resume {args.out / 'decode.json'}" if left else "") + (f"; {len(skipped)} skipped" if skipped else ""))
+
+
+def _skip(run: dict, name: str, context: int, batch: int, args, need: float, limit: float, meta: dict) -> None:
+    log(f"{name} B={batch} ctx={context}: skipped, needs ~{need / 1e9:.0f} GB of {limit / 1e9:.0f} GB")
+    record(run, {"model": name, "batch": batch, "context": context, "new": args.new,
+                 "skipped": f"needs ~{need / 1e9:.0f} GB, more than the {limit / 1e9:.0f} GB it may use on this "
+                            f"{meta['gpu']}"})
+
+
+def _contexts(name: str, args) -> list[int]:
+    return args.real_contexts if name == REAL_MODEL and args.real_contexts else args.contexts
 
 
 def _bench_model(name: str, todo: list[tuple[int, int]], args, trace: dict, bw: float, rates: dict[str, float],
-                 run: dict, budget: Budget) -> None:
+                 run: dict, budget: Budget, limit: float, meta: dict) -> None:
     """Every (context, batch) of ``todo`` for one model that ``budget`` lets start, each compiled and
     then timed (never both at once), appended to ``run`` and saved after each."""
-    if not any(budget.fits(config_cost_s(name, context, batch, args)) for context, batch in todo):
+    if not any(budget.fits(config_cost_s(name, context, batch, args, bw, limit)) for context, batch in todo):
         log(f"{name}: no configuration fits the {max(budget.left(), 0):.0f} s left of the budget, not loaded")
         return
     model = load(args.checkpoint or default_checkpoint()) if name == REAL_MODEL else None
     cfg = MODELS[name] if model is None else model.config
     params = random_params(cfg, jax.random.key(1)) if model is None else model.checkpoint.params
-    fparams = float_params(params) if "w16a16" in args.ar else None
+    w16a16 = runs_w16a16(weight_bytes(params), cfg, args, limit)
+    not_run = {}
+    if "w16a16" in args.ar and not w16a16:
+        not_run["w16a16"] = f"its bf16 weights do not fit the {limit / 1e9:.0f} GB"
+        log(f"{name}: w16a16 not measured, {not_run['w16a16']}")
+    fparams = float_params(params) if w16a16 else None
     for context, batch in todo:
-        need = memory_need(weight_bytes(params), cfg, context, batch, args)
-        if need > MEM_LIMIT:
-            log(f"{name} B={batch} ctx={context}: skipped, needs ~{need / 1e9:.0f} GB")
-            record(run, {"model": name, "batch": batch, "context": context, "new": args.new,
-                         "skipped": f"needs ~{need / 1e9:.0f} GB"})
+        need = memory_need(weight_bytes(params), cfg, context, batch, args, w16a16)
+        if need > limit:
+            _skip(run, name, context, batch, args, need, limit, meta)
             continue
-        estimate = config_cost_s(name, context, batch, args)
+        estimate = config_cost_s(name, context, batch, args, bw, limit)
         if not budget.fits(estimate):
             log(f"{name} B={batch} ctx={context}: not started, ~{budget.pace() * estimate:.0f} s estimated, "
                 f"{max(budget.left(), 0):.0f} s of the budget left")
@@ -796,7 +1013,8 @@ def _bench_model(name: str, todo: list[tuple[int, int]], args, trace: dict, bw: 
         del compiled  # its executables and buffers, before the next configuration's states
         res["bench_s"] = {"compile_wait": waited, "timing": time.perf_counter() - t1}  # the benchmark's own cost
         budget.measured(estimate, time.perf_counter() - t0)
-        record(run, {**res, "label": args.label} if args.label else res)
+        res |= meta | ({"not_run": not_run} if not_run else {}) | ({"label": args.label} if args.label else {})
+        record(run, res)
         save(run, args.out)
 
 
@@ -812,7 +1030,7 @@ def _lacks(r: dict, args) -> str | None:
     if r.get("kernels", KERNELS_MEASURED) != resolve_kernels(args.kernels):  # older sections: the Pallas kernels
         return f"of the {r['kernels']} kernels"
     want = {*args.ar, *(f"qspec {d} g={g}" for d in args.drafts for g in args.gammas)}
-    if missing := sorted(want - set(r.get("methods", {}))):
+    if missing := sorted(want - set(r.get("methods", {})) - set(r.get("not_run", {}))):
         return f"without {', '.join(missing)}"
     return None
 
@@ -839,7 +1057,7 @@ def record(run: dict, res: dict) -> None:
 def save(run: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "decode.json").write_text(json.dumps(run, indent=1))
-    (out / "decode.md").write_text(markdown({**run, "results": [r for r in run["results"] if "skipped" not in r]}))
+    (out / "decode.md").write_text(markdown(run))
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@
     PYTHONPATH=. python3 -m bench.hf_baseline [--models llama3-8b,llama2-7b,llama2-13b]
         [--batches 1,8,16,32,64] [--contexts 512,3584] [--new 128] [--budget-s 500] [--out DIR]
 
-Needs torch with CUDA and transformers (present on the lent H200, not in this project's
-dependencies). The model shapes are bench/decode.py's; weights are transformers' random init in
+Needs torch with CUDA and transformers (not in this project's dependencies). The model shapes are
+bench/shapes.py's; weights are transformers' random init in
 bf16. Greedy, ``min_new_tokens = max_new_tokens`` so every sequence decodes all tokens; one warm-up
 call (compilation of the static-cache graph), then the median of ``--reps`` timed calls.
 Prefill is included in the time, as a user's ``generate`` call includes it; the table also gives
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # the shapes below import jax: keep it off the GPU
-from bench.decode import MODELS  # noqa: E402
+from bench.shapes import MODELS  # noqa: E402
 from bench.args import command_line
 
 

@@ -1,4 +1,4 @@
-"""One GPU run of the Pallas kernels against XLA (GitHub issue 4). From the repository root:
+"""One GPU run of the Pallas kernels against XLA. From the repository root:
 
     PYTHONPATH=. python3 -m bench.kernels [--parts check,attn,table] [--models llama3-8b,llama2-7b,llama2-13b]
         [--ms 1,4,8,16,32,64,128,256] [--out DIR] [--resume OLD.json] [--budget-s 480] [--threads 8] [--smoke]
@@ -62,25 +62,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.args import command_line, int_list, positive_int, positive_seconds, read_json
+from bench.args import command_line, git_commit, int_list, positive_int, positive_seconds, read_json
+from bench.shapes import MODELS as SHAPES, linear_shapes
 from pallas_kernels import gpu_matmul as gm
 from pallas_kernels import reference as ref
 from pallas_kernels.layout import QuantizedWeight, dequantize
 from pallas_kernels.precision import W4A4, parse_precision
 
-MODELS = {  # decoder linears and lm_head, (N, K) = (out_features, in_features)
-    "llama3-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
-                  "down": (4096, 14336), "lm_head": (128256, 4096)},
-    "llama2-7b": {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096),
-                  "down": (4096, 11008), "lm_head": (32000, 4096)},
-    "llama2-13b": {"qkv": (15360, 5120), "o": (5120, 5120), "gate_up": (27648, 5120),
-                   "down": (5120, 13824), "lm_head": (32000, 5120)},
-}
+# decoder linears and lm_head of bench/shapes.py's models, (N, K) = (out_features, in_features); the
+# 70B shape is measured only when --models names it
+DEFAULT_MODELS = ("llama3-8b", "llama2-7b", "llama2-13b")
+MODELS = {name: linear_shapes(cfg) for name, cfg in SHAPES.items() if name != "smoke"}
 MS = (1, 4, 8, 16, 32, 64, 128, 256)
 KINDS = ("w4a16", "w4a4", "xla_bf16", "xla_int4")
 WEIGHT_OF = {"w4a16": "packed", "w4a4": "packed", "xla_bf16": "bf16", "xla_int4": "int4"}
-ATTN = {"heads": (32, 8, 128), "batches": (8, 16, 32, 64), "contexts": (1024, 2048, 4096, 8192),
-        "ts": (1, 4), "shadow_bits": (8, 4)}
+_L3 = SHAPES["llama3-8b"]
+ATTN = {"heads": (_L3.num_heads, _L3.num_kv_heads, _L3.head_dim), "batches": (8, 16, 32, 64),
+        "contexts": (1024, 2048, 4096, 8192), "ts": (1, 4), "shadow_bits": (8, 4)}
 ATTN_MAX_BYTES = 40e9  # skip attention configurations whose buffers would exceed this
 CHECK_CASES = [("o g128 sym", 4096, 4096, 128, True), ("o g32 asym", 4096, 4096, 32, False),
                ("down per-channel sym", 4096, 14336, 14336, True)]
@@ -702,8 +700,8 @@ def summary(res: dict) -> str:
 
 def _smoke() -> None:
     """Tiny shapes (one a kernel rejects: N=40) in interpret mode: a CPU check of this script."""
-    global MODELS, MS, CHECK_CASES, ATTN, L2_BYTES, CALLS, COPY_ELEMS
-    MODELS = {"tiny": {"a": (32, 256), "odd": (40, 256)}}
+    global MODELS, DEFAULT_MODELS, MS, CHECK_CASES, ATTN, L2_BYTES, CALLS, COPY_ELEMS
+    MODELS, DEFAULT_MODELS = {"tiny": {"a": (32, 256), "odd": (40, 256)}}, ("tiny",)
     MS = (1, 16)
     CHECK_CASES = [("tiny g32 asym", 32, 256, 32, False), ("tiny per-channel", 32, 256, 256, True)]
     ATTN = {"heads": (4, 2, 64), "batches": (2,), "contexts": (128,), "ts": (1, 4), "shadow_bits": (8, 4)}
@@ -714,7 +712,8 @@ def _smoke() -> None:
 def _args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {PARTS}")
-    ap.add_argument("--models", default=None, help=f"comma-separated, of {tuple(MODELS)} (default all)")
+    ap.add_argument("--models", default=None,
+                    help=f"comma-separated, of {tuple(MODELS)} (default {','.join(DEFAULT_MODELS)})")
     ap.add_argument("--ms", type=int_list(), default=None, help=f"row counts (default {','.join(map(str, MS))})")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench/results"))
     ap.add_argument("--resume", type=Path, default=None, help="an earlier kernels.json to merge into")
@@ -736,7 +735,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
     args.parts = [p for p in args.parts.split(",") if p]
     if not args.parts:
         ap.error(f"--parts: give at least one of {PARTS}")
-    args.models = args.models.split(",") if args.models else list(MODELS)
+    args.models = args.models.split(",") if args.models else list(DEFAULT_MODELS)
     args.ms = tuple(args.ms) if args.ms else MS
     for name, got, known in (("part", args.parts, PARTS), ("model", args.models, MODELS)):
         if set(got) - set(known):
@@ -752,7 +751,7 @@ def main(argv: list[str] | None = None) -> int:
     res = {"runs": [], "table": {}, "attn": {}} | (read_json(args.resume, "--resume", layout) if args.resume else {})
     run = {"command": "PYTHONPATH=. " + command_line("bench.kernels", argv),
            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-           "device": jax.devices()[0].device_kind, "jax": jax.__version__, "seed": seed,
+           "device": jax.devices()[0].device_kind, "commit": git_commit(), "jax": jax.__version__, "seed": seed,
            "parts": args.parts, "models": args.models,
            "timing": "GPU kernel time (CUPTI)" if ON_GPU else "host wall time"}
     res["runs"].append(run)

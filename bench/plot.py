@@ -1,14 +1,12 @@
-"""Tokens/s against batch size per method, one panel per model shape, from ``bench/decode.py`` runs.
+"""Tokens/s against batch size per method, one panel per model shape, from a ``bench/decode.py`` run.
 
-    python -m bench.plot bench/results/decode.json [more.json ...] [--context 512] [--gamma 3] \
+    python -m bench.plot [bench/results/decode.json] [--context 512] [--gamma 3] \
         [--hf bench/results/hf_baseline.json] [--out bench/results/decode.svg]
 
 Methods: the autoregressive ones (W16A16, W4A16, W4A8, W4A4) and QSPEC with each draft at one
-gamma (default 3, the paper's), labelled with its acceptance: replayed from the trace the runs name
-on the Llama shapes, measured on a real model (smollm2). ``--hf``
-adds Hugging Face transformers' bf16 decode rate (``bench/hf_baseline.py``) at the same context. Run it where
-the project's venv is (matplotlib is in requirements.lock; the lent GPU machine has none), on the
-``decode.json`` files the GPU runs wrote.
+gamma (default 3, ``generate``'s), labelled with its acceptance: replayed from the trace the run names
+on the Llama shapes, measured on a real model (smollm2). ``--hf`` adds Hugging Face transformers'
+bf16 decode rate (``bench/hf_baseline.py``) at the same context. Needs matplotlib (the ``bench`` extra).
 """
 
 from __future__ import annotations
@@ -41,7 +39,7 @@ def series(results: list[dict], context: int, gamma: int) -> dict[str, dict[str,
             if name in AR:
                 label = name
             elif name.endswith(f" g={gamma}"):
-                acceptance = r.get("acceptance", "replayed")  # sections from before session 12: replayed
+                acceptance = r.get("acceptance", "replayed")  # a section without the field: replayed
                 label = f"{name.split()[0]} {name.split()[1]} draft, γ={gamma} ({acceptance} acceptance)"
             else:
                 continue
@@ -106,7 +104,8 @@ def plot(data: dict, context: int, out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("runs", nargs="+", type=Path, help="decode.json files from bench/decode.py")
+    ap.add_argument("run", nargs="?", type=Path, default=Path("bench/results/decode.json"),
+                    help="the decode.json bench/decode.py wrote")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--gamma", type=int, default=3)
     ap.add_argument("--hf", type=Path, default=None, help="hf_baseline.json from bench/hf_baseline.py")
@@ -114,12 +113,12 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.out.suffix.lower() not in PLOT_SUFFIXES or args.out.is_dir():
         ap.error(f"--out {args.out}: give the plot's file name, ending in {' / '.join(PLOT_SUFFIXES)}")
-    results = [r for path in args.runs for r in read_json(path, "run", {"results": list})["results"]]
+    results = read_json(args.run, "run", {"results": list})["results"]
     if not all(isinstance(r, dict) and ("methods" in r or "skipped" in r) for r in results):
         raise SystemExit("a run's results must be bench.decode sections (objects with 'methods')")
     data = series(results, args.context, args.gamma)
     if not any("γ=" in label for lines in data.values() for label in lines):
-        raise SystemExit(f"no QSPEC results at gamma {args.gamma} and context {args.context} in {args.runs}")
+        raise SystemExit(f"no QSPEC results at gamma {args.gamma} and context {args.context} in {args.run}")
     if args.hf:  # only for the models the decode runs have
         for model, lines in hf_series(read_json(args.hf, "--hf", {"rows": list})["rows"], args.context).items():
             if model in data:

@@ -26,12 +26,13 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from bench.decode import MODELS, forward_carry, forward_loop, fresh_state, parse_draft, random_params
+from bench.args import command_line, git_commit, utc_now
+from bench.decode import forward_carry, forward_loop, fresh_state, parse_draft, random_params
+from bench.shapes import MODELS
 from pallas_kernels.precision import PRECISIONS
 from qspec_jax.decode import Runtime
 from qspec_jax.kernels import Execution
 from qspec_jax.sampling import Sampling
-from bench.args import command_line
 
 # (category, kernel-name prefix): Pallas kernels are named after their Python functions
 CATEGORIES = (("W4A16 matmul", "_w4a16_kernel"), ("W4A8/W4A4 matmul", "_w4ax_kernel"),
@@ -131,7 +132,8 @@ def main(argv: list[str] | None = None) -> None:
     params = random_params(cfg, jax.random.key(1))
     rt = Runtime(cfg, 64, (), Sampling(), jnp.bfloat16, None, Execution.decode())
     out = {"command": command_line("bench.profile", argv),
-           "device": jax.devices()[0].device_kind, "model": args.model, "batch": args.batch,
+           "device": jax.devices()[0].device_kind, "date": utc_now(), "commit": git_commit(),
+           "model": args.model, "batch": args.batch,
            "context": args.context, "reps": args.reps, "runs": {}}
     for spec, mode, bits, tokens in runs:  # a fresh state each: the loop donates its cache
         state = fresh_state(cfg, args.batch, args.context, 64, tokens, 0, bits)

@@ -270,8 +270,7 @@ def _swiglu_call(gate_up: jax.Array, bits: int | None, max_blocks: int | None, s
                  interpret: bool):
     """The SwiGLU prologues (``bits`` None: the W4A16 planes, else the W4AX codes): one program per
     row, or with ``spread`` (default :func:`_spreads`) a row's tiles spread over programs, since one
-    program per row leaves all but M SMs idle (3-4x as long at M = 1 / 16 on the H200,
-    bench/results/kernels_history.md, sessions 8 and 16). The codes take two kernels (the tiles'
+    program per row leaves all but M SMs idle. The codes take two kernels (the tiles'
     absmax, then the codes; each reads its tile of ``[gate | up]``, from L2 the second time). Same
     bits either way: the absmax is exact in any order, the rest elementwise."""
     _call_shape(gate_up, 2)
@@ -360,8 +359,8 @@ def quantize_rows(x: jax.Array, bits: int, *, max_blocks: int | None = None,
                   interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """Rows of ``x[M, K]`` quantized to ``bits`` (8 or 4) -> ``(int8 codes [2, M, K/2] in plane layout,
     float32 scales [M, 1])``: ``reference.quantize_activations(x, bits)`` laid out for the W4AX kernel.
-    ``max_blocks``: 64-blocks per tile at most (default :data:`MAX_BLOCKS`; timing only, for
-    bench/tune.py: the bits do not depend on it)."""
+    ``max_blocks``: 64-blocks per tile at most (default :data:`MAX_BLOCKS`; timing only: the bits do
+    not depend on it)."""
     return _call(x, _check_bits(bits), None, None, None, max_blocks, interpret)
 
 

@@ -34,19 +34,17 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_kernels import reference
+from pallas_kernels.gpu_specs import programs_per_wave
 from pallas_kernels.launch import (LAYER_SPEC, at_layer, call_kernel, check_count, check_float, check_positions,
                                    check_rows, pl_triton, stacked_input, x2)
 
 ROW_TILE = 16  # query rows per MMA tile (the MMA's M side)
 BLOCK_S = 64  # cache slots per KV block
-TARGET_PROGRAMS = 264  # split the cache until B * KV * splits reaches this (2 programs per H200 SM)
+PROGRAMS_PER_SM = 2  # split the cache until B * KV * splits reaches this many programs per SM
 MAX_SPLITS = 16
 SHADOW_STAGES = 3  # software-pipeline stages over a KV shadow's blocks
-# warps per program over a bf16 cache: 2 fit one more program per SM than 4, whose register count
-# left Llama-2-13B's 640 programs at batch 16 (B x KV) a second, nearly empty wave (1.20x against
-# 0.98x the floor), and are 1.39-1.46x faster on Llama-3-8B's heads at T = 6 (two row tiles);
-# elsewhere 2 and 4 are within 3% (tune_session23_attn_warps.md). Over an INT8 shadow at T = 1 (the
-# drafts) 2 warps are 0.99-1.01x of 4 and 8 warps 0.77-0.85x (tune_session25_shadow_warps.md)
+# warps per program: over a bf16 cache 2 fit one more program per SM than 4, whose register count can
+# leave a second, nearly empty wave; over a shadow 4 are as fast as 2 and faster than 8
 FLOAT_WARPS, SHADOW_WARPS = 2, 4
 
 
@@ -57,7 +55,7 @@ def _next_pow2(v: int) -> int:
 def num_splits(batch: int, kv_heads: int, slots: int, block_s: int = BLOCK_S) -> int:
     """Cache splits per (sequence, KV head): a function of batch, heads and cache length only."""
     blocks = slots // block_s
-    want = -(-TARGET_PROGRAMS // (batch * kv_heads))
+    want = -(-programs_per_wave(PROGRAMS_PER_SM) // (batch * kv_heads))
     return int(max(1, min(MAX_SPLITS, blocks, _next_pow2(want))))
 
 

@@ -57,35 +57,40 @@ from pallas_kernels.layout import PACK_BLOCK, SYMMETRIC_OFFSET, QuantizedWeight
 from pallas_kernels.launch import (LAYER_SPEC, at_layer, call_kernel, check_count, check_float, check_rows,
                                    int32_offsets_wrap, pl_triton, stacked_input, stacked_spec, x2)
 from pallas_kernels.gpu_activations import quantize_rows
+from pallas_kernels.gpu_specs import gpu_spec, programs_per_wave
 from pallas_kernels.reference import split_sum
 
 # (rows per row tile, pipeline stages), smallest first, by activation operand; a call takes the first
 # tile that holds its M rows, else the last. The tile height is the MMA's N side: a tile wider than M
-# wastes work (a 32-row tile cost 1.5-2x at M = 8), one narrower than M repeats the weight dequantization
-# per tile (64-row tiles: 1.3-1.6x faster than 32-row ones at M = 64..256; 128-row ones fit shared memory
-# only for int8 activations and with 2 stages). H200 sweeps: bench/results/tune.md, kernels_history.md.
-# A token's result does not depend on the tile height (each output element is the same MMA k-sequence;
-# checked bitwise for M = 1..256 on the GPU by tests/test_gpu.py), so choosing it from M keeps row-count
-# invariance.
+# wastes work, one narrower than M repeats the weight dequantization per tile (128-row tiles fit shared
+# memory only for int8 activations and with 2 stages). A token's result does not depend on the tile
+# height (each output element is the same MMA k-sequence; checked bitwise by tests/test_gpu.py), so
+# choosing it from M keeps row-count invariance.
 TILE_HEIGHTS = {"bf16": ((16, 3), (32, 3), (64, 3)), "int8": ((16, 3), (32, 3), (64, 3), (128, 2))}
-# Shared memory for the software pipeline's buffers: stages - 1 copies of a stage's input tiles (the
-# H200 has 227 KiB per block; the rest is left to layout conversions). Fewer stages where they would
-# not fit (float32 dense tiles).
-PIPELINE_SMEM = 160 * 1024
-# W4A16 row tiles up to this height put the tokens on the MMA's M side (``rows_first``): the same bits
-# as the weights-first kernel (checked on the GPU for Llama-2-7B's four shapes at M = 16 / 32), 1.01-1.17x
-# faster at M = 16 and 1.24-1.55x at M = 32 on qkv, o and down (gate/up: 1.07x / 0.91x); at 64-row tiles
-# it runs out of shared memory with 3 stages (bench/results/kernels_history.md, session 9).
+# Shared memory a block leaves to layout conversions; the rest holds the software pipeline's buffers
+# (:func:`pipeline_smem`), and calls take fewer stages where those would not fit (float32 dense tiles).
+LAYOUT_SMEM = 67 * 1024
+# W4A16 row tiles up to this height put the tokens on the MMA's M side (``rows_first``: the same bits as
+# the weights-first kernel, faster at M = 16 / 32); at 64-row tiles it runs out of shared memory.
 ROWS_FIRST_MAX = 32
 PLANE_ELEMS = 16  # uint16 elements of a 64-block, each holding 4 nibbles (W4A16)
 ROW_TILES = 1  # row tiles per program at most (>1: a weight tile unpacked once for more rows)
-MIN_PROGRAMS = 264  # split K until N / block_n * split_k reaches this (2 programs per H200 SM)
+PROGRAMS_PER_SM = 2  # split K until N / block_n * split_k reaches this many programs per SM (min_programs)
 WARPS = 4
 # Programs that loop over at least this many K iterations load each iteration's scales one iteration ahead
-# (:func:`_w4a16_kernel`): 1.0-1.2x faster on the H200 with 5 or more, 0.94-1.01x with 2 (the o
-# projections, whose loop the carried scales keep from being unrolled) and 0.97-1.02x with 4
-# (bench/results/kernels_history.md, session 19).
+# (:func:`_w4a16_kernel`); shorter loops are faster unrolled, which the carried scales would prevent.
 PREFETCH_MIN_ITERATIONS = 5
+
+
+def min_programs() -> int:
+    """Programs a K split aims for: :data:`PROGRAMS_PER_SM` on every SM of the GPU (264 on an H100 / H200)."""
+    return programs_per_wave(PROGRAMS_PER_SM)
+
+
+def pipeline_smem() -> int:
+    """Shared memory for the software pipeline: stages - 1 copies of a stage's input tiles (160 KiB on an
+    H100 / H200)."""
+    return gpu_spec().smem_per_block - LAYOUT_SMEM
 
 
 def _is_pow2(v: int) -> bool:
@@ -109,9 +114,8 @@ def default_config(n: int, k: int, group: int, kind: str, block_n: int | None = 
 
     A function of ``(N, K, group)`` only, never of M (row-count invariance): 64-row weight tiles,
     256-wide K chunks (halved until they fit K and the group), K
-    split in 2, 4 or 8 until there are :data:`MIN_PROGRAMS` programs, for W4A16 giving each split
-    (but the last) at least 2 K chunks: one chunk leaves Triton's pipeline nothing to overlap (a
-    4096 x 4096 weight ran 1.2x faster split in 4 than in 8, bench/results/tune_session6.md). Given
+    split in 2, 4 or 8 until there are :func:`min_programs` programs, for W4A16 giving each split
+    (but the last) at least 2 K chunks: one chunk leaves Triton's pipeline nothing to overlap. Given
     values are kept."""
     if kind not in ("w4a16", "w4ax"):
         raise ValueError(f"kind must be 'w4a16' or 'w4ax', got {kind!r}")
@@ -120,9 +124,8 @@ def default_config(n: int, k: int, group: int, kind: str, block_n: int | None = 
             check_count(name, value)
     if block_n is None:
         block_n = next((b for b in (64, 32, 16) if n % b == 0), 16)
-    if block_k is None:  # 256 rather than 512: W4AX 1.04-1.24x faster at M = 16 (tune.md); W4A16 0.89-1.09x
-        # at M <= 16 but 1.07-1.42x at M = 64 and 128, where a 512-chunk's stage buffers left room for one
-        # 64-row program per SM (the verify pass: M = batch x (gamma + 1); kernels_history.md, session 14)
+    if block_k is None:  # 256 rather than 512: a 512-chunk's stage buffers leave room for one 64-row
+        # program per SM, slow for the verify pass (M = batch x (gamma + 1))
         block_k = 256
         while block_k > PACK_BLOCK and (k % block_k or not (block_k % group == 0 or group % block_k == 0)
                                         or (split_k is not None and not _split_ok(k, group, block_k, split_k))):
@@ -136,10 +139,10 @@ def default_config(n: int, k: int, group: int, kind: str, block_n: int | None = 
 
 def _default_split(programs: int, ok) -> int:
     """The largest of 1, 2, 4, 8 that ``ok`` allows, stopping once ``programs * split`` reaches
-    :data:`MIN_PROGRAMS`."""
+    :func:`min_programs`."""
     split_k = 1
     for s in (2, 4, 8):
-        if programs * split_k >= MIN_PROGRAMS:
+        if programs * split_k >= min_programs():
             break
         if ok(s):
             split_k = s
@@ -205,7 +208,7 @@ def _config(x, w: QuantizedWeight, kind: str, block_n: int | None, block_k: int 
 def _tiles(m: int, operand: str, block_m: int | None, stage_bytes) -> tuple[int, int, int]:
     """``(rows per tile, row tiles per program, pipeline stages)`` for M rows of ``operand`` ("bf16" or
     "int8") activations: the tile from :data:`TILE_HEIGHTS` (or ``block_m``), as many tiles as M
-    needs, at most ROW_TILES, and as many stages as :data:`PIPELINE_SMEM` holds of
+    needs, at most ROW_TILES, and as many stages as :func:`pipeline_smem` holds of
     ``stage_bytes(rows)`` (a stage's input bytes for a program of that many rows). Only timing
     depends on these, never the arithmetic, so they may follow M."""
     heights = TILE_HEIGHTS[operand]
@@ -217,7 +220,7 @@ def _tiles(m: int, operand: str, block_m: int | None, stage_bytes) -> tuple[int,
             raise ValueError(f"block_m must be a power of two >= 16, got {block_m}")
         bm, stages = block_m, dict(heights).get(block_m, 2)
     tiles = min(ROW_TILES, -(-m // bm))
-    return bm, tiles, max(1, min(stages, 1 + PIPELINE_SMEM // stage_bytes(tiles * bm)))
+    return bm, tiles, max(1, min(stages, 1 + pipeline_smem() // stage_bytes(tiles * bm)))
 
 
 def _row_masks(m: int, bm: int, tiles: int) -> list[jax.Array]:
@@ -790,7 +793,7 @@ def dense_matmul(x: jax.Array, w: jax.Array, *, block_m: int | None = None, num_
     GPU; in interpret mode float32 tiles of different heights may differ in the last bit, since XLA's
     CPU dot sums a tile of another shape in another order).
     Tiles come from (N, K) only: 64 x 256 (smaller where K needs), K split until N / 64 * split
-    reaches :data:`MIN_PROGRAMS`. ``block_m``, ``num_warps``, ``num_stages``: as in :func:`w4a16_matmul`."""
+    reaches :func:`min_programs`. ``block_m``, ``num_warps``, ``num_stages``: as in :func:`w4a16_matmul`."""
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"expected x [M, K] and w [N, K], got {x.shape} and {w.shape}")
     check_float(x=x, w=w)

@@ -2,8 +2,8 @@
 
 After the fused qkv projection a decode step rotates the new queries and keys by their positions
 and stores the keys and values in the cache at those positions. As XLA ops that is the K-split sum
-and convert, a rotation fusion and a scatter per cache array (bench/results/profile_llama2-7b_b16_session16.md:
-about 7 µs per layer; a draft's INT8 / INT4 shadow write added an absmax reduction and four scatters).
+and convert, a rotation fusion and a scatter per cache array (a draft's INT8 / INT4 shadow write adds an
+absmax reduction and four scatters).
 Here one program per (token, KV head) adds the qkv partial sums, rotates the head's G query heads
 and its key (:func:`pallas_kernels.reference.rope`, the same bits) and writes the key and value into
 the cache in place: the float pair, or the draft's shadow (codes and scales as

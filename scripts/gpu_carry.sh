@@ -1,14 +1,13 @@
 #!/usr/bin/env bash
-# Bring the converted SmolLM2 checkpoint (larger than the device tool's 64 MiB per call) to the GPU
-# machine in parts, one device call per part, made back to back while the machine stays warm.
+# Move the converted SmolLM2 checkpoint to another machine in parts of at most PART_BYTES each.
 #   here:       bash scripts/gpu_carry.sh split      -> .carry/part0 .. .carry/partN (ignored by git)
-#   on the GPU: bash scripts/gpu_carry.sh stash      (each call, carrying one part: copies it to /tmp)
+#   there:      bash scripts/gpu_carry.sh stash      (after each part arrives in .carry: copies it to /tmp)
 #               bash scripts/gpu_carry.sh assemble   (after the last part: unpacks into $CACHE)
 # split also copies ../shared/data's GSM8K and WikiText-2 files to .carry/data: carry it with the last part.
 # then QSPEC_JAX_CACHE=/tmp/qspec-jax-cache finds it (convert.embedded.cache_dir).
 set -euo pipefail
 NAME=smollm2-rtn-asym-g32
-PART_BYTES=55000000  # leaves room for the tree and .carry/data beside a part (64 MiB per call)
+PART_BYTES=55000000  # a part, the tree and .carry/data stay under 64 MiB
 STASH=/tmp/qspec-carry
 CACHE=/tmp/qspec-jax-cache
 cd "$(dirname "$0")/.."

@@ -1,11 +1,10 @@
 """bench/decode.py end to end on a tiny random model (CPU): every method runs, QSPEC's accept
 decisions follow the replayed trace (so its round count is known in advance), the report is written;
-its shards and bench/decode_gpus.py's merge; bench/plot.py draws that report; bench/hf_baseline.py's
+bench/plot.py draws that report; bench/hf_baseline.py's
 arguments and report (its runs need a GPU)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import jax
@@ -20,6 +19,7 @@ def _no_phase_check(monkeypatch):
     """CPU timings are host wall times with no meaning as phases: the physical check is off here, so
     that a noisy round cannot mark a test's section disturbed (its own test turns it back on)."""
     monkeypatch.setattr(decode, "PHASE_SLACK", float("inf"))
+    monkeypatch.setattr(decode, "CALIBRATION", None)  # the budget's prior pace: PACE, not the repository's results
 
 
 def _fake_timing(monkeypatch, events: list | None = None) -> None:
@@ -66,7 +66,9 @@ def test_decode_bench_smoke(tmp_path):
                  "--trace", str(trace), "--out", str(out), "--label", "test build"])
     run = json.loads((out / "decode.json").read_text())
     (res,) = run["results"]
-    assert res["label"] == "test build" and "Measured: test build." in (out / "decode.md").read_text()
+    assert res["label"] == "test build" and "Note: test build." in (out / "decode.md").read_text()
+    assert res["gpu"] == jax.devices()[0].device_kind and res["date"].endswith("UTC") and res["commit"]
+    assert res["command"].startswith("python3 -m bench.decode --models smoke")
     assert set(res["methods"]) == {"w16a16", "w4a16", "w4a8", "qspec w4a8 g=3", "qspec w4a8/kv4 g=3"}
     q = res["methods"]["qspec w4a8 g=3"]
     assert abs(q["tokens_per_round"] - 16 / 6) < 1e-9  # 2 accepted + 1 per round: 16 tokens in 6 rounds
@@ -302,14 +304,14 @@ def test_decode_bench_budget_does_not_start_what_would_not_end(tmp_path, monkeyp
 def test_decode_bench_cheaper_configuration_after_one_that_does_not_fit(tmp_path, monkeypatch):
     """The budget skips a configuration that would not end in time and still runs a cheaper one after it."""
     _fake_timing(monkeypatch)
-    monkeypatch.setattr(decode, "config_cost_s", lambda name, context, batch, args: 1e6 if batch == 2 else 1e-3)
+    monkeypatch.setattr(decode, "config_cost_s", lambda name, context, batch, *_: 1e6 if batch == 2 else 1e-3)
     decode.main([*SMOKE, *_trace(tmp_path), "--batches", "2,3", "--budget-s", "1000", "--out", str(tmp_path)])
     assert [r["batch"] for r in json.loads((tmp_path / "decode.json").read_text())["results"]] == [3]
 
 
 def test_decode_bench_never_compiles_while_timing(tmp_path, monkeypatch):
     """Each configuration is compiled, then timed: no compile starts while a configuration is timed
-    (session 13: a compile beside the timings slowed them up to 1.8x)."""
+    (a compile beside the timings slows them)."""
     events = []
     _fake_timing(monkeypatch, events)
     decode.main([*SMOKE, *_trace(tmp_path), "--batches", "2,3", "--out", str(tmp_path)])
@@ -473,77 +475,84 @@ def test_time_loop_warms_up_on_a_nearly_finished_state():
     assert secs > 0 and int((out.lengths - out.prompt_lengths)[0]) == 0
 
 
-def test_shards_split_every_configuration_once_and_balance_cost(rng):
-    """--shard's split: each configuration in exactly one share, the shares' estimated costs within
-    one configuration of each other; bad --shard values are refused."""
-    items = [(f"m{i}", int(rng.integers(1, 9)), int(rng.integers(1, 99))) for i in range(int(rng.integers(5, 40)))]
-    cost = lambda t: float(t[1] * t[2])  # noqa: E731
-    parts = int(rng.integers(1, 6))
-    split = decode.split_by_cost(items, cost, parts)
-    assert len(split) == parts and sorted(x for part in split for x in part) == sorted(items)
-    loads = [sum(map(cost, part)) for part in split]
-    assert max(loads) - min(loads) <= max(map(cost, items))
-    for bad in ("2/2", "1", "a/3", "-1/2"):
-        with pytest.raises(argparse.ArgumentTypeError):
-            decode.parse_shard(bad)
+def test_presets_expand_to_their_matrix():
+    """--preset headline / full give the listed matrix; flags given explicitly override a preset's values."""
+    args, _ = decode.parse_args(["--preset", "headline"])
+    assert args.models == ["llama2-7b", "llama3-8b", "llama2-13b", "smollm2"]
+    assert (args.batches, args.contexts, args.new, args.gammas) == ([1, 8, 16, 32], [512, 4096], 512, [1, 3])
+    assert (args.ar, args.drafts, str(args.trace)) == (["w4a16", "w4a8"], ["w4a8"], str(decode.DEFAULT_TRACE))
+    assert decode.DEFAULT_GAMMA in args.gammas and args.real_contexts == [512]
+    args, _ = decode.parse_args(["--preset", "full"])
+    assert args.models == ["llama3-8b", "llama2-7b", "llama2-13b", "llama2-70b", "smollm2"]
+    assert (args.batches, args.contexts, args.gammas) == ([1, 8, 16, 32, 64], [512, 4096], [1, 3, 5])
+    assert args.drafts == ["w4a8", "w4a4", "w4a8/kv8"] and args.ar == ["w16a16", "w4a16", "w4a8", "w4a4"]
+    args, explicit = decode.parse_args(["--preset", "headline", "--batches", "4", "--gammas=5", "--models", "smoke"])
+    assert (args.batches, args.gammas, args.models, args.contexts) == ([4], [5], ["smoke"], [512, 4096])
+    assert {"batches", "gammas", "models"} <= explicit and "contexts" not in explicit
 
 
-def test_decode_gpus_merge_keeps_resumed_and_adds_shards():
-    """bench.decode_gpus' merge: --resume's sections kept (a shard's copy of one is not new), a shard's
-    re-measured section replaces the old one in place, a skipped one does not, new ones are added."""
-    from bench import decode_gpus
-
-    def sec(batch, label, **kw):
-        return {"model": "a", "context": 64, "batch": batch, "label": label, **kw}
-
-    old = {"command": "first", "results": [sec(1, "old"), sec(2, "old"), sec(3, "old")]}
-    shard0 = {"device": "gpu0", "copy_bw": 1.0, "command": "x", "results": [sec(1, "old"), sec(2, "new")]}
-    shard1 = {"device": "gpu1", "copy_bw": 2.0, "command": "y",
-              "results": [sec(3, "old"), sec(3, "new", skipped="needs ~200 GB"), sec(4, "new")]}
-    run = decode_gpus.merge(old, [shard0, shard1], "python3 -m bench.decode_gpus --gpus 2")
-    assert [(r["batch"], r["label"]) for r in run["results"]] == [(1, "old"), (2, "new"), (3, "old"), (4, "new")]
-    assert run["device"] == "gpu0" and run["command"] == "first; then python3 -m bench.decode_gpus --gpus 2"
-    assert decode_gpus.merge(None, [shard1], "c")["results"][0] == sec(3, "old")
+def test_preset_leaves_out_smollm2_without_its_files(tmp_path, monkeypatch, capsys):
+    """A preset drops SmolLM2 (saying why) where its GSM8K files are not found; --plan prints the matrix,
+    what is too large for the card, and the estimated time, without measuring or writing anything."""
+    monkeypatch.setattr(decode, "DATA_DIRS", (tmp_path / "nowhere",))
+    decode.main(["--preset", "headline", "--plan", "h100", "--out", str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    assert "smollm2 left out of the headline preset: it needs --gsm8k and --gsm8k-train" in out
+    assert "headline matrix on H100 (assumed): 24 configurations" in out and "estimated" in out
+    assert "llama2-13b ctx=4096 B=32: too large: skipped" in out and "smollm2 ctx" not in out
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(SystemExit, match="needs --gsm8k"):  # named explicitly: an error, not dropped
+        decode.main(["--preset", "headline", "--models", "smollm2", "--plan", "h100"])
 
 
-def test_decode_gpus_runs_one_process_per_shard(tmp_path, monkeypatch):
-    """Two shards on the CPU: two processes, each with its own GPU index and share, measure disjoint
-    shares covering both configurations, kept in DIR/decode_shards and merged into DIR/decode.json
-    (again by --merge-only); a failing shard's log is named; a flag that is the launcher's own, or
-    more GPUs than visible, is refused before any process starts."""
-    import subprocess
+def test_smoke_preset_end_to_end_and_resume(tmp_path, monkeypatch, capsys):
+    """The smoke preset measures every configuration on the CPU with the headline's methods, records
+    where and what measured it, and lists skipped ones; a call stopped by its budget says how many
+    configurations remain, and --resume finishes them."""
+    out = tmp_path / "a"
+    decode.main(["--preset", "smoke", "--out", str(out)])
+    run = json.loads((out / "decode.json").read_text())
+    assert [(r["context"], r["batch"]) for r in run["results"]] == [(32, 2), (64, 2)]
+    for r in run["results"]:
+        assert set(r["methods"]) == {"w4a16", "w4a8", "qspec w4a8 g=1", "qspec w4a8 g=3"}
+        assert {"gpu", "date", "commit", "command"} <= set(r)
+    md = (out / "decode.md").read_text()
+    assert "qspec w4a8 g=3 (default)" in md and "best γ (w4a8)" in md
+    assert "0 of 2 configurations remain" in capsys.readouterr().out
+    _fake_timing(monkeypatch)
+    monkeypatch.setattr(decode, "config_cost_s", lambda name, context, batch, *_: 1e-3 if context == 32 else 1e6)
+    monkeypatch.setattr(decode, "MEM_LIMIT", 1e12)
+    decode.main(["--preset", "smoke", "--contexts", "32,64,128", "--budget-s", "1000",
+                 "--out", str(tmp_path / "b")])
+    assert [r["context"] for r in json.loads((tmp_path / "b" / "decode.json").read_text())["results"]] == [32]
+    assert "2 of 3 configurations remain" in capsys.readouterr().out
+    decode.main(["--preset", "smoke", "--contexts", "32,64,128", "--resume", str(tmp_path / "b" / "decode.json"),
+                 "--out", str(tmp_path / "c")])
+    res = json.loads((tmp_path / "c" / "decode.json").read_text())["results"]
+    assert [r["context"] for r in res] == [32, 64, 128]
+    assert "0 of 3 configurations remain" in capsys.readouterr().out
+    monkeypatch.setattr(decode, "MEM_LIMIT", 0.0)  # a card too small for any: each one reported as skipped
+    decode.main(["--preset", "smoke", "--out", str(tmp_path / "d")])
+    assert "Not measured: smoke batch 2 context 32 (needs ~" in (tmp_path / "d" / "decode.md").read_text()
 
-    from bench import decode_gpus
 
-    launched = []
-    real_popen = subprocess.Popen
-
-    def popen(cmd, env, **kw):
-        launched.append((cmd[cmd.index("--shard") + 1], env["CUDA_VISIBLE_DEVICES"]))
-        return real_popen(cmd, env=env, **kw)
-
-    monkeypatch.setattr(subprocess, "Popen", popen)
-    monkeypatch.setattr(decode_gpus, "visible_gpus", lambda: None)  # a CPU machine: no GPUs to count
-    common = ["--contexts", "64", "--new", "8", "--gammas", "1", "--drafts", "w4a8",
-              "--ar", "w4a16", "--kernels", "reference", *_trace(tmp_path), "--threads", "1"]
-    out = tmp_path / "out"
-    decode_gpus.main(["--gpus", "2", "--models", "smoke", *common, "--batches", "2,3", "--out", str(out)])
-    assert sorted(launched) == [("0/2", "0"), ("1/2", "1")]
-    shares = [{r["batch"] for r in json.loads((out / "decode_shards" / f"shard{i}" / "decode.json").read_text())[
-        "results"]} for i in range(2)]
-    assert shares[0] | shares[1] == {2, 3} and not shares[0] & shares[1]
-    merged = json.loads((out / "decode.json").read_text())
-    assert sorted(r["batch"] for r in merged["results"]) == [2, 3] and all("skipped" not in r for r in merged["results"])
-    (out / "decode.json").unlink()
-    decode_gpus.main(["--gpus", "2", "--merge-only", "--out", str(out)])
-    assert json.loads((out / "decode.json").read_text())["results"] == merged["results"]
-    with pytest.raises(SystemExit, match="shard0/log.txt"):
-        decode_gpus.main(["--gpus", "1", "--models", "nosuch", *common, "--out", str(tmp_path / "bad")])
-    assert "unknown models" in (tmp_path / "bad" / "decode_shards" / "shard0" / "log.txt").read_text()
-    n = len(launched)
-    with pytest.raises(SystemExit):
-        decode_gpus.main(["--gpus", "2", "--models", "smoke", *common, "--shard", "0/2", "--out", str(tmp_path / "x")])
-    monkeypatch.setattr(decode_gpus, "visible_gpus", lambda: ["0"])
-    with pytest.raises(SystemExit):
-        decode_gpus.main(["--gpus", "2", "--models", "smoke", *common, "--out", str(tmp_path / "x")])
-    assert len(launched) == n and not (tmp_path / "x").exists()
+def test_cost_model_calibration_and_memory_limit(monkeypatch):
+    """The pace is recorded seconds / the cost model's estimate over recorded sections (median, largest);
+    the memory limit is a share of the device's bytes_limit (none where the device reports none)."""
+    methods = {"w4a16": {}, "w4a8": {}, "qspec w4a8 g=1": {}, "qspec w4a8 g=3": {}}
+    args = decode.parse_args(["--preset", "headline", "--batches", "8", "--contexts", "512"])[0]
+    est = decode.config_cost_s("llama3-8b", 512, 8, args, 4e12, float("inf"))
+    assert est > decode.COMPILE_S * 8  # 4 loops and 4 phase programs compiled, then the loops' tokens
+    sec = {"model": "llama3-8b", "context": 512, "batch": 8, "new": 512, "copy_bw": 4e12, "methods": methods}
+    got = decode.calibrated_pace([{**sec, "bench_s": {"compile_wait": est, "timing": est}},
+                                  {**sec, "bench_s": {"compile_wait": est, "timing": 2 * est}},
+                                  {**sec, "bench_s": {"compile_wait": 0.0, "timing": 2 * est}}, sec])
+    assert got == pytest.approx((2.0, 3.0))
+    assert decode.calibrated_pace([sec]) is None
+    fake = type("Device", (), {"memory_stats": lambda self: {"bytes_limit": 100e9}})()
+    monkeypatch.setattr(decode.jax, "devices", lambda: [fake])
+    assert decode.memory_limit() == pytest.approx(decode.MEM_HEADROOM * 100e9)
+    fake.memory_stats = lambda: None
+    assert decode.memory_limit() == float("inf")
+    monkeypatch.setattr(decode, "MEM_LIMIT", 5.0)
+    assert decode.memory_limit() == 5.0

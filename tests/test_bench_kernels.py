@@ -13,7 +13,7 @@ from bench import kernels
 
 
 def test_kernels_smoke_reports_every_part(tmp_path, monkeypatch):
-    for name in ("MODELS", "MS", "CHECK_CASES", "ATTN", "L2_BYTES", "CALLS", "COPY_ELEMS"):
+    for name in ("MODELS", "DEFAULT_MODELS", "MS", "CHECK_CASES", "ATTN", "L2_BYTES", "CALLS", "COPY_ELEMS"):
         monkeypatch.setattr(kernels, name, getattr(kernels, name))  # --smoke rebinds them: restored after
     monkeypatch.setattr(kernels, "KW", {})
     kernels.main(["--smoke", "--out", str(tmp_path)])
@@ -37,7 +37,7 @@ def test_kernels_smoke_reports_every_part(tmp_path, monkeypatch):
 def test_a_check_that_stops_early_is_not_reported_passed(tmp_path, monkeypatch):
     """Resuming a file whose check had passed, a check part that raises leaves no verdict: kernels.md
     must not say PASSED for kernels whose check never ran."""
-    for name in ("MODELS", "MS", "CHECK_CASES", "ATTN", "L2_BYTES", "CALLS", "COPY_ELEMS"):
+    for name in ("MODELS", "DEFAULT_MODELS", "MS", "CHECK_CASES", "ATTN", "L2_BYTES", "CALLS", "COPY_ELEMS"):
         monkeypatch.setattr(kernels, name, getattr(kernels, name))
     monkeypatch.setattr(kernels, "KW", {})
     old = {"runs": [{"command": "old", "date": "x", "device": "H200", "jax": "0", "seed": 0, "parts": ["check"],
@@ -74,3 +74,15 @@ def test_input_prep_excluded_ratio_leaves_out_only_the_prep_kernels():
     assert cells[-1] == f"{expect:.2f}× |"
     # host wall timing has no per-kernel breakdown: no ratio rather than a wrong one
     assert "error" in kernels.without_prep({"us": 3.0, "timing": "host wall", "kernels": {}}, "w4a4")
+
+
+def test_every_benchmark_reads_one_shape_table():
+    """bench/shapes.py is the one model-shape table: decode, profile and hf_baseline use its configs,
+    kernels their linears (fused qkv and gate/up, as the converter lays them out)."""
+    from bench import decode, hf_baseline, profile, shapes
+
+    assert decode.MODELS is shapes.MODELS and profile.MODELS is shapes.MODELS and hf_baseline.MODELS is shapes.MODELS
+    assert kernels.MODELS["llama3-8b"] == {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+                                           "down": (4096, 14336), "lm_head": (128256, 4096)}
+    assert kernels.MODELS["llama2-70b"]["qkv"] == (10240, 8192) and "smoke" not in kernels.MODELS
+    assert kernels.DEFAULT_MODELS == ("llama3-8b", "llama2-7b", "llama2-13b")

@@ -264,7 +264,7 @@ def test_default_w4a16_splits_keep_two_chunks():
         bn, bk, split = gm.default_config(n, k, g, "w4a16")
         units = k // max(g, bk)
         assert -(-units // split) >= min(2, units), (n, k, g, split)
-        assert split == 1 or n // bn * split // 2 < gm.MIN_PROGRAMS  # a split only while programs are few
+        assert split == 1 or n // bn * split // 2 < gm.min_programs()  # a split only while programs are few
     assert gm.default_config(4096, 4096, 128, "w4a16")[1:] == (256, 8)  # Llama o: 2 chunks per split
     assert gm.default_config(4096, 4096, 128, "w4ax")[2] == 8
 

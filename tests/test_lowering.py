@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bench.gpu_decode_check import random_model
+from tests.random_model import random_model
 from pallas_kernels import gpu_activations, gpu_matmul as gm
 from pallas_kernels.layout import dequantize
 from qspec_jax.model import forward, init_cache
