@@ -35,7 +35,7 @@ weights would accept nothing); ``smollm2`` (real few-shot GSM8K prompts, prefill
 draft ``MODE/kvBITS`` reads an INT8 / INT4 shadow of the KV cache.
 
 QSPEC phases (a draft step, a verify of gamma + 1 tokens) are also timed alone: the speed-up model of
-DESIGN.md §2, ``S = E[L] * T_w4a16 / (gamma * T_draft + T_verify + T_overhead)``, stands beside the
+docs/design.md §2, ``S = E[L] * T_w4a16 / (gamma * T_draft + T_verify + T_overhead)``, stands beside the
 measured speed-up, and each phase beside its floor (bytes over the copy bandwidth, or matmul FLOPs over
 the dense matmul rate, both measured in the same run). Memory per method: the buffers its compiled loop
 needs (XLA's buffer assignment). A configuration whose estimated memory exceeds the card's is skipped
@@ -253,7 +253,7 @@ def parse_draft(spec: str, modes: tuple[str, ...] = DRAFTS) -> tuple[str, int | 
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
-    """DESIGN.md §2's ``E[L] = (1 - alpha**(gamma+1)) / (1 - alpha)``: tokens per round when each
+    """docs/design.md §2's ``E[L] = (1 - alpha**(gamma+1)) / (1 - alpha)``: tokens per round when each
     draft is accepted independently with probability ``alpha``."""
     return float(gamma + 1) if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
 
@@ -584,7 +584,7 @@ def run_config(c: Config, compiled: dict, params: dict, fparams: dict | None, ar
                      "memory_bytes": loop_memory_bytes(compiled["qspec", draft, g])}
             if base and t_target:
                 entry["speedup_vs_w4a16"] = base * args.new / (1e3 * secs)
-                # DESIGN.md §2: E[L] * T_target / (gamma * T_draft + T_verify + T_overhead), that sum being t_round
+                # docs/design.md §2: E[L] * T_target / (gamma * T_draft + T_verify + T_overhead), that sum being t_round
                 entry["model_speedup"] = tpr * t_target / t_round
                 entry["model_speedup_alpha"] = expected_tokens(alpha, g) * t_target / t_round
             res["methods"][f"qspec {draft} g={g}"] = entry
@@ -691,7 +691,7 @@ def markdown(run: dict) -> str:
                 f"{run['matmul_rates']['int8'] / 1e12:.0f} TOP/s int8" if "matmul_rates" in run else "")
              + ". A QSPEC round is one iteration of the batch's loop, which runs until its slowest sequence is "
              "done; tokens/round is the sequences' mean; batch tail = the loop's iterations / the sequences' "
-             "mean rounds, so measured ≈ model / tail. α: the fraction of drafts accepted; model (α): DESIGN.md "
+             "mean rounds, so measured ≈ model / tail. α: the fraction of drafts accepted; model (α): docs/design.md "
              "§2's model with E[L] = (1 - α^(γ+1)) / (1 - α), as if each draft were accepted independently, "
              f"instead of the measured tokens per round. γ = {DEFAULT_GAMMA} is `generate`'s default; best γ: the "
              "fastest fixed gamma measured.", "", *summary(run), ""]

@@ -165,8 +165,8 @@ def kv_planes_f16(words: jax.Array, bits: int, *, interpret: bool) -> list[jax.A
     """:func:`pallas_kernels.reference.kv_planes` as float16, exactly, by bit operations instead of a
     (quarter-rate) int-to-float conversion: an offset code ``u < 1024`` ORed into the bits of 1024.0
     is ``1024 + u``; subtracting ``1024 + 2**(bits-1)`` leaves the code. On the GPU as PTX on pairs of
-    words (:func:`_plane_asm`: 1-1.5 instructions per code, where Triton's 16-bit integer ops took
-    2.6-2.8, kv_shadow.md); ``interpret`` (the CPU) with jnp's int16 ops."""
+    words (:func:`_plane_asm`: fewer instructions per code than Triton's 16-bit integer ops);
+    ``interpret`` (the CPU) with jnp's int16 ops."""
     if not interpret:
         return [pl_triton.elementwise_inline_asm(
             _plane_asm(bits, j), args=[words], constraints="=r,r", pack=2,
@@ -273,7 +273,7 @@ def attention_partials(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Arra
     check_count("splits", splits)
     if splits > s // block_s:
         raise ValueError(f"splits must lie in [1, {s // block_s}] (the cache's KV blocks), got {splits}")
-    if num_stages is None:  # measured on the H200 (kv_shadow.md): 3 stages beat 2 for the shadow, not for bf16
+    if num_stages is None:  # the shadow's smaller blocks hide latency better with a third stage
         num_stages = SHADOW_STAGES if kv_bits else 2
     if num_warps is None:
         num_warps = SHADOW_WARPS if kv_bits else FLOAT_WARPS

@@ -1,6 +1,6 @@
 """The decode state and the autoregressive baseline loop, both pure functions under ``jax.jit``.
 
-The state is a plain pytree. Invariant at every loop iteration (DESIGN.md §1): sequence ``b`` has
+The state is a plain pytree. Invariant at every loop iteration (docs/design.md §1): sequence ``b`` has
 committed ``lengths[b]`` tokens ``tokens[b, :lengths[b]]``; the KV cache holds target (W4A16)
 keys/values for positions ``0 .. lengths[b]-2``; the last committed token has no valid KV yet.
 Slots beyond are stale; attention masks them by position.

@@ -1,4 +1,4 @@
-"""The QSPEC round (DESIGN.md §1) and the decode loop that repeats it: one ``lax.while_loop``.
+"""The QSPEC round (docs/design.md §1) and the decode loop that repeats it: one ``lax.while_loop``.
 
 Per round, for every running sequence with ``n`` committed tokens:
 1. draft ``gamma`` tokens in the draft precision (W4A4 or W4A8), one position at a time from

@@ -76,7 +76,7 @@ def test_decode_bench_smoke(tmp_path):
     # 5 rounds commit 2 drafts + 1 each (15 tokens); the 6th has room for 1 token, which counts as
     # accepted (a draft) of the 2 it would accept: 11 of 6 x 3 drafts
     assert abs(q["alpha"] - 11 / 18) < 1e-12
-    e_l = (1 - (11 / 18) ** 4) / (1 - 11 / 18)  # DESIGN.md §2, gamma 3
+    e_l = (1 - (11 / 18) ** 4) / (1 - 11 / 18)  # docs/design.md §2, gamma 3
     assert abs(q["model_speedup_alpha"] / q["model_speedup"] - e_l / q["tokens_per_round"]) < 1e-9
     shadow = res["methods"]["qspec w4a8/kv4 g=3"]  # its own trace: 1 accepted + 1 per round
     assert shadow["tokens_per_round"] == 2 and shadow["memory_bytes"] > q["memory_bytes"]  # the shadow's bytes
