@@ -8,6 +8,7 @@ import argparse
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from convert.embedded import default_checkpoint
@@ -60,6 +61,8 @@ def cmd_demo(args) -> None:
     for i, prompt in enumerate(DEMO_PROMPTS):
         print(f"\nprompt: {prompt}\n{runs['qspec/w4a8'].texts[i].strip()}")
     print(f"\nbatch of {len(DEMO_PROMPTS)}, gamma={args.gamma}, greedy, second call (compiled):")
+    if jax.default_backend() != "gpu":  # the CPU runs the jnp references: its speeds are not the GPU's
+        print(f"  (timed on the {jax.default_backend().upper()}: these speeds say nothing about a GPU)")
     ref = runs["w4a16"]
     for label, res in runs.items():
         same = all(np.array_equal(a, b) for a, b in zip(res.sequences, ref.sequences))
