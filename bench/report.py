@@ -68,6 +68,11 @@ def caption(device: Any, date: Any, commit: Any, command: Any, source: str) -> s
             f"{first_call(command) if command else NOT_RECORDED}.*")
 
 
+def file_caption(data: dict, source: str) -> str:
+    """:func:`caption` from a results file's own ``device`` / ``date`` / ``commit`` / ``command`` keys."""
+    return caption(data.get("device"), data.get("date"), data.get("commit"), data.get("command"), source)
+
+
 def _x(ratio: float) -> str:
     return f"{ratio:.2f}×"
 
@@ -193,7 +198,7 @@ def render_fidelity(data: dict) -> str:
     if not methods:
         return "*No fidelity run recorded yet.*"
     n = data.get("problems")
-    lines = [caption(data.get("device"), data.get("date"), data.get("commit"), data.get("command"), "fidelity.json"),
+    lines = [file_caption(data, "fidelity.json"),
              "", f"SmolLM2-135M-Instruct, {n} GSM8K-dev problems, greedy, up to 256 new tokens, QSPEC at "
              f"γ = {data.get('gamma', '?')}. Identity and token agreement are against W4A16's outputs; "
              "perplexity on WikiText-2 (QSPEC's is W4A16's: it commits W4A16's tokens).", "",
@@ -217,7 +222,7 @@ def render_quality(data: dict) -> str:
     if not results:
         return "*No quality run recorded yet.*"
     s = data.get("settings", {})
-    lines = [caption(data.get("device"), data.get("date"), data.get("commit"), data.get("command"), "quality.json"),
+    lines = [file_caption(data, "quality.json"),
              "", f"SmolLM2-135M-Instruct converted from its GGUF (Q4_1) by `qspec-convert`: RTN or GPTQ, with or "
              f"without rotation. Perplexity: WikiText-2, {s.get('ppl_tokens', '?')} tokens in windows of "
              f"{s.get('window', '?')} (float weights: {data.get('float_ppl', float('nan')):.2f}). α: teacher-forced "
@@ -254,7 +259,7 @@ def render_hf(data: dict, decode: dict | None = None) -> str:
         e = r["methods"].get("w4a16", {})
         if "tokens_per_s" in e:
             ours[(r["model"], r["batch"], r["context"])] = e["tokens_per_s"]
-    lines = [caption(data.get("device"), data.get("date"), data.get("commit"), data.get("command"), "hf_baseline.json"),
+    lines = [file_caption(data, "hf_baseline.json"),
              "", "Hugging Face transformers, PyTorch bf16, static cache, greedy `generate`, random weights of the "
              "model's shape; decode rate without the prefill. qspec-jax W4A16 AR: the same model, batch and "
              "prompt length in [decode.json](bench/results/decode.json) (its own number of new tokens).", "",
