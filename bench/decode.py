@@ -334,15 +334,16 @@ def time_loop(compiled, params, make_state, new: int, reps: int = 1) -> tuple[fl
     return best, out
 
 
-def forward_loop(rt: Runtime, mode: str, reps: int, read_shadow: bool = False):
+def forward_loop(rt: Runtime, mode: str, reps: int, draft: bool = False):
     """A jitted ``f(params, carry) -> carry`` running ``reps`` decode-time forwards in one
     ``fori_loop`` (no host dispatch between them, as inside the decode loops; the argmax feeds the
-    next forward, so the lm_head is not dead code); ``carry`` is :func:`forward_carry`'s."""
+    next forward, so the lm_head is not dead code); ``carry`` is :func:`forward_carry`'s; ``draft``: over
+    the draft's views of the cache (:meth:`Runtime.run`)."""
 
     def many(p, carry):
         def one(i, carry):
             toks, pos, c = carry
-            logits, c = rt.run(p, toks, pos, c, parse_precision(mode), read_shadow=read_shadow)
+            logits, c = rt.run(p, toks, pos, c, parse_precision(mode), draft=draft)
             return jnp.argmax(logits, axis=-1).astype(toks.dtype), pos, c
 
         return jax.lax.fori_loop(0, reps, one, carry)
@@ -475,7 +476,7 @@ def plan_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None,
     for draft in args.drafts:
         mode, bits = parse_draft(draft)
         rt_d, state_d = dataclasses.replace(rt, draft_kv=bits), jax.eval_shape(makes[bits])
-        jobs["fwd", mode, 1, bits] = (forward_loop(rt_d, mode, args.phase_reps, bits is not None),
+        jobs["fwd", mode, 1, bits] = (forward_loop(rt_d, mode, args.phase_reps, draft=True),
                                           (params, carry(1, bits)))
         for g in args.gammas:
             replay = None if trace is None else jnp.asarray(trace[draft][str(g)], jnp.int32)

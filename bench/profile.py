@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import gzip
 import json
 import os
@@ -78,8 +79,8 @@ def summarize(us: dict[str, float], count: dict[str, int], launch: dict[str, dic
             "kernels": [{"name": n, "us": t, "calls": c, "launch": launch.get(n, {})} for n, t, c in kernels]}
 
 
-def profile_run(params, rt: Runtime, state, mode: str, tokens: int, reps: int, read_shadow: bool = False) -> dict:
-    fn, carry = forward_loop(rt, mode, reps, read_shadow), forward_carry(state, tokens)
+def profile_run(params, rt: Runtime, state, mode: str, tokens: int, reps: int, draft: bool = False) -> dict:
+    fn, carry = forward_loop(rt, mode, reps, draft), forward_carry(state, tokens)
     carry = jax.block_until_ready(fn(params, carry))  # compile and warm up
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):
@@ -138,7 +139,8 @@ def main(argv: list[str] | None = None) -> None:
     for spec, mode, bits, tokens in runs:  # a fresh state each: the loop donates its cache
         state = fresh_state(cfg, args.batch, args.context, 64, tokens, 0, bits)
         out["runs"][f"{spec}, {tokens} token(s) per sequence"] = profile_run(
-            params, rt, state, mode, tokens, args.reps, read_shadow=bits is not None and mode != "w4a16")
+            params, dataclasses.replace(rt, draft_kv=bits), state, mode, tokens, args.reps,
+            draft=bits is not None and mode != "w4a16")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "profile.json").write_text(json.dumps(out, indent=1))
     text = markdown(out)

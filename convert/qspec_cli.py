@@ -34,7 +34,8 @@ def _checkpoint(args) -> Path:
 def cmd_generate(args) -> None:
     from qspec_jax.api import generate, load
 
-    qspec_only = {"gamma": args.gamma, "draft": args.draft, "draft_kv": args.draft_kv}
+    qspec_only = {"gamma": args.gamma, "draft": args.draft, "draft_kv": args.draft_kv,
+                  "draft_window": args.draft_window, "draft_sinks": args.draft_sinks}
     qspec_only = {name: value for name, value in qspec_only.items() if value is not None}  # unset: generate()'s defaults
     if args.method != "qspec" and qspec_only:  # refused, not silently ignored
         flags = ", ".join("--" + name.replace("_", "-") for name in qspec_only)
@@ -70,7 +71,7 @@ def cmd_demo(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from qspec_jax.api import DEFAULT_DRAFT, DEFAULT_GAMMA, DRAFTS, METHODS
+    from qspec_jax.api import DEFAULT_DRAFT, DEFAULT_GAMMA, DEFAULT_SINKS, DRAFTS, METHODS
 
     fmt = argparse.ArgumentDefaultsHelpFormatter
     ap = argparse.ArgumentParser(prog="qspec-jax", description=__doc__, formatter_class=fmt)
@@ -88,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"qspec: the drafts' activation precision (none: {DEFAULT_DRAFT})")
     g.add_argument("--draft-kv", type=int, choices=(8, 4), default=None,
                    help="qspec: the drafts read an INT8 / INT4 copy of the KV cache")
+    g.add_argument("--draft-window", type=int, default=None,
+                   help="qspec: the drafts attend over the first --draft-sinks slots and the last this many only")
+    g.add_argument("--draft-sinks", type=int, default=None,
+                   help=f"qspec, with --draft-window: slots always seen (none: {DEFAULT_SINKS})")
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     g.add_argument("--top-k", type=int, default=None, help="with a temperature > 0")
     g.add_argument("--top-p", type=float, default=None, help="with a temperature > 0")

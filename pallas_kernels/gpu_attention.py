@@ -18,6 +18,8 @@ Row-count invariance: a row tile always has the same shape, whatever T is; a KV 
 beyond a row's position is fully masked for that row and leaves its running state bitwise
 unchanged (scale 1, added zeros), so visiting more blocks for a longer call changes nothing; the
 number of splits and the block size depend on the cache length, batch and head counts, never on T.
+A draft's sliding window (:class:`pallas_kernels.reference.AttentionWindow`) gives that up: its
+blocks follow the call's positions (drafts run one token per call, and need no invariance).
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ def supported(head_dim: int, slots: int, kv_bits: int | None = None) -> bool:
 
 def _attention_kernel(layer_ref, q_ref, pos_ref, k_ref, v_ref, *refs, tiles: int, queries: int, group: int,
                       block_s: int, blocks: int, blocks_per_split: int, scale: float, compute, precision,
-                      kv_bits: int | None, interpret: bool):
+                      kv_bits: int | None, window: reference.AttentionWindow | None, interpret: bool):
     """One (sequence, KV head, split): online softmax over the split's KV blocks for all row tiles.
 
     The row tiles are gathered from the caller's ``q [B * T * H, d]`` and ``q_pos [B * T]`` as they
@@ -98,13 +100,23 @@ def _attention_kernel(layer_ref, q_ref, pos_ref, k_ref, v_ref, *refs, tiles: int
     # blocks any row can see: a query at or past the cache's end sees every slot (no block past it is read)
     needed = jnp.minimum(functools.reduce(jnp.maximum, [jnp.max(p) for p in ps]) // block_s + 1, blocks)
     first = split * blocks_per_split
-    last = jnp.minimum(first + blocks_per_split, needed)
+    if window is None:
+        block_at, last = (lambda n: n), jnp.minimum(first + blocks_per_split, needed)
+    else:  # the splits share the sink blocks and the window's blocks, from the lowest row's window start
+        sink_blocks = jnp.minimum(-(-window.sinks // block_s), needed)
+        low = functools.reduce(jnp.minimum, [jnp.min(p) for p in ps])
+        start = jnp.clip((low - window.size + 1) // block_s, sink_blocks, needed)
+        count = sink_blocks + needed - start
+        block_at = lambda n: jnp.where(n < sink_blocks, n, start + n - sink_blocks)  # noqa: E731
+        # the last split also takes what the static share missed (queries spread wider than T positions)
+        last = jnp.where(split == pl.num_programs(2) - 1, count, jnp.minimum(first + blocks_per_split, count))
     dims_qk, dims_pv = (((1,), (1,)), ((), ())), (((1,), (0,)), ((), ()))
     # a draft's softmax: 2**(x log2 e), one multiply and the approximate exp2, where expf takes ~8
     # instructions; the target's (a float cache) keeps expf
     exp = (lambda x: jnp.exp2(x * np.float32(math.log2(math.e)))) if kv_bits else jnp.exp
 
-    def body(j, carry):
+    def body(n, carry):
+        j = block_at(n)  # the n-th block this program visits
         slots = (pl.ds(j * block_s, block_s), slice(None))
         k = pl_triton.load(at_layer(k_ref, layer, slots, interpret))  # [bs, d] (or [bs, dp] words)
         v = pl_triton.load(at_layer(v_ref, layer, slots, interpret))
@@ -123,7 +135,10 @@ def _attention_kernel(layer_ref, q_ref, pos_ref, k_ref, v_ref, *refs, tiles: int
             s = functools.reduce(operator.add, [jax.lax.dot_general(
                 qp, kp, dims_qk, precision=precision, preferred_element_type=jnp.float32)
                 for qp, kp in zip(qs[i], ks)]) * score_scale
-            s = jnp.where(slot <= ps[i][:, None], s, -jnp.inf)
+            seen = slot <= ps[i][:, None]
+            if window is not None:
+                seen &= window.visible(slot, ps[i][:, None])
+            s = jnp.where(seen, s, -jnp.inf)
             m_new = jnp.maximum(m, jnp.max(s, axis=1))
             m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with nothing visible yet
             alpha, p = exp(m - m_use), exp(s - m_use[:, None])
@@ -195,20 +210,22 @@ def _merge(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
 
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, *,
                      layer: jax.Array | None = None, scales: tuple[jax.Array, jax.Array] | None = None,
-                     block_s: int | None = None, splits: int | None = None, num_warps: int | None = None,
-                     num_stages: int | None = None, interpret: bool = False) -> jax.Array:
+                     window: reference.AttentionWindow | None = None, block_s: int | None = None,
+                     splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                     interpret: bool = False) -> jax.Array:
     """Attention of ``q[B, T, H, d]`` over the cache ``k, v[B, S, KV, d]``; slot ``s`` is visible to
     query ``t`` iff ``s <= q_pos[b, t]`` (int32 ``[B, T]``, each ``>= 0``). Output like ``q``.
     With ``layer`` (an int32 scalar) the cache is the model's stack ``[L, B, S, KV, d]``, read at
     that layer in place. With ``scales`` (float32 key and value scales, head-major ``[B, KV, S]``
     so that a KV block's scales are contiguous, or their stacks) ``k, v`` are the draft's shadow:
     int16 words of 8- or 4-bit codes (:func:`pallas_kernels.reference.quantize_kv`; the bits follow
-    from the word count).
+    from the word count). With ``window``, each query sees only its window's slots, and a program
+    reads only the blocks its rows' windows touch.
 
     ``S`` must be a multiple of the KV block (default :data:`BLOCK_S`, or the largest power of two
     >= 16 dividing S). ``splits`` defaults to :func:`num_splits`."""
-    return merge(attention_partials(q, k, v, q_pos, layer=layer, scales=scales, block_s=block_s, splits=splits,
-                                    num_warps=num_warps, num_stages=num_stages, interpret=interpret))
+    return merge(attention_partials(q, k, v, q_pos, layer=layer, scales=scales, window=window, block_s=block_s,
+                                    splits=splits, num_warps=num_warps, num_stages=num_stages, interpret=interpret))
 
 
 @jax.tree_util.register_dataclass
@@ -235,8 +252,9 @@ def merge(p: Partials) -> jax.Array:
 
 def attention_partials(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, *,
                        layer: jax.Array | None = None, scales: tuple[jax.Array, jax.Array] | None = None,
-                       block_s: int | None = None, splits: int | None = None, num_warps: int | None = None,
-                       num_stages: int | None = None, interpret: bool = False) -> Partials:
+                       window: reference.AttentionWindow | None = None, block_s: int | None = None,
+                       splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                       interpret: bool = False) -> Partials:
     """:func:`decode_attention` up to the merge of the cache splits: the kernel's :class:`Partials`
     (for :func:`merge`, or for a consumer that merges them itself,
     :func:`pallas_kernels.gpu_activations.attention_quantize`)."""
@@ -269,21 +287,25 @@ def attention_partials(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Arra
     rows = t * g
     tiles = -(-rows // ROW_TILE)
     rows_pad = _next_pow2(tiles * ROW_TILE)  # the partials' rows
-    splits = num_splits(b, kvh, s, block_s) if splits is None else splits
+    blocks = s // block_s
+    if window is not None:  # the blocks a call of T consecutive positions visits at most
+        blocks = min(blocks, -(-window.sinks // block_s) + -(-(window.size + t - 1) // block_s) + 1)
+    splits = num_splits(b, kvh, blocks * block_s, block_s) if splits is None else splits
     check_count("splits", splits)
-    if splits > s // block_s:
-        raise ValueError(f"splits must lie in [1, {s // block_s}] (the cache's KV blocks), got {splits}")
+    if splits > blocks:
+        raise ValueError(f"splits must lie in [1, {blocks}] (the KV blocks a call reads), got {splits}")
     if num_stages is None:  # the shadow's smaller blocks hide latency better with a third stage
         num_stages = SHADOW_STAGES if kv_bits else 2
     if num_warps is None:
         num_warps = SHADOW_WARPS if kv_bits else FLOAT_WARPS
-    blocks_per_split = -(-(s // block_s) // splits)
+    blocks_per_split = -(-blocks // splits)
 
     compute = jnp.float16 if kv_bits else k.dtype  # the shadow's codes are float16 (kv_planes_f16)
     precision = jax.lax.Precision.HIGHEST if compute == jnp.float32 else None
     kernel = functools.partial(_attention_kernel, tiles=tiles, queries=t, group=g, block_s=block_s,
                                blocks=s // block_s, blocks_per_split=blocks_per_split, scale=1.0 / math.sqrt(d),
-                               compute=compute, precision=precision, kv_bits=kv_bits, interpret=interpret)
+                               compute=compute, precision=precision, kv_bits=kv_bits, window=window,
+                               interpret=interpret)
     kv_spec = pl.BlockSpec((nl, None, s, None, dk), lambda i, j, p: (0, i, 0, j, 0))
     scale_spec = pl.BlockSpec((nl, None, None, s), lambda i, j, p: (0, i, j, 0))
     part = (b, kvh, splits, rows_pad)

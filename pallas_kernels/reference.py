@@ -18,6 +18,8 @@ activation row to INT8 or INT4, the codes packed into int16 words.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -174,16 +176,40 @@ def quantized_matmul(x: jax.Array, w: QuantizedWeight, precision: Precision, row
     return map_row_tiles(lambda r: _w4ax_rows(r, w, qw, precision.act_bits), x, row_tile)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
+@dataclasses.dataclass(frozen=True)
+class AttentionWindow:
+    """A draft's sparse view of the KV cache (StreamingLLM-style): a query at position ``p`` sees the
+    first ``sinks`` slots and the ``size`` slots ending at ``p`` (its own slot included), nothing else."""
+
+    sinks: int
+    size: int
+
+    def __post_init__(self):
+        for name, least in (("sinks", 0), ("size", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < least:
+                raise ValueError(f"the attention window's {name} must be an integer >= {least}, got {value!r}")
+
+    def visible(self, k_pos, q_pos):
+        """Whether a key at ``k_pos`` is in the window of a query at ``q_pos`` (broadcasting; causality
+        is the caller's mask)."""
+        return (k_pos < self.sinks) | (k_pos > q_pos - self.size)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
+              window: AttentionWindow | None = None) -> jax.Array:
     """Grouped-query attention ``q[B,T,H,d]`` over ``k, v[B,S,KV,d]``; key ``s`` is visible to query
-    ``t`` iff ``k_pos[b,s] <= q_pos[b,t]``. Scores and softmax in float32, probabilities cast to
-    ``v``'s dtype, float32 accumulation, output in ``q``'s dtype."""
+    ``t`` iff ``k_pos[b,s] <= q_pos[b,t]`` (and, with ``window``, it lies in the query's window).
+    Scores and softmax in float32, probabilities cast to ``v``'s dtype, float32 accumulation, output
+    in ``q``'s dtype."""
     b, t, h, d = q.shape
     kv = k.shape[2]
     qg = q.reshape(b, t, kv, h // kv, d)
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
     scores = scores / np.sqrt(d).astype(np.float32)
     mask = k_pos[:, None, :] <= q_pos[:, :, None]  # [B, T, S]
+    if window is not None:
+        mask &= window.visible(k_pos[:, None, :], q_pos[:, :, None])
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)

@@ -23,6 +23,7 @@ AR_PRECISIONS = (W4A16, W4A8, W4A4, W16A16)  # the autoregressive methods
 METHODS = ("qspec", *(p.name for p in AR_PRECISIONS))
 DRAFTS = tuple(p.name for p in DRAFT_PRECISIONS)
 DEFAULT_DRAFT, DEFAULT_GAMMA = W4A8.name, 3  # generate()'s, also the CLI's
+DEFAULT_SINKS = 64  # a draft window's first slots (one KV block of the attention kernel)
 # Drafts per round at most: the expected accepted run is a / (1 - a) at acceptance a (4 at 0.8, 32 at
 # 0.97), so more only adds rejected work, while every draft slot lengthens the cache and the verify
 MAX_GAMMA = 32
@@ -126,9 +127,23 @@ def seed_key(seed: int) -> jax.Array:
     return jax.random.wrap_key_data(jnp.array([u >> 32, u & 0xFFFFFFFF], jnp.uint32), impl="threefry2x32")
 
 
+def _draft_window(method: str, size: int | None, sinks: int) -> reference.AttentionWindow | None:
+    """generate()'s ``draft_window`` / ``draft_sinks`` as the drafts' attention window (None: none)."""
+    if size is None:
+        if sinks != DEFAULT_SINKS:
+            raise ValueError(f"draft_sinks={sinks!r} needs a draft_window")
+        return None
+    if method != "qspec" or not is_integer(size) or size < 1:
+        raise ValueError(f"draft_window must be None or an integer >= 1, with method 'qspec'; got "
+                         f"draft_window={size!r} with method {method!r}")
+    if not is_integer(sinks) or sinks < 0:
+        raise ValueError(f"draft_sinks must be an integer >= 0, got {sinks!r}")
+    return reference.AttentionWindow(int(sinks), int(size))
+
+
 def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]] | np.ndarray, *,
              max_new_tokens: int, method: str = "qspec", draft: str = DEFAULT_DRAFT, gamma: int = DEFAULT_GAMMA,
-             draft_kv: int | None = None,
+             draft_kv: int | None = None, draft_window: int | None = None, draft_sinks: int = DEFAULT_SINKS,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
              eos_token_id: int | Sequence[int] | None = None, chat: bool = False, max_len: int | None = None,
              dtype: Any = None, kernels: str = "auto") -> GenerationResult:
@@ -138,6 +153,8 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
     the other methods decode autoregressively in that mode. ``draft_kv`` (8 or 4, ``qspec`` only):
     the drafts attend over an INT8 / INT4 copy of the KV cache kept beside it, reading fewer bytes
     per draft step; the verifier still reads only its own float cache, so the output is unchanged.
+    ``draft_window`` (``qspec`` only): the drafts attend over the first ``draft_sinks`` slots and the
+    ``draft_window`` slots ending at their own position only (alone or with ``draft_kv``).
     Prefill runs in W4A16 (W16A16 for ``w16a16``). ``max_len`` bounds prompt + new tokens (at most,
     and by default, the model's ``max_position_embeddings``).
     ``eos_token_id``: the token(s) that end a sequence, by default the tokenizer's EOS and the config's
@@ -157,6 +174,7 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
     if draft_kv is not None and (method != "qspec" or not is_integer(draft_kv) or draft_kv not in reference.KV_BITS):
         raise ValueError(f"draft_kv must be None or one of {reference.KV_BITS}, with method 'qspec'; got "
                          f"draft_kv={draft_kv!r} with method {method!r}")
+    window = _draft_window(method, draft_window, draft_sinks)
     if not is_integer(gamma) or not 1 <= gamma <= MAX_GAMMA:
         raise ValueError(f"gamma must be an integer in [1, {MAX_GAMMA}], got {gamma!r}")
     if not is_integer(max_new_tokens) or max_new_tokens < 0:
@@ -195,7 +213,7 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
                                 [""] * b if model.tokenizer is not None else None, _stats(None, 0.0))
 
     rt = Runtime(cfg, int(max_new_tokens), eos_ids, sampling, dtype,
-                 model.checkpoint.online_rotation_seed, execution, draft_kv=draft_kv)
+                 model.checkpoint.online_rotation_seed, execution, draft_kv=draft_kv, draft_window=window)
     buffer_len = tokens.shape[1] + max_new_tokens + CACHE_SLACK
     cache_len = cache_slots(buffer_len)
     params = model.checkpoint.params

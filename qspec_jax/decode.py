@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.precision import Precision
+from pallas_kernels.reference import AttentionWindow
 from qspec_jax.config import LlamaConfig
 from qspec_jax.kernels import ROW_TILE, Execution  # noqa: F401  (ROW_TILE: the decode-time row tile)
 from qspec_jax.model import KVCache, forward, init_cache, sync_shadow
@@ -60,15 +61,18 @@ class Runtime:
     # decode steps plain XLA, not row-count invariant (benchmark baselines)
     execution: Execution = dataclasses.field(default_factory=Execution.decode)
     draft_kv: int | None = None  # 8 / 4: QSPEC's drafts read an INT8 / INT4 shadow of the KV cache
+    draft_window: AttentionWindow | None = None  # QSPEC's drafts attend over sinks + a sliding window only
 
     def run(self, params, tokens, positions, cache, precision: Precision, execution: Execution | None = None,
-            read_shadow: bool = False):
-        """One forward (``execution`` None: the decode-time one); unless it is a draft reading the
-        shadow, the shadow follows the new slots."""
+            draft: bool = False):
+        """One forward (``execution`` None: the decode-time one); a ``draft`` reads the draft's views
+        of the cache (``draft_kv``, ``draft_window``). Unless it is a draft reading the shadow, the
+        shadow follows the new slots."""
+        read_shadow = draft and self.draft_kv is not None
         logits, cache = forward(params, self.config, tokens, positions, cache, precision=precision, dtype=self.dtype,
                                 online_rotation_seed=self.online_rotation_seed,
                                 execution=self.execution if execution is None else execution,
-                                read_shadow=read_shadow)
+                                read_shadow=read_shadow, window=self.draft_window if draft else None)
         return logits, cache if read_shadow else sync_shadow(cache, positions)
 
 

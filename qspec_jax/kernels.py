@@ -317,13 +317,14 @@ def _int4_matmul(x: jax.Array | Pending, w: QuantizedWeight, layer: jax.Array | 
 
 
 def attention(q: jax.Array, k: jax.Array | Layer, v: jax.Array | Layer, q_pos: jax.Array,
-              execution: Execution = Execution(),
-              scales: tuple[jax.Array | Layer, jax.Array | Layer] | None = None) -> jax.Array | PendingAttention:
+              execution: Execution = Execution(), scales: tuple[jax.Array | Layer, jax.Array | Layer] | None = None,
+              window: reference.AttentionWindow | None = None) -> jax.Array | PendingAttention:
     """Attention of ``q[B,T,H,d]`` over a KV cache ``k, v[B,S,KV,d]`` (or :class:`Layer` views of
     the model's stacked cache) whose slot ``s`` holds position ``s`` (visible to a query iff
     ``s <= q_pos``): ``[B,T,H,d]``. With ``scales`` (the key and value scales, head-major
     ``[B, KV, S]``), ``k, v`` are the draft's quantized KV shadow
-    (:func:`pallas_kernels.reference.quantize_kv`). With a row tile, row-count invariant: the
+    (:func:`pallas_kernels.reference.quantize_kv`). ``window``: each query sees only the slots of its
+    :class:`~pallas_kernels.reference.AttentionWindow` (a draft's view). With a row tile, row-count invariant: the
     reference runs each sequence's queries in padded tiles of it. On the kernel path, where the heads
     allow, a :class:`PendingAttention` (rows ``[B, T, H*d]``) whose cache splits are merged by its
     consumer (an INT4 linear's activation prologue, or :func:`materialize`)."""
@@ -336,7 +337,7 @@ def attention(q: jax.Array, k: jax.Array | Layer, v: jax.Array | Layer, q_pos: j
         kv_heads = ks.shape[-2]
         partials = gpu_attention.attention_partials(
             q, ks, vs, q_pos, layer=layer, interpret=execution.interpret,
-            scales=None if scales is None else tuple(_split_layer(sc)[0] for sc in scales))
+            scales=None if scales is None else tuple(_split_layer(sc)[0] for sc in scales), window=window)
         if gpu_activations.attention_merge_supported(kv_heads, q.shape[2] // kv_heads, q.shape[-1]):
             return PendingAttention(partials, execution)
         return gpu_attention.merge(partials)
@@ -348,7 +349,7 @@ def attention(q: jax.Array, k: jax.Array | Layer, v: jax.Array | Layer, q_pos: j
     k_pos = jnp.broadcast_to(jnp.arange(k.shape[1]), (b, k.shape[1]))
     row_tile = execution.row_tile
     if row_tile is None:
-        return reference.attention(q, k, v, q_pos, k_pos)
+        return reference.attention(q, k, v, q_pos, k_pos, window)
     t = q.shape[1]
     pad = (-t) % row_tile
     n = (t + pad) // row_tile
@@ -357,7 +358,8 @@ def attention(q: jax.Array, k: jax.Array | Layer, v: jax.Array | Layer, q_pos: j
 
     def one(i):
         seq = i // n
-        return reference.attention(qt[i][None], k[seq][None], v[seq][None], pt[i][None], k_pos[seq][None])[0]
+        return reference.attention(qt[i][None], k[seq][None], v[seq][None], pt[i][None], k_pos[seq][None],
+                                   window)[0]
 
     out = jax.lax.map(one, jnp.arange(b * n))
     return out.reshape(b, t + pad, *q.shape[2:])[:, :t]

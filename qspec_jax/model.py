@@ -189,9 +189,11 @@ class _Block(nn.Module):
 
 
 class Attention(_Block):
-    """Fused qkv projection, RoPE, the KV cache write and grouped-query attention, then o."""
+    """Fused qkv projection, RoPE, the KV cache write and grouped-query attention, then o
+    (``window``: over the cache's slots in that window only)."""
 
     read_shadow: bool = False
+    window: reference.AttentionWindow | None = None
 
     @nn.compact
     def __call__(self, x, positions, rope: tuple[jax.Array, jax.Array], cache: KVCache | None):
@@ -216,12 +218,13 @@ class Attention(_Block):
             if cache is not None:  # write this layer's slots in place
                 cache = _write_kv(cache, k, v, positions, self.read_shadow)
         if cache is None:
-            out = reference.attention(q, k, v, positions, positions)
+            out = reference.attention(q, k, v, positions, positions, self.window)
         elif self.read_shadow:  # attend over the layer's shadow
             s = cache.draft
-            out = attention(q, s.k_words, s.v_words, positions, ex, scales=(s.k_scales, s.v_scales))
+            out = attention(q, s.k_words, s.v_words, positions, ex, scales=(s.k_scales, s.v_scales),
+                            window=self.window)
         else:
-            out = attention(q, cache.k, cache.v, positions, ex)
+            out = attention(q, cache.k, cache.v, positions, ex, window=self.window)
         out = merge_heads(out)
         if self.online_rotation_seed is not None:  # per head: [.., hq*d] -> [.., hq, d] rows
             per_head = lambda r: apply_transform(r.reshape(r.shape[0], hq, d), self.online_rotation_seed)  # noqa: E731
@@ -285,11 +288,12 @@ class DecoderLayer(_Block):
     """Pre-norm residual block: attention, then the MLP."""
 
     read_shadow: bool = False
+    window: reference.AttentionWindow | None = None
 
     @nn.compact
     def __call__(self, x, cache: KVCache | None, positions, rope: tuple[jax.Array, jax.Array]):
         c, p, ex, seed = self.config, self.precision, self.execution, self.online_rotation_seed
-        h, cache = Attention(c, p, ex, seed, self.read_shadow, name="attn")(
+        h, cache = Attention(c, p, ex, seed, self.read_shadow, self.window, name="attn")(
             RMSNorm(c.rms_norm_eps, ex, name="attn_norm")(x), positions, rope, cache)
         x = x + h
         x = x + MLP(c, p, ex, seed, name="mlp")(RMSNorm(c.rms_norm_eps, ex, name="mlp_norm")(x))
@@ -303,7 +307,7 @@ class Llama(nn.Module):
     (decode steps and verify passes) makes every token's logits independent of how many tokens the
     call has, prefill and evaluation leave it ``None`` for speed; its backend picks the references or
     the Pallas kernels. ``read_shadow``: attend over the cache's quantized shadow and write only it
-    (QSPEC's drafts).
+    (QSPEC's drafts); ``window``: attend only over each query's sliding window of the cache (drafts).
     """
 
     config: LlamaConfig
@@ -312,6 +316,7 @@ class Llama(nn.Module):
     online_rotation_seed: int | None = None
     execution: Execution = Execution()
     read_shadow: bool = False
+    window: reference.AttentionWindow | None = None
 
     def setup(self):
         if not isinstance(self.precision, Precision):
@@ -324,7 +329,7 @@ class Llama(nn.Module):
         x = jnp.take(embed, tokens, axis=0).astype(self.dtype)
         rope = rope_tables(positions, rope_frequencies(c), self.dtype)
         layer = DecoderLayer(c, self.precision, self.execution, self.online_rotation_seed, self.read_shadow,
-                             parent=None)
+                             self.window, parent=None)
 
         def init_layers(rng):
             init_one = lambda key: layer.init(key, x, None, positions, rope)["params"]  # noqa: E731
@@ -429,12 +434,12 @@ def sync_shadow(cache: KVCache, positions: jax.Array) -> KVCache:
 def forward(params: dict[str, Any], config: LlamaConfig, tokens: jax.Array, positions: jax.Array,
             cache: KVCache | None = None, *, precision: Precision, execution: Execution | None = None,
             dtype: Any = jnp.float32, online_rotation_seed: int | None = None, read_shadow: bool = False,
-            ) -> tuple[jax.Array, KVCache | None]:
+            window: reference.AttentionWindow | None = None) -> tuple[jax.Array, KVCache | None]:
     """Apply the model to a params pytree: ``(float32 logits [B, T, V], updated cache)``.
     ``execution`` None: :meth:`Execution.prefill` (no row tile, the kernels switch on ``"auto"``)."""
     _check_inputs(config, tokens, positions)
     execution = Execution.prefill() if execution is None else execution
-    model = Llama(config, precision, dtype, online_rotation_seed, execution, read_shadow)
+    model = Llama(config, precision, dtype, online_rotation_seed, execution, read_shadow, window)
     return model.apply({"params": params}, tokens, positions, cache)
 
 

@@ -3,7 +3,8 @@
 Per round, for every running sequence with ``n`` committed tokens:
 1. draft ``gamma`` tokens in the draft precision (W4A4 or W4A8), one position at a time from
    ``n-1``, each step writing its (draft-precision) KV slot (with ``Runtime.draft_kv``: the drafts
-   attend over the INT8 / INT4 shadow of the cache, and write only it);
+   attend over the INT8 / INT4 shadow of the cache, and write only it; with ``Runtime.draft_window``
+   they attend over its first slots and a sliding window only);
 2. verify ``[x[n-1], d_1..d_gamma]`` in one W4A16 forward, overwriting those ``gamma+1`` slots
    (and their shadow);
 3. accept the longest agreeing prefix (greedy) or run speculative sampling (stochastic);
@@ -39,8 +40,7 @@ def draft_tokens(params, state: DecodeState, rt: Runtime, gamma: int, precision:
 
     def step(i, carry):
         tok, cache, drafts, qs = carry
-        logits, cache = rt.run(params, tok[:, None], (state.lengths - 1 + i)[:, None], cache, precision,
-                               read_shadow=rt.draft_kv is not None)
+        logits, cache = rt.run(params, tok[:, None], (state.lengths - 1 + i)[:, None], cache, precision, draft=True)
         nxt, q = choose(logits[:, 0], rt.sampling, jax.random.fold_in(key, i))
         drafts = drafts.at[:, i].set(nxt)
         if stochastic:

@@ -5,7 +5,8 @@ Run on the device: ``PYTHONPATH=. python3 -m pytest -q -s tests/test_gpu.py`` (w
 
 * the kernels against the references, on the GPU: W4A4/W4A8 bitwise (symmetric weights, K not
   split) or to 1e-6 (asymmetric / split K), the int32 group accumulations bitwise, W4A16, the dense
-  kernel, attention and RMSNorm within 1e-2 relative of float64 numpy;
+  kernel, attention (also over a draft's sinks + window view) and RMSNorm within 1e-2 relative of
+  float64 numpy;
 * the RoPE + KV-write kernel bitwise against numpy's op-by-op rounding (bf16), with donated caches;
 * the activation prologue kernels (quantization alone or fused with the RMSNorm, the RMSNorm in
   the W4A16 plane layout) bitwise against the reference quantization computed on the CPU and the
@@ -269,6 +270,35 @@ def test_attention_kernel_over_kv_shadow(rng, dtype, heads, kv, d, bits):
         np.testing.assert_array_equal(np.asarray(att(q[:, :t], pos[:, :t])), full[:, :t], err_msg=f"T={t}")
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("bits", [None, 8, 4])
+def test_attention_kernel_window(rng, dtype, bits):
+    """A draft's sinks + sliding-window view, one query per sequence (as drafts call it) and three,
+    over a float cache or its shadow: against float64 attention with the window's mask over what the
+    kernel reads (the cache, or the dequantized shadow)."""
+    from pallas_kernels import reference
+
+    b, s, kv, heads, d = 4, 2048, 8, 32, 128
+    window = reference.AttentionWindow(int(rng.choice([4, 64, 100])), int(rng.choice([64, 300, 512])))
+    k, v = (jnp.asarray(rng.standard_normal((b, s, kv, d)), dtype) for _ in range(2))
+    if bits:
+        (kw, ks), (vw, vs) = reference.quantize_kv(k, bits), reference.quantize_kv(v, bits)
+        cache, scales = (kw, vw), (jnp.swapaxes(ks, -1, -2), jnp.swapaxes(vs, -1, -2))
+        k, v = reference.dequantize_kv(kw, ks, bits), reference.dequantize_kv(vw, vs, bits)
+    else:
+        cache, scales = (k, v), None
+    for t in (1, 3):
+        q = jnp.asarray(rng.standard_normal((b, t, heads, d)), dtype)
+        pos = jnp.asarray(rng.integers(0, s - t, b)[:, None] + np.arange(t)[None], jnp.int32)
+        got = np.asarray(jax.jit(lambda q, p: gpu_attention.decode_attention(q, *cache, p, scales=scales,
+                                                                             window=window))(q, pos))
+        want = _attention64(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), pos,
+                            window.sinks, window.size)
+        err = _rel(got, want)
+        print(f"window {window} {bits or 'float'} {jnp.dtype(dtype).name} T={t}: rel err {err:.2e}")
+        assert err <= 1e-2
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_kv_planes_ptx_unpacking_is_exact(rng, bits):
     """The shadow's codes as float16 by PTX on pairs of words (the kernel's GPU path), bitwise
@@ -436,12 +466,14 @@ def test_greedy_qspec_equals_w4a16_random_model(rng, dtype):
     model = random_model(rng)
     prompts = [rng.integers(0, model.config.vocab_size, n).tolist() for n in (5, 17, 9, 30)]
     ref = generate(model, prompts, max_new_tokens=48, method="w4a16", dtype=dtype, kernels="pallas")
-    runs = [(draft, gamma, None) for draft in ("w4a8", "w4a4") for gamma in (1, 3, 5)] + [("w4a8", 3, 8), ("w4a4", 1, 4)]
-    for draft, gamma, kv in runs:
+    runs = [(draft, gamma, None, None) for draft in ("w4a8", "w4a4") for gamma in (1, 3, 5)] + [
+        ("w4a8", 3, 8, None), ("w4a4", 1, 4, None), ("w4a8", 3, None, 16), ("w4a8", 3, 8, 16)]
+    for draft, gamma, kv, window in runs:
+        view = {} if window is None else dict(draft_window=window, draft_sinks=4)
         res = generate(model, prompts, max_new_tokens=48, method="qspec", draft=draft, gamma=gamma,
-                       draft_kv=kv, dtype=dtype, kernels="pallas")
+                       draft_kv=kv, dtype=dtype, kernels="pallas", **view)
         for a, b in zip(res.sequences, ref.sequences):
-            np.testing.assert_array_equal(a, b, err_msg=f"{draft} gamma={gamma} draft_kv={kv}")
+            np.testing.assert_array_equal(a, b, err_msg=f"{draft} gamma={gamma} draft_kv={kv} window={window}")
 
 
 def _smollm2():

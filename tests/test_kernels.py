@@ -337,13 +337,18 @@ def test_unsupported_shapes_raise(rng):
             gm.w4a16_matmul(x, stack, layer=layer, interpret=True)
 
 
-def _attention64(q, k, v, pos) -> np.ndarray:
-    """float64 grouped-query attention over slots s <= pos."""
+def _attention64(q, k, v, pos, sinks: int | None = None, size: int | None = None) -> np.ndarray:
+    """float64 grouped-query attention over slots s <= pos (with ``size``: only s < sinks or
+    s > pos - size)."""
     q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
     g = q.shape[2] // k.shape[2]
     k, v = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
     sc = np.einsum("bthd,bshd->bhts", q, k) / np.sqrt(q.shape[-1])
-    sc = np.where(np.arange(k.shape[1])[None, None, None] <= np.asarray(pos)[:, None, :, None], sc, -np.inf)
+    slot, p = np.arange(k.shape[1])[None, None, None], np.asarray(pos)[:, None, :, None]
+    seen = slot <= p
+    if size is not None:
+        seen = seen & ((slot < sinks) | (slot > p - size))
+    sc = np.where(seen, sc, -np.inf)
     p = np.exp(sc - sc.max(-1, keepdims=True))
     return np.einsum("bhts,bshd->bthd", p / p.sum(-1, keepdims=True), v)
 
@@ -379,6 +384,46 @@ def test_decode_attention(rng, heads, kv, splits):
         gpu_attention.decode_attention(q, k, v, pos, block_s=16, splits=s // 16 + 1, interpret=True)
     with pytest.raises(ValueError, match="q must be a float array"):
         gpu_attention.decode_attention(jnp.round(q * 4).astype(jnp.int8), k, v, pos, interpret=True)
+
+
+@pytest.mark.parametrize("bits", [None, 8])
+def test_decode_attention_window(rng, bits):
+    """A sinks + sliding-window view: the kernel (float cache or shadow, several splits, 1 or 3
+    queries) and the reference against float64 with the window's mask; the blocks wholly outside every
+    query's sinks and window are never read (NaN there leaves the output finite)."""
+    b, s, kv, heads, d, block = 2, 256, 2, 4, 32, 16
+    sinks, size = int(rng.choice([0, 5, 16, 21])), int(rng.integers(20, 70))
+    window = ref.AttentionWindow(sinks, size)
+    k, v = (rng.standard_normal((b, s, kv, d)).astype(np.float32) for _ in range(2))
+    t = int(rng.choice([1, 3]))
+    pos = jnp.asarray(np.array([int(rng.integers(30, 60)), int(rng.integers(150, 250))])[:, None] + np.arange(t), jnp.int32)
+    q = jnp.asarray(rng.standard_normal((b, t, heads, d)), jnp.float32)
+    # whole blocks no query of the sequence sees: past the sink blocks and before the lowest window's block
+    for row in range(b):
+        lo = -(-sinks // block) * block
+        hi = (int(pos[row, 0]) - size + 1) // block * block
+        v[row, lo:hi] = np.nan
+        k[row, lo:hi] = np.nan
+    want = _attention64(q, np.nan_to_num(k), np.nan_to_num(v), pos, sinks, size)
+    kj, vj = jnp.asarray(k), jnp.asarray(v)
+    got_ref = ref.attention(q, jnp.nan_to_num(kj), jnp.nan_to_num(vj), pos,
+                            jnp.broadcast_to(jnp.arange(s), (b, s)), window)
+    np.testing.assert_allclose(np.asarray(got_ref), want, rtol=1e-4, atol=1e-5)
+    for splits in (None, 3):
+        run = functools.partial(gpu_attention.decode_attention, q, window=window, block_s=block, splits=splits,
+                                interpret=True)
+        if bits is None:
+            got = np.asarray(run(kj, vj, pos))
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+        else:
+            (kw, ks), (vw, vs) = ref.quantize_kv(kj, bits), ref.quantize_kv(vj, bits)
+            got = np.asarray(run(kw, vw, pos, scales=(jnp.swapaxes(ks, -1, -2), jnp.swapaxes(vs, -1, -2))))
+            fin = [jnp.nan_to_num(a) for a in (kj, vj)]
+            wq = _attention64(q, *(ref.dequantize_kv(*ref.quantize_kv(a, bits), bits) for a in fin), pos, sinks, size)
+            assert np.isfinite(got).all() and np.linalg.norm(got - wq) / np.linalg.norm(wq) < 1e-3
+    for bad in (dict(sinks=-1, size=4), dict(sinks=0, size=0), dict(sinks=1.5, size=8), dict(sinks=0, size=True)):
+        with pytest.raises(ValueError, match="attention window"):
+            ref.AttentionWindow(**bad)
 
 
 def test_kernels_refuse_empty_inputs(rng):

@@ -5,6 +5,7 @@ edge cases, and the one-compiled-loop property."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -18,7 +19,7 @@ from scipy.stats import chi2
 
 from convert.pipeline import convert_model
 from convert.quantize import QuantScheme
-from pallas_kernels.reference import quantize_kv as ref_quantize_kv
+from pallas_kernels.reference import AttentionWindow, quantize_kv as ref_quantize_kv
 from qspec_jax.decode import Runtime, prefill
 from qspec_jax.api import MAX_GAMMA, generate, load
 from qspec_jax.model import KVCache, init_cache
@@ -80,13 +81,15 @@ def w4a16_refs(smol, smol_batches):
 
 # each gamma, draft, batch and shadow at least once (not their whole product: CI's 30 minutes); W4A4's
 # drafts are mostly rejected, so its rounds are many: batch 1 and gamma 1 keep that run short
-@pytest.mark.parametrize("gamma,draft,batch,draft_kv", [(3, "w4a8", 4, 4), (1, "w4a4", 1, None), (5, "w4a8", 4, None),
-                                                        (3, "w4a8", 4, 8)])
-def test_greedy_qspec_equals_w4a16_smollm2(smol, smol_batches, w4a16_refs, gamma, draft, batch, draft_kv):
-    """Bitwise the W4A16 tokens, with the drafts reading the float cache or its INT8 / INT4 shadow."""
+@pytest.mark.parametrize("gamma,draft,batch,draft_kv,window", [
+    (3, "w4a8", 4, 4, None), (1, "w4a4", 1, None, None), (5, "w4a8", 4, None, None), (3, "w4a8", 4, 8, 24)])
+def test_greedy_qspec_equals_w4a16_smollm2(smol, smol_batches, w4a16_refs, gamma, draft, batch, draft_kv, window):
+    """Bitwise the W4A16 tokens, with the drafts reading the float cache or its INT8 / INT4 shadow, or
+    a sinks + window view of the shadow (far shorter than the prompts)."""
     ref = w4a16_refs[batch]
+    extra = {} if window is None else dict(draft_window=window, draft_sinks=4)
     got = generate(smol, smol_batches[batch], max_new_tokens=NEW, method="qspec", draft=draft, gamma=gamma,
-                   draft_kv=draft_kv, chat=True)
+                   draft_kv=draft_kv, chat=True, **extra)
     assert len(got.sequences) == batch
     for i, (a, b) in enumerate(zip(got.sequences, ref.sequences)):
         assert np.array_equal(a, b), f"sequence {i} diverges at token {_first_diff(a, b)}"
@@ -219,15 +222,18 @@ def dist_setup():
     pytest.fail("no random model whose W4A4 draft differs enough from W4A16 in 8 attempts")
 
 
-def _draw(setup, gamma: int, draft_kv: int | None = None, calls: int = N_CALLS, **sampling) -> np.ndarray:
+def _draw(setup, gamma: int, draft_kv: int | None = None, calls: int = N_CALLS, view: dict | None = None,
+          **sampling) -> np.ndarray:
     """``int[N, 3]`` draws (x1, x2, x3) of stochastic QSPEC from one generate call per seed, ``calls`` of
     them (with ``draft_kv`` the drafts and their probabilities come from the INT8 / INT4 KV shadow;
-    ``sampling``: generate's temperature / top_k / top_p, by default temperature 1)."""
+    ``view``: generate's draft_window / draft_sinks; ``sampling``: generate's temperature / top_k / top_p,
+    by default temperature 1)."""
     model = memory_model(setup["params"], setup["cfg"])
     out = []
     for seed in setup["seeds"][:calls]:
         res = generate(model, np.tile(setup["prompt"], (N_PER_CALL, 1)), max_new_tokens=3, method="qspec",
-                       draft="w4a4", gamma=gamma, draft_kv=draft_kv, seed=seed, **(sampling or {"temperature": 1.0}))
+                       draft="w4a4", gamma=gamma, draft_kv=draft_kv, seed=seed, **(view or {}),
+                       **(sampling or {"temperature": 1.0}))
         assert res.finish_reasons == ["length"] * N_PER_CALL
         out.append(np.stack(res.sequences))
     return np.concatenate(out)
@@ -244,9 +250,11 @@ def _pvalues(setup, draws: np.ndarray, probs: tuple | None = None) -> tuple[floa
     return chi2_pvalue(c12, p12), chi2_pvalue(c123, p12[..., None] * p3)
 
 
-@pytest.mark.parametrize("gamma,draft_kv", [(3, None), (2, 4)])  # gamma 3: a round drafts past the 3 tokens
-def test_stochastic_qspec_samples_target_distribution(dist_setup, gamma, draft_kv):
-    draws = _draw(dist_setup, gamma, draft_kv)
+# gamma 3: a round drafts past the 3 tokens; a window of 2 slots after 1 sink: the drafts see little of the prompt
+@pytest.mark.parametrize("gamma,draft_kv,view", [(3, None, None), (2, 4, None),
+                                                 (2, None, dict(draft_window=2, draft_sinks=1))])
+def test_stochastic_qspec_samples_target_distribution(dist_setup, gamma, draft_kv, view):
+    draws = _draw(dist_setup, gamma, draft_kv, view=view)
     p12, p123 = _pvalues(dist_setup, draws)
     assert p12 > ALPHA and p123 > ALPHA, (p12, p123)
 
@@ -374,7 +382,7 @@ def test_kv_shadow_follows_the_cache_and_alone_feeds_the_drafts(rng, bits):
             np.testing.assert_array_equal(np.asarray(scales[:, b, :, :n - 1]), np.swapaxes(np.asarray(want_s), 1, 2))
     tok = jnp.asarray(np.asarray(state.tokens)[np.arange(2), np.asarray(state.lengths) - 1][:, None])
     pos = (state.lengths - 1)[:, None]
-    draft = jax.jit(lambda c: rt.run(params, tok, pos, c, W4A8, read_shadow=True)[0])
+    draft = jax.jit(lambda c: rt.run(params, tok, pos, c, W4A8, draft=True)[0])
     base = np.asarray(draft(state.cache))
     noise = [jnp.asarray(rng.standard_normal(a.shape), a.dtype) for a in (k, v)]
     np.testing.assert_array_equal(np.asarray(draft(KVCache(*noise, state.cache.draft))), base)
@@ -391,6 +399,41 @@ def test_kv_shadow_follows_the_cache_and_alone_feeds_the_drafts(rng, bits):
 def tiny_model(rng):
     params, cfg, _ = convert_model(random_source(TINY, rng), QuantScheme(16, False), None)
     return memory_model(params, cfg)
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_draft_window_limits_what_a_draft_sees(rng, bits):
+    """A draft forward with a sinks + window view: its logits do not change when the cache outside the
+    window is scrambled and do when a slot inside is; with a window covering every slot they are the
+    full view's bitwise; the verifier's forward ignores the window."""
+    params, cfg, _ = convert_model(random_source(TINY, rng), QuantScheme(16, True), None)
+    p, sinks, size = 24, 2, 5
+    rt = Runtime(cfg, 4, (), Sampling(), draft_kv=bits)
+    windowed = dataclasses.replace(rt, draft_window=AttentionWindow(sinks, size))
+    prompts = rng.integers(0, cfg.vocab_size, (2, p)).astype(np.int32)
+    state = prefill(params, jnp.asarray(prompts), jnp.full((2,), p, jnp.int32), jax.random.key(0), rt,
+                    p + 8, p + 8, W4A16)
+    tok, pos = jnp.asarray(prompts[:, -1:]), jnp.full((2, 1), p - 1, jnp.int32)
+
+    def run(r, cache, draft=True):
+        return np.asarray(jax.jit(lambda c: r.run(params, tok, pos, c, W4A8, draft=draft)[0])(cache))
+
+    def scramble(cache, slots):
+        noisy = lambda a: a.at[:, :, slots].set(jnp.asarray(  # noqa: E731
+            rng.integers(-2000, 2000, a[:, :, slots].shape), a.dtype))
+        if bits is None:
+            return dataclasses.replace(cache, k=noisy(cache.k), v=noisy(cache.v))
+        return dataclasses.replace(cache, draft=dataclasses.replace(
+            cache.draft, k_words=noisy(cache.draft.k_words), v_words=noisy(cache.draft.v_words)))
+
+    base = run(windowed, state.cache)
+    outside = np.arange(sinks, p - size)
+    np.testing.assert_array_equal(run(windowed, scramble(state.cache, outside)), base)
+    assert not np.array_equal(run(windowed, scramble(state.cache, np.array([p - 3]))), base)
+    assert not np.array_equal(run(rt, state.cache), base)
+    wide = dataclasses.replace(rt, draft_window=AttentionWindow(0, p))
+    np.testing.assert_array_equal(run(wide, state.cache), run(rt, state.cache))
+    np.testing.assert_array_equal(run(windowed, state.cache, draft=False), run(rt, state.cache, draft=False))
 
 
 def test_invalid_requests_raise(tiny_model):
@@ -419,6 +462,14 @@ def test_invalid_requests_raise(tiny_model):
     for method, kv in (("qspec", 2), ("qspec", 16), ("qspec", 8.0), ("qspec", True), ("w4a16", 8)):
         with pytest.raises(ValueError, match="draft_kv"):
             generate(tiny_model, ok, max_new_tokens=4, method=method, draft_kv=kv)
+    for method, size in (("qspec", 0), ("qspec", 8.0), ("qspec", True), ("w4a16", 16)):
+        with pytest.raises(ValueError, match="draft_window"):
+            generate(tiny_model, ok, max_new_tokens=4, method=method, draft_window=size)
+    for sinks in (-1, 2.5, None):
+        with pytest.raises(ValueError, match="draft_sinks"):
+            generate(tiny_model, ok, max_new_tokens=4, draft_window=8, draft_sinks=sinks)
+    with pytest.raises(ValueError, match="needs a draft_window"):
+        generate(tiny_model, ok, max_new_tokens=4, draft_sinks=8)
     for bad in ([3, TINY.vocab_size], [-1, 3]):
         with pytest.raises(ValueError, match="token ids must lie in"):
             generate(tiny_model, [bad], max_new_tokens=4)
