@@ -37,6 +37,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--calibration", type=Path, help="GSM8K-style JSONL for GPTQ (e.g. ../shared/data/gsm8k_train.jsonl)")
     ap.add_argument("--n-samples", type=int, help="GPTQ calibration sequences (default 64)")
     ap.add_argument("--seq-len", type=int, help="GPTQ calibration sequence length (default 512)")
+    ap.add_argument("--draft-vocab", type=Path, metavar="JSONL",
+                    help="GSM8K-style JSONL whose token frequencies rank the rows of draft heads (generate's draft_head)")
     return ap
 
 
@@ -56,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         group = 32 if args.group_size is GROUP_DEFAULT else args.group_size
         scheme = None if args.quant == "none" else QuantScheme(group, bool(args.symmetric), args.quant)
-        out = convert(args.src, args.out, scheme, (args.seed or 0) if args.rotate else None, **gptq)
+        out = convert(args.src, args.out, scheme, (args.seed or 0) if args.rotate else None, **gptq,
+                      draft_vocab=args.draft_vocab)
     except (ValueError, FileNotFoundError) as e:
         print(f"qspec-convert: error: {e}", file=sys.stderr)
         return 2

@@ -82,15 +82,11 @@ def _linear_inputs_hessians(layer_params, x, positions, config, seed):
     return y, hess
 
 
-def calibration_tokens(path: Path, tokenizer_json: str, n_samples: int, seq_len: int, seed: int) -> np.ndarray:
-    """``int32[n_samples, seq_len]`` windows drawn from GSM8K-style JSONL (question + answer) text."""
-    from tokenizers import Tokenizer
-
+def calibration_texts(path: Path) -> list[str]:
+    """The "Question: ...\\nAnswer: ..." texts of a GSM8K-style JSONL calibration file."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"calibration data {path} not found")
-    if n_samples < 1 or seq_len < 1:
-        raise ValueError(f"GPTQ calibration needs n_samples >= 1 and seq_len >= 1, got {n_samples!r} / {seq_len!r}")
     texts = []
     for i, line in enumerate(path.read_text().splitlines(), 1):
         if line.strip():
@@ -99,6 +95,33 @@ def calibration_tokens(path: Path, tokenizer_json: str, n_samples: int, seq_len:
                 texts.append(f"Question: {row['question']}\nAnswer: {row['answer']}")
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise ValueError(f"{path}:{i}: not a JSON object with 'question' and 'answer' ({e!r})") from None
+    if not texts:
+        raise ValueError(f"calibration data {path} holds no problems")
+    return texts
+
+
+def token_ranking(path: Path, tokenizer_json: str, vocab_size: int) -> tuple[np.ndarray, int]:
+    """``(every token id by falling frequency in the calibration texts, ties by id; tokens counted)``:
+    the rows a draft head over the most frequent tokens keeps first."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(tokenizer_json)
+    counts = np.zeros(vocab_size, np.int64)
+    for enc in tok.encode_batch([t + "\n\n" for t in calibration_texts(path)], add_special_tokens=False):
+        ids = np.asarray(enc.ids, np.int64)
+        if ids.size and ids.max() >= vocab_size:
+            raise ValueError(f"the tokenizer yields id {int(ids.max())}, past the model's vocabulary of {vocab_size}")
+        counts += np.bincount(ids, minlength=vocab_size)
+    return np.lexsort((np.arange(vocab_size), -counts)).astype(np.int32), int(counts.sum())
+
+
+def calibration_tokens(path: Path, tokenizer_json: str, n_samples: int, seq_len: int, seed: int) -> np.ndarray:
+    """``int32[n_samples, seq_len]`` windows drawn from GSM8K-style JSONL (question + answer) text."""
+    from tokenizers import Tokenizer
+
+    if n_samples < 1 or seq_len < 1:
+        raise ValueError(f"GPTQ calibration needs n_samples >= 1 and seq_len >= 1, got {n_samples!r} / {seq_len!r}")
+    texts = calibration_texts(path)
     rng = np.random.default_rng(seed)
     rng.shuffle(texts)
     tok = Tokenizer.from_str(tokenizer_json)
@@ -171,8 +194,10 @@ def convert_model(src: SourceModel, scheme: QuantScheme | None, rotation_seed: i
 
 
 def convert(source: str | Path, out: str | Path, scheme: QuantScheme | None, rotation_seed: int | None,
-            calibration: Path | None = None, n_samples: int = 64, seq_len: int = 512) -> Path:
-    """Read ``source`` (HF directory or GGUF), convert, and write a checkpoint directory at ``out``."""
+            calibration: Path | None = None, n_samples: int = 64, seq_len: int = 512,
+            draft_vocab: Path | None = None) -> Path:
+    """Read ``source`` (HF directory or GGUF), convert, and write a checkpoint directory at ``out``;
+    ``draft_vocab``: a calibration JSONL whose token frequencies rank the rows draft heads keep."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"output {out} exists and is not a directory")
@@ -186,4 +211,8 @@ def convert(source: str | Path, out: str | Path, scheme: QuantScheme | None, rot
     src = read_source(source)
     params, config, manifest = convert_model(src, scheme, rotation_seed, calibration, n_samples, seq_len)
     manifest["source"] = {"path": str(Path(source).resolve()), "kind": src.kind}
-    return save_checkpoint(out, params, config, src.tokenizer_files, **manifest)
+    ranking = None
+    if draft_vocab is not None:
+        ranking, counted = token_ranking(draft_vocab, src.tokenizer_files["tokenizer.json"], config.vocab_size)
+        manifest["draft_vocab"] = {"calibration": str(Path(draft_vocab).resolve()), "tokens_counted": counted}
+    return save_checkpoint(out, params, config, src.tokenizer_files, ranking=ranking, **manifest)

@@ -35,7 +35,7 @@ def cmd_generate(args) -> None:
     from qspec_jax.api import generate, load
 
     qspec_only = {"gamma": args.gamma, "draft": args.draft, "draft_kv": args.draft_kv,
-                  "draft_window": args.draft_window, "draft_sinks": args.draft_sinks}
+                  "draft_window": args.draft_window, "draft_sinks": args.draft_sinks, "draft_head": args.draft_head}
     qspec_only = {name: value for name, value in qspec_only.items() if value is not None}  # unset: generate()'s defaults
     if args.method != "qspec" and qspec_only:  # refused, not silently ignored
         flags = ", ".join("--" + name.replace("_", "-") for name in qspec_only)
@@ -93,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="qspec: the drafts attend over the first --draft-sinks slots and the last this many only")
     g.add_argument("--draft-sinks", type=int, default=None,
                    help=f"qspec, with --draft-window: slots always seen (none: {DEFAULT_SINKS})")
+    g.add_argument("--draft-head", type=int, default=None,
+                   help="qspec: the drafts' logits over this many most frequent tokens only (a checkpoint "
+                        "converted with --draft-vocab)")
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     g.add_argument("--top-k", type=int, default=None, help="with a temperature > 0")
     g.add_argument("--top-p", type=float, default=None, help="with a temperature > 0")

@@ -16,6 +16,7 @@ from pallas_kernels.precision import DRAFT_PRECISIONS, W4A8, W4A16, W16A16, W4A4
 from qspec_jax.checkpoint import Checkpoint, load_checkpoint
 from qspec_jax.decode import FINISH_REASONS, Runtime, ar_loop, pad_prompts, prefill_jit
 from qspec_jax.kernels import Execution
+from qspec_jax.model import with_draft_head
 from qspec_jax.qspec import qspec_loop
 from qspec_jax.sampling import Sampling, check_token_ids, is_integer
 
@@ -144,6 +145,7 @@ def _draft_window(method: str, size: int | None, sinks: int) -> reference.Attent
 def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]] | np.ndarray, *,
              max_new_tokens: int, method: str = "qspec", draft: str = DEFAULT_DRAFT, gamma: int = DEFAULT_GAMMA,
              draft_kv: int | None = None, draft_window: int | None = None, draft_sinks: int = DEFAULT_SINKS,
+             draft_head: int | None = None,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
              eos_token_id: int | Sequence[int] | None = None, chat: bool = False, max_len: int | None = None,
              dtype: Any = None, kernels: str = "auto") -> GenerationResult:
@@ -155,6 +157,9 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
     per draft step; the verifier still reads only its own float cache, so the output is unchanged.
     ``draft_window`` (``qspec`` only): the drafts attend over the first ``draft_sinks`` slots and the
     ``draft_window`` slots ending at their own position only (alone or with ``draft_kv``).
+    ``draft_head`` (``qspec`` only, a checkpoint converted with ``--draft-vocab``): the drafts compute
+    logits for that many of the calibration text's most frequent tokens only, from a copy of those
+    lm_head rows; the verifier keeps the full head.
     Prefill runs in W4A16 (W16A16 for ``w16a16``). ``max_len`` bounds prompt + new tokens (at most,
     and by default, the model's ``max_position_embeddings``).
     ``eos_token_id``: the token(s) that end a sequence, by default the tokenizer's EOS and the config's
@@ -175,6 +180,13 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
         raise ValueError(f"draft_kv must be None or one of {reference.KV_BITS}, with method 'qspec'; got "
                          f"draft_kv={draft_kv!r} with method {method!r}")
     window = _draft_window(method, draft_window, draft_sinks)
+    if draft_head is not None:
+        if method != "qspec" or not is_integer(draft_head) or not 1 <= draft_head <= model.config.vocab_size:
+            raise ValueError(f"draft_head must be None or an integer in [1, {model.config.vocab_size}], with method "
+                             f"'qspec'; got draft_head={draft_head!r} with method {method!r}")
+        if model.checkpoint.draft_vocab is None:
+            raise ValueError("draft_head needs a checkpoint with a token ranking: convert it with "
+                             "qspec-convert --draft-vocab CALIBRATION.jsonl")
     if not is_integer(gamma) or not 1 <= gamma <= MAX_GAMMA:
         raise ValueError(f"gamma must be an integer in [1, {MAX_GAMMA}], got {gamma!r}")
     if not is_integer(max_new_tokens) or max_new_tokens < 0:
@@ -213,10 +225,13 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
                                 [""] * b if model.tokenizer is not None else None, _stats(None, 0.0))
 
     rt = Runtime(cfg, int(max_new_tokens), eos_ids, sampling, dtype,
-                 model.checkpoint.online_rotation_seed, execution, draft_kv=draft_kv, draft_window=window)
+                 model.checkpoint.online_rotation_seed, execution, draft_kv=draft_kv, draft_window=window,
+                 draft_head=draft_head is not None)
     buffer_len = tokens.shape[1] + max_new_tokens + CACHE_SLACK
     cache_len = cache_slots(buffer_len)
     params = model.checkpoint.params
+    if draft_head is not None:
+        params = with_draft_head(params, cfg, model.checkpoint.draft_vocab, int(draft_head))
     start = time.perf_counter()
     state = prefill_jit(params, jnp.asarray(tokens), jnp.asarray(lengths), seed_key(int(seed)), rt=rt,
                         buffer_len=buffer_len, cache_len=cache_len, precision=W16A16 if ar == W16A16 else W4A16)

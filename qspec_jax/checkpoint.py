@@ -5,7 +5,8 @@ Layout of a checkpoint directory::
     manifest.json        format + version, model config, quantization scheme, rotation seed,
                          which params are packed INT4 (and their group size), sha256 of every file
     model.safetensors    params, flattened with '.'-joined paths; a packed weight ``p`` is stored
-                         as ``p.packed``, ``p.scales`` and (asymmetric) ``p.mins``
+                         as ``p.packed``, ``p.scales`` and (asymmetric) ``p.mins``; optionally
+                         ``draft_vocab``: token ids by falling calibration frequency (a draft head's rows)
     tokenizer.json, tokenizer_config.json, ...   loadable without torch
 """
 
@@ -35,6 +36,7 @@ WEIGHTS = "model.safetensors"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "chat_template.jinja", "chat_template.json", "generation_config.json")
 EXTRA_TEMPLATES = "additional_chat_templates"
+DRAFT_VOCAB = "draft_vocab"  # the tensor (and manifest entry) of the token ranking draft heads take rows from
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +47,7 @@ class Checkpoint:
     config: LlamaConfig
     params: dict[str, Any]
     manifest: dict[str, Any]
+    draft_vocab: np.ndarray | None = None  # int32[V]: every token id, the most frequent in calibration text first
 
     @property
     def online_rotation_seed(self) -> int | None:
@@ -126,15 +129,20 @@ def sha256(path: Path) -> str:
 
 
 def save_checkpoint(out: str | Path, params: dict[str, Any], config: LlamaConfig,
-                    tokenizer_files: dict[str, str], **manifest_fields: Any) -> Path:
-    """Write a checkpoint directory; ``manifest_fields`` (quantization, rotation, source) go in the manifest.
-    Tokenizer files an earlier checkpoint left in ``out`` that this one lacks are removed."""
+                    tokenizer_files: dict[str, str], ranking: np.ndarray | None = None,
+                    **manifest_fields: Any) -> Path:
+    """Write a checkpoint directory; ``manifest_fields`` (quantization, rotation, source, how
+    the token ``ranking`` was counted, as ``draft_vocab``) go in the manifest. Tokenizer files an earlier checkpoint left in
+    ``out`` that this one lacks are removed."""
     from safetensors.numpy import save_file
 
     out = Path(out)
     if unknown := set(tokenizer_files) - set(TOKENIZER_FILES):
         raise ValueError(f"not tokenizer files: {sorted(unknown)} (expected among {TOKENIZER_FILES})")
     tensors, packed = flatten_params(params)
+    if ranking is not None:
+        check_draft_vocab(ranking, config.vocab_size, "the token ranking")
+        tensors[DRAFT_VOCAB] = np.asarray(ranking, np.int32)
     out.mkdir(parents=True, exist_ok=True)
     for name in set(TOKENIZER_FILES) - set(tokenizer_files):
         (out / name).unlink(missing_ok=True)
@@ -246,9 +254,24 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     for name, t in tensors.items():
         if jnp.issubdtype(t.dtype, jnp.floating) and not np.isfinite(t).all():
             raise ValueError(f"{path / WEIGHTS}: tensor {name!r} holds NaN or infinity")
+    draft_vocab = tensors.pop(DRAFT_VOCAB, None)
+    if (draft_vocab is None) != (manifest.get(DRAFT_VOCAB) is None):
+        raise ValueError(f"{mpath} is corrupt: {DRAFT_VOCAB!r} must be both in the manifest and in {WEIGHTS}, "
+                         "or in neither")
+    if draft_vocab is not None:
+        check_draft_vocab(draft_vocab, config.vocab_size, f"{path / WEIGHTS}: {DRAFT_VOCAB!r}")
     params = unflatten_params(tensors, manifest["packed_weights"])
     check_params(params, config, manifest.get("quantization") is not None)
-    return Checkpoint(path, config, jax.device_put(params), manifest)
+    return Checkpoint(path, config, jax.device_put(params), manifest, draft_vocab)
+
+
+def check_draft_vocab(ranking: np.ndarray, vocab_size: int, what: str) -> None:
+    """A draft vocabulary ranking is an integer permutation of ``range(vocab_size)``."""
+    ranking = np.asarray(ranking)
+    if (ranking.shape != (vocab_size,) or not np.issubdtype(ranking.dtype, np.integer)
+            or not np.array_equal(np.sort(ranking), np.arange(vocab_size))):
+        raise ValueError(f"{what} must order every token id once: a permutation of range({vocab_size}), got "
+                         f"{ranking.dtype} of shape {ranking.shape}")
 
 
 def _check_manifest_schemes(manifest: dict[str, Any], mpath: Path) -> None:

@@ -62,17 +62,19 @@ class Runtime:
     execution: Execution = dataclasses.field(default_factory=Execution.decode)
     draft_kv: int | None = None  # 8 / 4: QSPEC's drafts read an INT8 / INT4 shadow of the KV cache
     draft_window: AttentionWindow | None = None  # QSPEC's drafts attend over sinks + a sliding window only
+    draft_head: bool = False  # QSPEC's drafts read the params' draft head (model.with_draft_head), not the lm_head
 
     def run(self, params, tokens, positions, cache, precision: Precision, execution: Execution | None = None,
             draft: bool = False):
         """One forward (``execution`` None: the decode-time one); a ``draft`` reads the draft's views
-        of the cache (``draft_kv``, ``draft_window``). Unless it is a draft reading the shadow, the
-        shadow follows the new slots."""
+        of the cache (``draft_kv``, ``draft_window``) and head (``draft_head``). Unless it is a draft
+        reading the shadow, the shadow follows the new slots."""
         read_shadow = draft and self.draft_kv is not None
         logits, cache = forward(params, self.config, tokens, positions, cache, precision=precision, dtype=self.dtype,
                                 online_rotation_seed=self.online_rotation_seed,
                                 execution=self.execution if execution is None else execution,
-                                read_shadow=read_shadow, window=self.draft_window if draft else None)
+                                read_shadow=read_shadow, window=self.draft_window if draft else None,
+                                draft_head=draft and self.draft_head)
         return logits, cache if read_shadow else sync_shadow(cache, positions)
 
 

@@ -307,7 +307,9 @@ class Llama(nn.Module):
     (decode steps and verify passes) makes every token's logits independent of how many tokens the
     call has, prefill and evaluation leave it ``None`` for speed; its backend picks the references or
     the Pallas kernels. ``read_shadow``: attend over the cache's quantized shadow and write only it
-    (QSPEC's drafts); ``window``: attend only over each query's sliding window of the cache (drafts).
+    (QSPEC's drafts); ``window``: attend only over each query's sliding window of the cache (drafts);
+    ``draft_head``: logits from the params' ``draft_head`` rows only (:func:`with_draft_head`), the
+    other tokens' ``-inf``.
     """
 
     config: LlamaConfig
@@ -317,6 +319,7 @@ class Llama(nn.Module):
     execution: Execution = Execution()
     read_shadow: bool = False
     window: reference.AttentionWindow | None = None
+    draft_head: bool = False
 
     def setup(self):
         if not isinstance(self.precision, Precision):
@@ -354,6 +357,11 @@ class Llama(nn.Module):
             # layer sees Layer views of the stacked weights and cache, which the kernels read in place
             (x, cache), _ = jax.lax.scan(body, (x, cache), jnp.arange(c.num_layers))
         x = RMSNorm(c.rms_norm_eps, self.execution, name="final_norm")(x)
+        if self.draft_head:
+            rows = self.get_variable("params", "draft_head")
+            logits = linear(x, rows["w"].astype(self.dtype), W16A16, self.execution)
+            every = jnp.full((*logits.shape[:-1], c.vocab_size), -jnp.inf, logits.dtype)
+            return every.at[..., rows["ids"]].set(logits), cache
         head = embed if c.tie_word_embeddings else self.param(
             "lm_head", _dense_init, (c.vocab_size, c.hidden_size))
         return linear(x, head.astype(self.dtype), W16A16, self.execution), cache
@@ -434,13 +442,28 @@ def sync_shadow(cache: KVCache, positions: jax.Array) -> KVCache:
 def forward(params: dict[str, Any], config: LlamaConfig, tokens: jax.Array, positions: jax.Array,
             cache: KVCache | None = None, *, precision: Precision, execution: Execution | None = None,
             dtype: Any = jnp.float32, online_rotation_seed: int | None = None, read_shadow: bool = False,
-            window: reference.AttentionWindow | None = None) -> tuple[jax.Array, KVCache | None]:
+            window: reference.AttentionWindow | None = None, draft_head: bool = False,
+            ) -> tuple[jax.Array, KVCache | None]:
     """Apply the model to a params pytree: ``(float32 logits [B, T, V], updated cache)``.
     ``execution`` None: :meth:`Execution.prefill` (no row tile, the kernels switch on ``"auto"``)."""
     _check_inputs(config, tokens, positions)
+    if draft_head and "draft_head" not in params:
+        raise ValueError("draft_head needs params with a 'draft_head' entry (with_draft_head)")
     execution = Execution.prefill() if execution is None else execution
-    model = Llama(config, precision, dtype, online_rotation_seed, execution, read_shadow, window)
+    model = Llama(config, precision, dtype, online_rotation_seed, execution, read_shadow, window, draft_head)
     return model.apply({"params": params}, tokens, positions, cache)
+
+
+def with_draft_head(params: dict[str, Any], config: LlamaConfig, ranking: np.ndarray | jax.Array,
+                    rows: int) -> dict[str, Any]:
+    """``params`` plus a draft head: the lm_head's rows of the ``rows`` first tokens of ``ranking``
+    (most frequent first), copied once into one contiguous block that a draft step reads instead of
+    the whole head (the verifier keeps reading the full head)."""
+    if not isinstance(rows, (int, np.integer)) or isinstance(rows, bool) or not 1 <= rows <= config.vocab_size:
+        raise ValueError(f"a draft head keeps between 1 and {config.vocab_size} rows, got {rows!r}")
+    head = params["embed"] if config.tie_word_embeddings else params["lm_head"]
+    ids = jnp.asarray(ranking, jnp.int32)[: int(rows)]
+    return {**params, "draft_head": {"w": jnp.take(head, ids, axis=0), "ids": ids}}
 
 
 def _check_inputs(config: LlamaConfig, tokens: jax.Array, positions: jax.Array) -> None:

@@ -172,11 +172,13 @@ def tiny_variant(**changes) -> LlamaConfig:
     return dataclasses.replace(TINY, **changes)
 
 
-def memory_model(params, config: LlamaConfig, quantized: bool = True, rotation_seed: int | None = None):
-    """A ``generate``-ready model from an in-memory params pytree (no tokenizer)."""
+def memory_model(params, config: LlamaConfig, quantized: bool = True, rotation_seed: int | None = None,
+                 draft_vocab: np.ndarray | None = None):
+    """A ``generate``-ready model from an in-memory params pytree (no tokenizer; ``draft_vocab``: a
+    token ranking for draft heads)."""
     from qspec_jax.checkpoint import Checkpoint
     from qspec_jax.api import Model
 
     manifest = {"quantization": {"bits": 4} if quantized else None,
                 "rotation": None if rotation_seed is None else {"seed": rotation_seed, "online": True}}
-    return Model(Checkpoint(Path("<memory>"), config, params, manifest), None)
+    return Model(Checkpoint(Path("<memory>"), config, params, manifest, draft_vocab), None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import shutil
@@ -780,6 +781,42 @@ def test_cli_converts_and_reports_errors(tmp_path, rng, capsys):
     assert cli.main([str(src_dir), str(foreign)]) == 2
     assert "non-empty directory that is not a qspec-jax checkpoint" in capsys.readouterr().err
     assert sorted(f.name for f in foreign.iterdir()) == ["generation_config.json", MANIFEST]
+
+
+def test_draft_vocab_ranks_the_calibration_tokens(tmp_path, rng, smollm2_tokenizer_json):
+    """``--draft-vocab``: the checkpoint's ranking orders token ids by their count in the calibration
+    texts (counted here with a Counter), ties and unseen ids by id; the manifest and the tensor must
+    come together; a ranking that is not a permutation is refused."""
+    from tokenizers import Tokenizer
+
+    words = ["apples", "cost", "seven", "dollars", "each", "how", "many", "total", "Tom", "buys", "42", "+"]
+    rows = [{"question": " ".join(rng.choice(words, int(rng.integers(3, 12)))),
+             "answer": " ".join(rng.choice(words, int(rng.integers(1, 6))))} for _ in range(20)]
+    calib = tmp_path / "calib.jsonl"
+    calib.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = tiny_variant(vocab_size=49152)
+    src_dir = write_hf_dir(tmp_path / "hf", random_source(cfg, rng), smollm2_tokenizer_json)
+    out = tmp_path / "out"
+    assert cli.main([str(src_dir), str(out), "--group-size", "16", "--draft-vocab", str(calib)]) == 0
+    ck = load_checkpoint(out)
+    tok = Tokenizer.from_str(smollm2_tokenizer_json)
+    counts = collections.Counter()
+    for r in rows:
+        counts.update(tok.encode(f"Question: {r['question']}\nAnswer: {r['answer']}\n\n",
+                                 add_special_tokens=False).ids)
+    seen = sorted(counts, key=lambda i: (-counts[i], i))
+    want = seen + sorted(set(range(cfg.vocab_size)) - set(seen))
+    np.testing.assert_array_equal(ck.draft_vocab, want)
+    assert ck.manifest["draft_vocab"]["tokens_counted"] == sum(counts.values())
+    manifest = json.loads((out / MANIFEST).read_text())
+    del manifest["draft_vocab"]
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="draft_vocab"):
+        load_checkpoint(out)
+    bad = np.asarray(want, np.int32)
+    bad[1] = bad[0]
+    with pytest.raises(ValueError, match="permutation"):
+        save_checkpoint(tmp_path / "bad", ck.params, cfg, {}, ranking=bad)
 
 
 def test_gptq_layers_run_on_calibration_tokens(rng):

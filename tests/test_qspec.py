@@ -22,7 +22,7 @@ from convert.quantize import QuantScheme
 from pallas_kernels.reference import AttentionWindow, quantize_kv as ref_quantize_kv
 from qspec_jax.decode import Runtime, prefill
 from qspec_jax.api import MAX_GAMMA, generate, load
-from qspec_jax.model import KVCache, init_cache
+from qspec_jax.model import KVCache, forward, init_cache, with_draft_head
 from bench import hooks
 from qspec_jax.qspec import qspec_loop, qspec_round
 from qspec_jax.sampling import Sampling, probabilities, sample
@@ -228,7 +228,8 @@ def _draw(setup, gamma: int, draft_kv: int | None = None, calls: int = N_CALLS, 
     them (with ``draft_kv`` the drafts and their probabilities come from the INT8 / INT4 KV shadow;
     ``view``: generate's draft_window / draft_sinks; ``sampling``: generate's temperature / top_k / top_p,
     by default temperature 1)."""
-    model = memory_model(setup["params"], setup["cfg"])
+    v = setup["cfg"].vocab_size
+    model = memory_model(setup["params"], setup["cfg"], draft_vocab=np.arange(v, dtype=np.int32)[::-1].copy())
     out = []
     for seed in setup["seeds"][:calls]:
         res = generate(model, np.tile(setup["prompt"], (N_PER_CALL, 1)), max_new_tokens=3, method="qspec",
@@ -251,8 +252,10 @@ def _pvalues(setup, draws: np.ndarray, probs: tuple | None = None) -> tuple[floa
 
 
 # gamma 3: a round drafts past the 3 tokens; a window of 2 slots after 1 sink: the drafts see little of the prompt
+# a draft head of 6 of the 12 tokens: the drafts never propose the other 6, which the target still draws
 @pytest.mark.parametrize("gamma,draft_kv,view", [(3, None, None), (2, 4, None),
-                                                 (2, None, dict(draft_window=2, draft_sinks=1))])
+                                                 (2, None, dict(draft_window=2, draft_sinks=1)),
+                                                 (2, None, dict(draft_head=6))])
 def test_stochastic_qspec_samples_target_distribution(dist_setup, gamma, draft_kv, view):
     draws = _draw(dist_setup, gamma, draft_kv, view=view)
     p12, p123 = _pvalues(dist_setup, draws)
@@ -434,6 +437,35 @@ def test_draft_window_limits_what_a_draft_sees(rng, bits):
     wide = dataclasses.replace(rt, draft_window=AttentionWindow(0, p))
     np.testing.assert_array_equal(run(wide, state.cache), run(rt, state.cache))
     np.testing.assert_array_equal(run(windowed, state.cache, draft=False), run(rt, state.cache, draft=False))
+
+
+def test_draft_head_reads_its_rows_and_keeps_qspec_exact(rng):
+    """A draft head over the first rows of a token ranking: the draft's logits of those tokens are the
+    full head's (to float tolerance), every other token's -inf; greedy QSPEC with it equals W4A16;
+    bad requests are refused."""
+    params, cfg, _ = convert_model(random_source(TINY, rng), QuantScheme(16, True), None)
+    ranking = rng.permutation(cfg.vocab_size).astype(np.int32)
+    rows = int(rng.integers(8, cfg.vocab_size // 2))
+    toks = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 5)), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (2, 5))
+    run = lambda p, **kw: np.asarray(forward(p, cfg, toks, pos, precision=W4A8, **kw)[0])  # noqa: E731
+    full, sub = run(params), run(with_draft_head(params, cfg, ranking, rows), draft_head=True)
+    ids = ranking[:rows]
+    np.testing.assert_allclose(sub[..., ids], full[..., ids], rtol=1e-5, atol=1e-5)
+    assert np.all(np.delete(sub, ids, axis=-1) == -np.inf)
+    with pytest.raises(ValueError, match="draft_head"):
+        run(params, draft_head=True)
+    model = memory_model(params, cfg, draft_vocab=ranking)
+    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (4, 9)]
+    ref = generate(model, prompts, max_new_tokens=24, method="w4a16")
+    got = generate(model, prompts, max_new_tokens=24, method="qspec", draft="w4a8", gamma=3, draft_head=rows)
+    for a, b in zip(got.sequences, ref.sequences):
+        np.testing.assert_array_equal(a, b)
+    for method, bad in (("qspec", 0), ("qspec", cfg.vocab_size + 1), ("qspec", 4.0), ("w4a16", rows)):
+        with pytest.raises(ValueError, match="draft_head"):
+            generate(model, prompts, max_new_tokens=4, method=method, draft_head=bad)
+    with pytest.raises(ValueError, match="--draft-vocab"):
+        generate(memory_model(params, cfg), prompts, max_new_tokens=4, draft_head=rows)
 
 
 def test_invalid_requests_raise(tiny_model):
