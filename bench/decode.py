@@ -634,11 +634,6 @@ def _over_floor(e: dict) -> str:
     return f"{e['draft_ms'] / e['draft_floor_ms']:.2f} / {e['verify_ms'] / e['verify_floor_ms']:.2f}"
 
 
-def _qspec_label(name: str) -> str:
-    """``qspec w4a8 g=3`` -> ``qspec w4a8 g=3 (default)`` where gamma is ``generate``'s default."""
-    return f"{name} (default)" if name.endswith(f" g={DEFAULT_GAMMA}") else name
-
-
 def best_gamma(r: dict) -> dict[str, tuple[str, float]]:
     """Per draft: the QSPEC method with the best tokens/s among the fixed gammas measured, and its
     speed-up over W4A16 AR."""
@@ -657,7 +652,7 @@ def summary(run: dict) -> list[str]:
     measured = [r for r in run["results"] if "skipped" not in r and "methods" in r]
     methods = list(dict.fromkeys(m for r in measured for m in r["methods"] if m != "w4a16"))
     drafts = list(dict.fromkeys(d for r in measured for d in best_gamma(r)))
-    lines = ["| model | batch | context | W4A16 tok/s | " + " | ".join(_qspec_label(m) for m in methods)
+    lines = ["| model | batch | context | W4A16 tok/s | " + " | ".join(m for m in methods)
              + "".join(f" | best γ ({d})" for d in drafts) + " |",
              "|---" * (4 + len(methods) + len(drafts)) + "|"]
     for r in measured:
@@ -694,7 +689,7 @@ def markdown(run: dict) -> str:
              "done; tokens/round is the sequences' mean; batch tail = the loop's iterations / the sequences' "
              "mean rounds, so measured ≈ model / tail. α: the fraction of drafts accepted; model (α): docs/design.md "
              "§2's model with E[L] = (1 - α^(γ+1)) / (1 - α), as if each draft were accepted independently, "
-             f"instead of the measured tokens per round. γ = {DEFAULT_GAMMA} is `generate`'s default; best γ: the "
+             f"instead of the measured tokens per round. `generate`'s default is γ = {DEFAULT_GAMMA}, chosen round by round; best γ: the "
              "fastest fixed gamma measured.", "", *summary(run), ""]
     for r in (r for r in run["results"] if "skipped" not in r):
         acceptance = r.get("acceptance", "replayed")
@@ -723,7 +718,7 @@ def markdown(run: dict) -> str:
                 tail = f"{e['tail']:.2f}" if "tail" in e else "(in overhead)"
                 alpha = f"{e['alpha']:.3f}" if "alpha" in e else ""
                 model_alpha = f"{e['model_speedup_alpha']:.2f}×" if "model_speedup_alpha" in e else ""
-                lines.append(f"| {_qspec_label(m)} ({acceptance}) | {e['tokens_per_s']:.0f} | {e['ms_per_round']:.2f} | "
+                lines.append(f"| {m} ({acceptance}) | {e['tokens_per_s']:.0f} | {e['ms_per_round']:.2f} | "
                              f"{e['tokens_per_round']:.2f} | {alpha} | {tail} | {e['draft_ms']:.2f} / {e['verify_ms']:.2f} / "
                              f"{e['overhead_ms']:.2f} | {_over_floor(e)} | {e.get('speedup_vs_w4a16', float('nan')):.2f}× | "
                              f"{e.get('model_speedup', float('nan')):.2f}× | {model_alpha} | {mem} |")

@@ -26,6 +26,16 @@ def _print_stats(label: str, stats: dict) -> None:
           f"acceptance {stats['acceptance_rate']:.3f}, tokens/round {stats['tokens_per_round']:.2f}")
 
 
+def _gamma(text: str) -> int | str:
+    """``--gamma``: ``auto`` or an integer (generate() checks its range)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or an integer, got {text!r}") from None
+
+
 def _checkpoint(args) -> Path:
     """``--checkpoint``, else the embedded SmolLM2's (converted on first use)."""
     return default_checkpoint() if args.checkpoint is None else args.checkpoint
@@ -80,11 +90,13 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name, help=text, description=text, formatter_class=fmt)
         p.add_argument("--checkpoint", type=Path, default=None, help="converted checkpoint (none: the embedded SmolLM2)")
         p.add_argument("--max-new-tokens", type=int, default=96, help="tokens to generate at most")
-    sub.choices["demo"].add_argument("--gamma", type=int, default=DEFAULT_GAMMA, help="drafted tokens per round")
+    sub.choices["demo"].add_argument("--gamma", type=_gamma, default=DEFAULT_GAMMA,
+                                     help="drafted tokens per round, or 'auto'")
     g = sub.choices["generate"]
     g.add_argument("--prompt", required=True)
     g.add_argument("--method", choices=METHODS, default="qspec")
-    g.add_argument("--gamma", type=int, default=None, help=f"qspec: drafted tokens per round (none: {DEFAULT_GAMMA})")
+    g.add_argument("--gamma", type=_gamma, default=None,
+                   help=f"qspec: drafted tokens per round, or 'auto' (none: {DEFAULT_GAMMA})")
     g.add_argument("--draft", choices=DRAFTS, default=None,
                    help=f"qspec: the drafts' activation precision (none: {DEFAULT_DRAFT})")
     g.add_argument("--draft-kv", type=int, choices=(8, 4), default=None,

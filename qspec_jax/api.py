@@ -17,13 +17,15 @@ from qspec_jax.checkpoint import Checkpoint, load_checkpoint
 from qspec_jax.decode import FINISH_REASONS, Runtime, ar_loop, pad_prompts, prefill_jit
 from qspec_jax.kernels import Execution
 from qspec_jax.model import with_draft_head
-from qspec_jax.qspec import qspec_loop
+from qspec_jax.gamma import cost_model
+from qspec_jax.qspec import qspec_auto_loop, qspec_loop
 from qspec_jax.sampling import Sampling, check_token_ids, is_integer
 
 AR_PRECISIONS = (W4A16, W4A8, W4A4, W16A16)  # the autoregressive methods
 METHODS = ("qspec", *(p.name for p in AR_PRECISIONS))
 DRAFTS = tuple(p.name for p in DRAFT_PRECISIONS)
-DEFAULT_DRAFT, DEFAULT_GAMMA = W4A8.name, 3  # generate()'s, also the CLI's
+DEFAULT_DRAFT, DEFAULT_GAMMA = W4A8.name, "auto"  # generate()'s, also the CLI's
+AUTO_GAMMA_MAX = 4  # gamma="auto" picks each round's gamma in 0..AUTO_GAMMA_MAX
 DEFAULT_SINKS = 64  # a draft window's first slots (one KV block of the attention kernel)
 # Drafts per round at most: the expected accepted run is a / (1 - a) at acceptance a (4 at 0.8, 32 at
 # 0.97), so more only adds rejected work, while every draft slot lengthens the cache and the verify
@@ -143,7 +145,8 @@ def _draft_window(method: str, size: int | None, sinks: int) -> reference.Attent
 
 
 def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]] | np.ndarray, *,
-             max_new_tokens: int, method: str = "qspec", draft: str = DEFAULT_DRAFT, gamma: int = DEFAULT_GAMMA,
+             max_new_tokens: int, method: str = "qspec", draft: str = DEFAULT_DRAFT,
+             gamma: int | str = DEFAULT_GAMMA,
              draft_kv: int | None = None, draft_window: int | None = None, draft_sinks: int = DEFAULT_SINKS,
              draft_head: int | None = None,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
@@ -151,8 +154,10 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
              dtype: Any = None, kernels: str = "auto") -> GenerationResult:
     """Generate continuations of ``prompts`` (strings or token-id sequences) with ``method``.
 
-    ``qspec`` drafts ``gamma`` tokens per round in ``draft`` precision and verifies them in W4A16;
-    the other methods decode autoregressively in that mode. ``draft_kv`` (8 or 4, ``qspec`` only):
+    ``qspec`` drafts ``gamma`` tokens per round in ``draft`` precision and verifies them in W4A16
+    (``"auto"``: each round's γ in ``0..AUTO_GAMMA_MAX`` from a bytes cost model of the phases and the
+    acceptance so far, :mod:`qspec_jax.gamma`; γ = 0 is a W4A16 step); the other methods decode
+    autoregressively in that mode. ``draft_kv`` (8 or 4, ``qspec`` only):
     the drafts attend over an INT8 / INT4 copy of the KV cache kept beside it, reading fewer bytes
     per draft step; the verifier still reads only its own float cache, so the output is unchanged.
     ``draft_window`` (``qspec`` only): the drafts attend over the first ``draft_sinks`` slots and the
@@ -187,8 +192,8 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
         if model.checkpoint.draft_vocab is None:
             raise ValueError("draft_head needs a checkpoint with a token ranking: convert it with "
                              "qspec-convert --draft-vocab CALIBRATION.jsonl")
-    if not is_integer(gamma) or not 1 <= gamma <= MAX_GAMMA:
-        raise ValueError(f"gamma must be an integer in [1, {MAX_GAMMA}], got {gamma!r}")
+    if gamma != "auto" and (not is_integer(gamma) or not 1 <= gamma <= MAX_GAMMA):
+        raise ValueError(f"gamma must be 'auto' or an integer in [1, {MAX_GAMMA}], got {gamma!r}")
     if not is_integer(max_new_tokens) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     if not is_integer(seed) or not -2**63 <= seed < 2**63:
@@ -202,7 +207,7 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
         known = False
     if not known:
         raise ValueError(f"dtype must be one of {[d.name for d in COMPUTE_DTYPES]}, got {dtype!r}")
-    gamma, max_new_tokens = int(gamma), int(max_new_tokens)  # NumPy integers would overflow the cache sizes
+    max_new_tokens = int(max_new_tokens)  # NumPy integers would overflow the cache sizes
     if (ar is None or ar.quantized) and not model.checkpoint.quantized:
         raise ValueError(f"method {method!r} needs a quantized checkpoint; this one holds float weights")
     execution = Execution.decode(kernels)
@@ -235,7 +240,10 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
     start = time.perf_counter()
     state = prefill_jit(params, jnp.asarray(tokens), jnp.asarray(lengths), seed_key(int(seed)), rt=rt,
                         buffer_len=buffer_len, cache_len=cache_len, precision=W16A16 if ar == W16A16 else W4A16)
-    if ar is None:
+    if ar is None and gamma == "auto":
+        costs = cost_model(params, cfg, dtype, draft_kv, window)
+        state = qspec_auto_loop(params, state, rt=rt, gamma_max=AUTO_GAMMA_MAX, draft=draft, costs=costs)
+    elif ar is None:
         state = qspec_loop(params, state, rt=rt, gamma=int(gamma), draft=draft)
     else:
         state = ar_loop(params, state, rt=rt, precision=ar)

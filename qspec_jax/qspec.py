@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.precision import W4A16, Precision
-from qspec_jax.decode import DecodeState, Runtime, commit, last_tokens
+from qspec_jax.decode import DecodeState, Runtime, ar_step, commit, last_tokens
+from qspec_jax.gamma import CostModel, choose_gamma
 from qspec_jax.sampling import accept_greedy, accept_stochastic, choose
 
 TARGET = W4A16  # the verifier's precision
@@ -84,3 +85,18 @@ def qspec_loop(params, state: DecodeState, *, rt: Runtime, gamma: int, draft: Pr
     """QSPEC decoding until every sequence is done: one ``lax.while_loop``, one round per iteration."""
     return jax.lax.while_loop(lambda s: ~jnp.all(s.done),
                               lambda s: qspec_round(params, s, rt, gamma, draft), state)
+
+
+@functools.partial(jax.jit, static_argnames=("rt", "gamma_max", "draft", "costs"), donate_argnames=("state",))
+def qspec_auto_loop(params, state: DecodeState, *, rt: Runtime, gamma_max: int, draft: Precision,
+                    costs: CostModel) -> DecodeState:
+    """QSPEC decoding with γ chosen every round (:func:`qspec_jax.gamma.choose_gamma`): one
+    ``lax.while_loop`` whose body switches between a W4A16 step (γ = 0) and rounds of 1..``gamma_max``."""
+    branches = [lambda s: ar_step(params, s, rt, TARGET)] + [
+        functools.partial(lambda s, g: qspec_round(params, s, rt, g, draft), g=g) for g in range(1, gamma_max + 1)]
+
+    def body(s: DecodeState) -> DecodeState:
+        g = choose_gamma(costs, gamma_max, s.accepted, s.drafted, s.lengths, ~s.done)
+        return jax.lax.switch(g, branches, s)
+
+    return jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)

@@ -39,6 +39,14 @@ def test_generate_flags_reach_generate(monkeypatch, capsys, rng):
     assert calls[-1][2]["gamma"] == 5 and calls[-1][2]["draft"] == "w4a4"
     assert cli.main(["generate", "--prompt", "hi", "--method", "w4a16", "--gamma", "2", "--draft", "w4a4"]) == 2
     assert len(calls) == 2 and "--gamma, --draft only apply to --method qspec" in capsys.readouterr().err
+    argv = ["generate", "--prompt", "hi", "--gamma", "auto", "--draft-window", "512", "--draft-sinks", "4",
+            "--draft-head", "4096"]
+    assert cli.main(argv) == 0
+    assert {k: calls[-1][2][k] for k in ("gamma", "draft_window", "draft_sinks", "draft_head")} == dict(
+        gamma="auto", draft_window=512, draft_sinks=4, draft_head=4096)
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--prompt", "hi", "--gamma", "three"])
+    assert "expected 'auto' or an integer" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags,message", [(["--top-k", "5"], "temperature=0"), (["--gamma", "0"], "gamma"),

@@ -1,0 +1,107 @@
+"""gamma="auto": the cost model's choice against a float64 brute force, the switch over round bodies
+wired to it, and QSPEC with it still exactly W4A16 (greedy)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from convert.pipeline import convert_model
+from convert.quantize import QuantScheme
+from pallas_kernels.precision import W4A8, W4A16
+from qspec_jax import gamma as gm
+from qspec_jax.api import AUTO_GAMMA_MAX, generate
+from qspec_jax.decode import Runtime, ar_loop, prefill_jit
+from qspec_jax.qspec import qspec_auto_loop
+from qspec_jax.sampling import Sampling
+from tests.conftest import TINY, memory_model, random_source
+
+
+def _choice64(c: gm.CostModel, gmax: int, accepted, drafted, lengths, running) -> int:
+    """The γ with the most expected tokens per byte, from the definitions in float64."""
+    run = running.astype(bool)
+    alpha = (accepted + gm.PRIOR_ALPHA * gm.PRIOR_DRAFTS) / (drafted + gm.PRIOR_DRAFTS)
+    n, ctx = run.sum(), lengths[run].mean()
+    seen = ctx if c.window is None else min(ctx, c.window)
+
+    def fwd(rows, kv_tokens, head, kvb):
+        return c.weight_bytes * (1 + gm.OVERHEAD + gm.RETILE * (rows - 1) / gm.ROWS_PER_TILE) + kv_tokens * kvb + head
+
+    rate = []
+    for g in range(gmax + 1):
+        a = np.minimum(alpha[run], 1 - 1e-6)
+        tokens = np.sum((1 - a ** (g + 1)) / (1 - a))
+        cost = g * fwd(n, n * seen, c.draft_head_bytes, c.draft_kv_bytes) + fwd(n * (g + 1), n * ctx, c.head_bytes,
+                                                                                  c.kv_bytes)
+        rate.append(tokens / cost)
+    return int(np.argmax(rate))
+
+
+def test_choice_matches_float64_and_follows_acceptance(rng):
+    """Random models, batches and acceptance histories: the jitted choice equals the float64 brute force
+    wherever the best two rates are not within float32 rounding; no acceptance at all picks γ = 0;
+    near-perfect acceptance with cheap drafts (a small window over a long context) picks γ > 0."""
+    choose = jax.jit(gm.choose_gamma, static_argnums=(0, 1))
+    agreed = 0
+    for _ in range(40):
+        c = gm.CostModel(weight_bytes=float(rng.uniform(1e8, 1e10)), head_bytes=float(rng.uniform(1e7, 1e9)),
+                         draft_head_bytes=float(rng.uniform(1e6, 1e9)), kv_bytes=float(rng.uniform(1e4, 1e6)),
+                         draft_kv_bytes=float(rng.uniform(1e3, 1e6)),
+                         window=None if rng.random() < 0.5 else int(rng.integers(64, 2048)))
+        b = int(rng.integers(1, 33))
+        drafted = rng.integers(0, 400, b).astype(np.float32)
+        accepted = np.floor(drafted * rng.uniform(0, 1, b)).astype(np.float32)
+        lengths = rng.integers(16, 8192, b).astype(np.float32)
+        running = rng.random(b) < 0.8
+        running[0] = True
+        got = int(choose(c, 5, jnp.asarray(accepted), jnp.asarray(drafted), jnp.asarray(lengths),
+                         jnp.asarray(running)))
+        agreed += got == _choice64(c, 5, accepted, drafted, lengths, running)
+    assert agreed >= 38, agreed  # ties within float32 rounding may go either way
+    c = gm.CostModel(1e9, 1e8, 1e7, 5e5, 1e5, window=256)
+    ones, lens = jnp.ones(8, bool), jnp.full(8, 4000.0)
+    assert int(choose(c, 4, jnp.zeros(8), jnp.full(8, 1000.0), lens, ones)) == 0
+    assert int(choose(c, 4, jnp.full(8, 999.0), jnp.full(8, 1000.0), lens, ones)) > 0
+
+
+def test_auto_loop_switches_on_the_cost_model(rng):
+    """Drafts that cost nothing: every round drafts ``gamma_max``; drafts that cost far more than a
+    step: no round drafts (all W4A16 steps). Either way the greedy tokens are W4A16's."""
+    params, cfg, _ = convert_model(random_source(TINY, rng), QuantScheme(16, True), None)
+    rt = Runtime(cfg, 20, (), Sampling())
+    lengths = rng.choice(np.arange(3, 9), 2, replace=False).astype(np.int32)
+    prompts = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 8)), jnp.int32)
+
+    def state():
+        return prefill_jit(params, prompts, jnp.asarray(lengths), jax.random.key(0), rt=rt, buffer_len=40, cache_len=48,
+                           precision=W4A16)
+
+    ref = ar_loop(params, state(), rt=rt, precision=W4A16)
+    base = gm.CostModel(1e6, 1e5, 1e5, 1e3, 1e3)
+    free = dataclasses.replace(base, draft_head_bytes=0.0, draft_kv_bytes=0.0)
+    for costs, drafts in ((free, True), (dataclasses.replace(base, draft_head_bytes=1e12), False)):
+        if drafts:  # a draft step then costs only its weights: make those vanish too
+            costs = dataclasses.replace(costs, weight_bytes=1e-3)
+        out = qspec_auto_loop(params, state(), rt=rt, gamma_max=3, draft=W4A8, costs=costs)
+        d, r = np.asarray(out.drafted), np.asarray(out.rounds)
+        assert (d == 3 * r).all() if drafts else (d == 0).all(), (d, r)
+        for i in range(2):
+            n = int(ref.lengths[i])
+            assert int(out.lengths[i]) == n
+            np.testing.assert_array_equal(np.asarray(out.tokens[i, :n]), np.asarray(ref.tokens[i, :n]))
+
+
+def test_generate_auto_gamma_equals_w4a16(rng):
+    """The default gamma="auto" gives W4A16's greedy tokens, with and without draft views."""
+    params, cfg, _ = convert_model(random_source(TINY, rng), QuantScheme(16, False), None)
+    model = memory_model(params, cfg)
+    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (5, 12, 3)]
+    ref = generate(model, prompts, max_new_tokens=24, method="w4a16")
+    for view in ({}, dict(draft_kv=8, draft_window=8, draft_sinks=2)):
+        got = generate(model, prompts, max_new_tokens=24, **view)
+        assert got.stats["drafted"] <= AUTO_GAMMA_MAX * got.stats["rounds"]
+        for a, b in zip(got.sequences, ref.sequences):
+            np.testing.assert_array_equal(a, b)
