@@ -517,7 +517,7 @@ def test_smoke_preset_end_to_end_and_resume(tmp_path, monkeypatch, capsys):
         assert set(r["methods"]) == {"w4a16", "w4a8", "qspec w4a8 g=1", "qspec w4a8 g=3"}
         assert {"gpu", "date", "commit", "command"} <= set(r)
     md = (out / "decode.md").read_text()
-    assert "qspec w4a8 g=3 (default)" in md and "best γ (w4a8)" in md
+    assert "qspec w4a8 g=3" in md and "best γ (w4a8)" in md
     assert "0 of 2 configurations remain" in capsys.readouterr().out
     _fake_timing(monkeypatch)
     monkeypatch.setattr(decode, "config_cost_s", lambda name, context, batch, *_: 1e-3 if context == 32 else 1e6)
