@@ -612,7 +612,8 @@ def test_decode_bench_replays_each_context_from_its_nearest_trace(tmp_path):
     assert by_context[32]["trace_context"] == 16 and by_context[64]["trace_context"] == 100
     assert by_context[32]["methods"]["qspec w4a8 g=1"]["tokens_per_round"] == 1
     assert by_context[64]["methods"]["qspec w4a8 g=1"]["tokens_per_round"] == 2
-    assert by_context[64]["methods"]["qspec w4a8/win8+4 g=1"]["tokens_per_round"] == 1.5
+    # [0, 1]: one sequence 8 rounds of 1 token, the other 4 of 2, so 8 tokens in 6 rounds on average
+    assert abs(by_context[64]["methods"]["qspec w4a8/win8+4 g=1"]["tokens_per_round"] - 8 / 6) < 1e-9
     for r in by_context.values():
         assert r["methods"]["qspec w4a8/win8+4 g=1"]["draft_floor_ms"] < r["methods"]["qspec w4a8 g=1"]["draft_floor_ms"]
     assert "replayed from the trace recorded at context 100" in (out / "decode.md").read_text()
