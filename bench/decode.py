@@ -741,13 +741,15 @@ def trace_markdown(trace: dict) -> str:
              "Tokens per round = 1 + the mean accepted drafts per round and sequence (rounds kept until the "
              "first sequence of the batch is done). A draft `MODE/kvBITS` reads an INT8 / INT4 shadow of the KV "
              "cache; `/winSIZE+SINKS` attends over the first SINKS and the last SIZE positions only.", ""]
+    # every table gets every draft and gamma any table holds: one missing from a table says so
+    drafts = list(dict.fromkeys(d for t in tables.values() for d, r in t.items() if isinstance(r, dict)))
+    gammas = sorted({int(g) for t in tables.values() for r in t.values() if isinstance(r, dict) for g in r})
     for title, table in tables.items():
-        drafts = {d: r for d, r in table.items() if isinstance(r, dict)}
-        gammas = sorted({int(g) for r in drafts.values() for g in r})
         lines += [f"## {title[0].upper()}{title[1:]}", "", "| draft | " + " | ".join(f"γ={g}" for g in gammas) + " |",
                   "|---" * (1 + len(gammas)) + "|"]
-        for d, r in drafts.items():
-            cells = [f"{1 + np.mean(r[str(g)]):.2f}" if str(g) in r else "" for g in gammas]
+        for d in drafts:
+            r = table.get(d, {})
+            cells = [f"{1 + np.mean(r[str(g)]):.2f}" if str(g) in r else "not recorded" for g in gammas]
             lines.append(f"| {d} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)

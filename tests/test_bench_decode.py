@@ -666,3 +666,17 @@ def test_record_trace_per_context_on_the_real_model(tmp_path):
     quantized = decode.with_shadow(plain, model.config, 8, max(len(p) for p in ids))
     for a, b in zip(jax.tree.leaves(shadowed.cache), jax.tree.leaves(quantized.cache)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_trace_markdown_marks_what_a_context_lacks(rng):
+    """The summary's tokens per round are 1 + the mean accepted count; a draft or gamma recorded at one
+    context but not another reads "not recorded" there."""
+    rounds = rng.integers(0, 4, size=(5, 3)).tolist()
+    trace = {"device": "cpu", "kernels": "reference", "dtype": "float32", "command": "c",
+             "contexts": {"512": {"prompt_tokens": 400.0, "w4a8": {"3": rounds}, "w4a8/win256+4": {"1": [[1]]}},
+                          "3584": {"prompt_tokens": 3500.0, "w4a8": {"3": rounds}}}}
+    md = decode.trace_markdown(trace)
+    assert "CPU (float32 references)" in md
+    long = md.split("## Context 3584")[1]
+    assert f"| w4a8 | not recorded | {1 + np.mean(rounds):.2f} |" in long
+    assert "| w4a8/win256+4 | not recorded | not recorded |" in long
