@@ -14,9 +14,11 @@ random INT4 weights (and on SmolLM2's real weights and prompts).
         [--ar w16a16,w4a16,w4a8,w4a4] [--out DIR] [--resume OLD.json] [--rerun] [--budget-s 540]
         [--threads 8] [--reps 1] [--phase-reps 16] [--label TEXT]
         [--gsm8k DEV.jsonl --gsm8k-train TRAIN.jsonl [--checkpoint DIR] [--real-contexts 512]]
-    # the acceptance trace replayed on random weights, recorded on SmolLM2:
+    # the acceptance trace replayed on random weights, recorded on SmolLM2 (plain chat questions, or
+    # few-shot prompts filling each of --trace-contexts, one table per context):
     PYTHONPATH=. python3 -m bench.decode --record-trace bench/results/acceptance_trace.json \
-        --gsm8k ../shared/data/gsm8k_test_dev.jsonl
+        --gsm8k ../shared/data/gsm8k_test_dev.jsonl \
+        [--trace-contexts 512,3584 --gsm8k-train ../shared/data/gsm8k_train.jsonl]
 
 Presets: ``headline`` (Llama-2-7B, Llama-3-8B, Llama-2-13B x batch 1, 8, 16, 32 x context 512 and 4096,
 W4A16 and W4A8 AR, QSPEC with W4A8 drafts at gamma 1 and 3, plus SmolLM2 at context 512 when its
@@ -31,8 +33,10 @@ compiles while anything is timed; each loop is timed on a fresh state after a sh
 Reported: tokens/s, ms per step (AR) or per round (QSPEC), the ratio to W4A16 AR of the same run, the
 best fixed gamma, and gamma = ``generate``'s default marked "default". QSPEC's accept decisions are
 **replayed** from a per-round trace recorded on SmolLM2 (every draft step and verify still runs; random
-weights would accept nothing); ``smollm2`` (real few-shot GSM8K prompts, prefilled) uses its own. A
-draft ``MODE/kvBITS`` reads an INT8 / INT4 shadow of the KV cache.
+weights would accept nothing); ``smollm2`` (real few-shot GSM8K prompts, prefilled) uses its own. A trace
+recorded per context is replayed from the recorded context nearest to the configuration's (the section
+names it). A draft ``MODE[/kvBITS][/winSIZE[+SINKS]]`` reads an INT8 / INT4 shadow of the KV cache and / or
+attends over the first SINKS (default 64) and the last SIZE positions only.
 
 QSPEC phases (a draft step, a verify of gamma + 1 tokens) are also timed alone: the speed-up model of
 docs/design.md §2, ``S = E[L] * T_w4a16 / (gamma * T_draft + T_verify + T_overhead)``, stands beside the
@@ -54,6 +58,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -75,12 +80,12 @@ from bench.shapes import MODELS  # noqa: E402
 from convert.embedded import default_checkpoint  # noqa: E402
 from pallas_kernels.layout import QuantizedWeight, dequantize  # noqa: E402
 from pallas_kernels.precision import W4A16, parse_precision  # noqa: E402
-from pallas_kernels.reference import KV_BITS  # noqa: E402
-from qspec_jax.api import DEFAULT_GAMMA, DRAFTS, METHODS, cache_slots, load  # noqa: E402
+from pallas_kernels.reference import KV_BITS, AttentionWindow  # noqa: E402
+from qspec_jax.api import DEFAULT_GAMMA, DEFAULT_SINKS, DRAFTS, METHODS, cache_slots, load  # noqa: E402
 from qspec_jax.config import LlamaConfig  # noqa: E402
 from qspec_jax.kernels import KERNELS, Execution, resolve_kernels  # noqa: E402
 from qspec_jax.decode import DecodeState, Runtime, ar_loop, prefill_jit  # noqa: E402
-from qspec_jax.model import init_cache  # noqa: E402
+from qspec_jax.model import init_cache, sync_shadow  # noqa: E402
 from qspec_jax.qspec import qspec_loop  # noqa: E402
 from qspec_jax.sampling import Sampling  # noqa: E402
 
@@ -213,7 +218,7 @@ def memory_need(weight_bytes: float, cfg: LlamaConfig, context: int, batch: int,
     baseline's bf16 copy, 2 bytes per weight against ~0.5), 1.5 x the KV cache (a state and a loop's
     copy), and the draft's shadow."""
     kv = kv_bytes(cfg, batch, context + args.new + 64)
-    shadow = max([parse_draft(d)[1] or 0 for d in args.drafts] + [0]) / 16  # a shadow's bytes per cache byte
+    shadow = max([parse_draft(d).kv or 0 for d in args.drafts] + [0]) / 16  # a shadow's bytes per cache byte
     if w16a16 is None:
         w16a16 = "w16a16" in args.ar
     return weight_bytes * (5 if w16a16 else 1) + 1.5 * kv + (kv * (shadow + 1 / 32) if shadow else 0)
@@ -241,15 +246,35 @@ def calibrated_pace(sections: list[dict]) -> tuple[float, float] | None:
     return (float(np.median(ratios)), max(ratios)) if ratios else None
 
 
-def parse_draft(spec: str, modes: tuple[str, ...] = DRAFTS) -> tuple[str, int | None]:
-    """A ``--drafts`` entry, ``MODE`` or ``MODE/kvBITS`` (the drafts read an INT8 / INT4 KV shadow):
-    ``(mode, bits or None)``; ``modes``: the modes allowed."""
-    mode, slash, kv = spec.partition("/")
-    bits = next((b for b in KV_BITS if kv == f"kv{b}"), None)
-    if mode not in modes or (slash and bits not in KV_BITS):
-        raise ValueError(f"unknown draft {spec!r}: expected one of {', '.join(modes)}, optionally followed by "
-                         f"{' or '.join(f'/kv{b}' for b in KV_BITS)}")
-    return mode, bits
+DRAFT_GRAMMAR = "MODE[/kvBITS][/winSIZE[+SINKS]]"
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftSpec:
+    """A ``--drafts`` entry: the draft's precision, the KV shadow it reads (bits, None: the cache) and
+    its attention window (None: the whole context)."""
+
+    mode: str
+    kv: int | None = None
+    window: AttentionWindow | None = None
+
+    def runtime(self, rt: Runtime) -> Runtime:
+        """``rt`` with this draft's views of the cache."""
+        return dataclasses.replace(rt, draft_kv=self.kv, draft_window=self.window)
+
+
+def parse_draft(spec: str, modes: tuple[str, ...] = DRAFTS) -> DraftSpec:
+    """A ``--drafts`` entry, ``MODE[/kvBITS][/winSIZE[+SINKS]]``: ``/kvBITS`` reads an INT8 / INT4 KV
+    shadow, ``/winSIZE+SINKS`` attends over the first SINKS (default DEFAULT_SINKS) and the last SIZE
+    slots only; ``modes``: the modes allowed."""
+    kv_bits = "|".join(map(str, KV_BITS))
+    m = re.fullmatch(rf"([^/]+)(?:/kv({kv_bits}))?(?:/win([1-9][0-9]*)(?:\+([0-9]+))?)?", spec)
+    if m is None or m[1] not in modes:
+        raise ValueError(f"unknown draft {spec!r}: expected {DRAFT_GRAMMAR} with MODE one of {', '.join(modes)}, "
+                         f"BITS {' or '.join(map(str, KV_BITS))}, SIZE >= 1 and SINKS >= 0 "
+                         f"(default {DEFAULT_SINKS}), e.g. w4a8, w4a8/kv8, w4a8/win1024, w4a8/kv8/win512+4")
+    window = None if m[3] is None else AttentionWindow(DEFAULT_SINKS if m[4] is None else int(m[4]), int(m[3]))
+    return DraftSpec(m[1], None if m[2] is None else int(m[2]), window)
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
@@ -453,7 +478,7 @@ def plan_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None,
             return lambda: fresh_state(cfg, batch, context, args.new, gmax, 0, bits)
         return real_state_maker(model, dataclasses.replace(rt, draft_kv=bits), prompts, args.new, gmax)
 
-    makes = {bits: maker(bits) for bits in {None, *(parse_draft(d)[1] for d in args.drafts)}}
+    makes = {bits: maker(bits) for bits in {None, *(parse_draft(d).kv for d in args.drafts)}}
     state = jax.eval_shape(makes[None])  # abstract: for lowering
     ahead = args.new // 2  # the phases are timed at the loops' mean context, where the floors are counted
     carry = lambda t, bits=None: jax.eval_shape(lambda: forward_carry(makes[bits](), t, ahead))  # noqa: E731
@@ -472,20 +497,25 @@ def plan_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None,
                                                                                                precision=p),
                                       donate_argnums=1), (p, state))
     if args.drafts and ("ar", "w4a16") in jobs:
-        jobs["fwd", "w4a16", 1, None] = (forward_loop(rt, "w4a16", args.phase_reps), (params, carry(1)))
+        jobs["fwd", "w4a16", 1, None, None] = (forward_loop(rt, "w4a16", args.phase_reps), (params, carry(1)))
+    if trace is not None:
+        at, rows = trace_rows(trace, context)
+        if at is not None:
+            res["trace_context"] = at
     for draft in args.drafts:
-        mode, bits = parse_draft(draft)
-        rt_d, state_d = dataclasses.replace(rt, draft_kv=bits), jax.eval_shape(makes[bits])
-        jobs["fwd", mode, 1, bits] = (forward_loop(rt_d, mode, args.phase_reps, draft=True),
-                                          (params, carry(1, bits)))
+        spec = parse_draft(draft)
+        mode, bits = spec.mode, spec.kv
+        rt_d, state_d = spec.runtime(rt), jax.eval_shape(makes[bits])
+        jobs["fwd", mode, 1, bits, spec.window] = (forward_loop(rt_d, mode, args.phase_reps, draft=True),
+                                                   (params, carry(1, bits)))
         for g in args.gammas:
-            replay = None if trace is None else jnp.asarray(trace[draft][str(g)], jnp.int32)
+            replay = None if trace is None else jnp.asarray(draft_rounds(rows, draft)[str(g)], jnp.int32)
             jobs["qspec", draft, g] = (jax.jit(lambda q, s, g=g, p=parse_precision(mode), rt_d=rt_d, replay=replay: (
                 qspec_loop(q, s, rt=rt_d, gamma=g, draft=p) if replay is None
                 else replay_loop(q, s, replay, rt=rt_d, gamma=g, draft=p)), donate_argnums=1), (params, state_d))
             # the verify on the draft's state: with a shadow, its re-quantization (sync_shadow) included
-            jobs["fwd", "w4a16", g + 1, bits] = (forward_loop(rt_d, "w4a16", args.phase_reps),
-                                                  (params, carry(g + 1, bits)))
+            jobs["fwd", "w4a16", g + 1, bits, None] = (forward_loop(rt_d, "w4a16", args.phase_reps),
+                                                        (params, carry(g + 1, bits)))
     return Config(res, rt, makes, jobs, ahead)
 
 
@@ -542,15 +572,19 @@ def run_config(c: Config, compiled: dict, params: dict, fparams: dict | None, ar
     floor_ms = res["floor_ms_per_step"]
     flops = matmul_flops_per_token(c.rt.config)
 
-    def phase_floor_ms(tokens: int, mma: str, kv_bits: int | None = None) -> float:
+    def phase_floor_ms(tokens: int, mma: str, kv_bits: int | None = None,
+                       window: AttentionWindow | None = None) -> float:
         """The larger of the byte floor (the KV read from a ``kv_bits`` shadow: codes and a float32
-        scale per key / value vector) and ``tokens`` tokens' matmul FLOPs at the measured rate."""
+        scale per key / value vector; only a ``window``'s slots) and ``tokens`` tokens' matmul FLOPs
+        at the measured rate."""
         kv = res["kv_read_bytes"] * (1 if kv_bits is None else kv_bits / 16 + 2 / c.rt.config.head_dim)
+        if window is not None:
+            kv *= min(1.0, (window.sinks + window.size) / res["phase_context"])
         return max(1e3 * (res["weight_bytes"] + kv) / res["copy_bw"], 1e3 * tokens * flops / rates[mma])
 
-    def forward_ms(mode: str, tokens: int, bits: int | None = None) -> float:
+    def forward_ms(mode: str, tokens: int, bits: int | None = None, window: AttentionWindow | None = None) -> float:
         carry = forward_carry(c.makes[bits](), tokens, ahead)
-        return time_forward(compiled["fwd", mode, tokens, bits], params, carry, args.phase_reps)
+        return time_forward(compiled["fwd", mode, tokens, bits, window], params, carry, args.phase_reps)
 
     for method in _ar_methods(args, fparams):
         # [0]: the loop's final state is dropped at once (held in a variable, a 70 GB cache would
@@ -562,10 +596,11 @@ def run_config(c: Config, compiled: dict, params: dict, fparams: dict | None, ar
         log(f"  {method}: {res['methods'][method]['ms_per_step']:.2f} ms/step, "
             f"{res['methods'][method]['tokens_per_s']:.0f} tok/s (floor {floor_ms:.2f} ms/step)")
     base = res["methods"].get("w4a16", {}).get("ms_per_step")
-    t_target = forward_ms("w4a16", 1) if ("fwd", "w4a16", 1, None) in compiled else None
+    t_target = forward_ms("w4a16", 1) if ("fwd", "w4a16", 1, None, None) in compiled else None
     for draft in args.drafts:
-        mode, bits = parse_draft(draft)
-        t_draft = forward_ms(mode, 1, bits)
+        spec = parse_draft(draft)
+        mode, bits = spec.mode, spec.kv
+        t_draft = forward_ms(mode, 1, bits, spec.window)
         for g in args.gammas:
             secs, out = time_loop(compiled["qspec", draft, g], params, c.makes[bits], args.new, args.reps)
             # a sequence counts the rounds it ran in; the loop runs until its slowest sequence is done
@@ -580,7 +615,7 @@ def run_config(c: Config, compiled: dict, params: dict, fparams: dict | None, ar
             entry = {"tokens_per_s": batch * args.new / secs, "ms_per_round": t_round, "tokens_per_round": tpr,
                      "iterations": iterations, "tail": tail, "alpha": alpha,
                      "draft_ms": t_draft, "verify_ms": t_verify, "overhead_ms": overhead,
-                     "draft_floor_ms": phase_floor_ms(batch, "int8", bits),
+                     "draft_floor_ms": phase_floor_ms(batch, "int8", bits, spec.window),
                      "verify_floor_ms": phase_floor_ms(batch * (g + 1), "bf16"),
                      "memory_bytes": loop_memory_bytes(compiled["qspec", draft, g])}
             if base and t_target:
@@ -597,32 +632,127 @@ def run_config(c: Config, compiled: dict, params: dict, fparams: dict | None, ar
 
 # ------------------------------------------------------------------------------ the trace
 
-def record_trace(args) -> None:
-    """Per-round accepted drafts of greedy QSPEC on SmolLM2 (GSM8K-dev prompts, chat template)."""
+def record_trace(args, command: str) -> None:
+    """Per-round accepted drafts of greedy QSPEC on SmolLM2: on GSM8K-dev questions in the chat
+    template, or with ``--trace-contexts`` on few-shot prompts filling each context (one table each).
+    The file (and its markdown summary beside it) is rewritten after every draft and gamma."""
     from qspec_jax.api import tokenize
 
     model = load(args.checkpoint or default_checkpoint())
-    ids = tokenize(model, [r["question"] for r in read_gsm8k(args.gsm8k, answers=False)[: args.prompts]], chat=True)
+    prompts = (f"few-shot GSM8K prompts (dev questions after train examples) of at most "
+               f"{', '.join(map(str, args.trace_contexts))} tokens" if args.trace_contexts
+               else "GSM8K-dev prompts")
+    out: dict = {"source": f"SmolLM2-135M-Instruct (embedded, default checkpoint), greedy, chat template, "
+                           f"{args.prompts} {prompts} x {args.new} new tokens",
+                 "device": jax.devices()[0].device_kind, "dtype": "float32", "kernels": resolve_kernels(args.kernels),
+                 "date": utc_now(), "commit": git_commit(), "command": command}
+    args.record_trace.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        args.record_trace.write_text(json.dumps(out))
+        args.record_trace.with_suffix(".md").write_text(trace_markdown(out))
+
+    if not args.trace_contexts:
+        ids = tokenize(model, [r["question"] for r in read_gsm8k(args.gsm8k, answers=False)[: args.prompts]], chat=True)
+        _record_drafts(model, ids, args, out, save)
+        return
+    out["contexts"] = {}
+    for context in args.trace_contexts:
+        ids = fewshot_prompts(model, args.gsm8k, args.gsm8k_train, args.prompts, context)
+        table = out["contexts"][str(context)] = {"prompt_tokens": float(np.mean([len(p) for p in ids]))}
+        log(f"context {context}: {len(ids)} prompts of {table['prompt_tokens']:.0f} tokens on average")
+        _record_drafts(model, ids, args, table, save, f"ctx={context} ")
+
+
+def _record_drafts(model, ids: list[list[int]], args, table: dict, save: Callable[[], None], tag: str = "") -> None:
+    """Fills ``table[draft][str(gamma)]`` with the rounds of every ``--drafts`` x ``--gammas`` on the
+    prompts ``ids``, prefilled once (W4A16, float32); a shadow is quantized from that prefill."""
     cfg = model.config
-    out: dict = {"source": "SmolLM2-135M-Instruct (embedded, default checkpoint), greedy, chat template, "
-                           f"{len(ids)} GSM8K-dev prompts x {args.new} new tokens", "device": jax.devices()[0].device_kind}
+    rt = Runtime(cfg, args.new, (), Sampling(), jnp.float32, model.checkpoint.online_rotation_seed,
+                 Execution.decode(args.kernels))
+    prefilled = real_state_maker(model, rt, ids, args.new, max(args.gammas))()
+    states = {None: prefilled}
     for draft in args.drafts:
-        mode, bits = parse_draft(draft)
-        out[draft] = {}
+        spec = parse_draft(draft)
+        if spec.kv not in states:
+            states[spec.kv] = with_shadow(prefilled, cfg, spec.kv, max(len(p) for p in ids))
+        table[draft] = {}
         for g in args.gammas:
-            rt = Runtime(cfg, args.new, (), Sampling(), jnp.float32, model.checkpoint.online_rotation_seed,
-                         Execution.decode(args.kernels), draft_kv=bits)
-            st = real_state_maker(model, rt, ids, args.new, g)()
-            tr = acceptance_trace(model.checkpoint.params, st, rt=rt, gamma=g, draft=parse_precision(mode))
+            t = time.perf_counter()
+            tr = acceptance_trace(model.checkpoint.params, states[spec.kv], rt=spec.runtime(rt), gamma=g,
+                                  draft=parse_precision(spec.mode))
             # each sequence's own rounds, cut to the shortest: no row of a finished sequence is replayed
             cols = [c[c >= 0] for c in tr.T]
             rounds = min(len(c) for c in cols)
             tr = np.stack([c[:rounds] for c in cols], axis=1)
-            out[draft][str(g)] = tr.tolist()
-            log(f"{draft} gamma={g}: {rounds} rounds kept, mean accepted {tr.mean():.2f} "
-                f"({1 + tr.mean():.2f} tokens per round)")
-    args.record_trace.parent.mkdir(parents=True, exist_ok=True)
-    args.record_trace.write_text(json.dumps(out))
+            table[draft][str(g)] = tr.tolist()
+            save()
+            log(f"{tag}{draft} gamma={g}: {rounds} rounds kept, mean accepted {tr.mean():.2f} "
+                f"({1 + tr.mean():.2f} tokens per round), {time.perf_counter() - t:.0f} s")
+
+
+def with_shadow(state: DecodeState, cfg: LlamaConfig, bits: int, width: int) -> DecodeState:
+    """``state``, prefilled without a KV shadow, with an INT ``bits`` shadow quantized from its cache's
+    first ``width`` slots: what a prefill with ``draft_kv=bits`` leaves (its forward writes the float
+    pair, then ``sync_shadow`` quantizes the slots written)."""
+    k, v = state.cache.k, state.cache.v
+    cache = dataclasses.replace(init_cache(cfg, k.shape[1], k.shape[2], k.dtype, bits), k=k, v=v)
+    positions = jnp.broadcast_to(jnp.arange(width), (k.shape[1], width))
+    return dataclasses.replace(state, cache=jax.jit(sync_shadow)(cache, positions))
+
+
+def trace_rows(trace: dict, context: int) -> tuple[int | None, dict]:
+    """The draft -> gamma -> rounds table of ``trace`` to replay at ``context``: with per-context
+    tables (``contexts``), the one recorded nearest to it (the shorter on a tie) and its context;
+    else the file's own table and None."""
+    if "contexts" not in trace:
+        return None, trace
+    nearest = min((int(c) for c in trace["contexts"]), key=lambda c: (abs(c - context), c))
+    return nearest, trace["contexts"][str(nearest)]
+
+
+def draft_rounds(table: dict, draft: str) -> dict | None:
+    """``table``'s gamma -> rounds entry for the ``draft`` spec, under its own name or any spelling of
+    the same spec (``w4a8/win512`` = ``w4a8/win512+64``); None without one."""
+    if isinstance(table.get(draft), dict):
+        return table[draft]
+    spec = parse_draft(draft)
+    for key, rounds in table.items():
+        try:
+            if isinstance(rounds, dict) and parse_draft(key) == spec:
+                return rounds
+        except ValueError:  # a metadata key
+            continue
+    return None
+
+
+def trace_markdown(trace: dict) -> str:
+    """A trace's tokens per round (1 + the mean accepted drafts over its rounds and sequences), one
+    table per recorded context: draft spec x gamma."""
+    tables = ({f"context {c} (prompts of {t['prompt_tokens']:.0f} tokens on average)": t
+               for c, t in trace["contexts"].items()} if "contexts" in trace else {"chat-template questions": trace})
+    device = "CPU" if trace.get("device") == "cpu" else trace.get("device", "device not recorded")
+    kernels = trace.get("kernels", "not recorded")
+    dtype = trace.get("dtype", "float32")
+    label = f"{device} ({dtype} references)" if kernels == "reference" else f"{device} ({dtype}, {kernels} kernels)"
+    lines = ["# QSPEC acceptance traces", "",
+             f"{label}; date {trace.get('date', 'not recorded')}; commit {trace.get('commit', 'not recorded')}; "
+             f"{trace.get('source', '')}.", "", f"`{trace.get('command', 'command not recorded')}`", "",
+             "Tokens per round = 1 + the mean accepted drafts per round and sequence (rounds kept until the "
+             "first sequence of the batch is done). A draft `MODE/kvBITS` reads an INT8 / INT4 shadow of the KV "
+             "cache; `/winSIZE+SINKS` attends over the first SINKS and the last SIZE positions only.", ""]
+    # every table gets every draft and gamma any table holds: one missing from a table says so
+    drafts = list(dict.fromkeys(d for t in tables.values() for d, r in t.items() if isinstance(r, dict)))
+    gammas = sorted({int(g) for t in tables.values() for r in t.values() if isinstance(r, dict) for g in r})
+    for title, table in tables.items():
+        lines += [f"## {title[0].upper()}{title[1:]}", "", "| draft | " + " | ".join(f"γ={g}" for g in gammas) + " |",
+                  "|---" * (1 + len(gammas)) + "|"]
+        for d in drafts:
+            r = table.get(d, {})
+            cells = [f"{1 + np.mean(r[str(g)]):.2f}" if str(g) in r else "not recorded" for g in gammas]
+            lines.append(f"| {d} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------ report
@@ -694,6 +824,8 @@ def markdown(run: dict) -> str:
     for r in (r for r in run["results"] if "skipped" not in r):
         acceptance = r.get("acceptance", "replayed")
         prompt = f"; prompts of {r['prompt_tokens']:.0f} tokens on average" if "prompt_tokens" in r else ""
+        if "trace_context" in r:
+            prompt += f"; QSPEC's acceptance replayed from the trace recorded at context {r['trace_context']}"
         lines += [f"## {r['model']}, batch {r['batch']}, context {r['context']} + {r['new']}", "",
                   (f"Measured on {r['gpu']}, {r['date']}, commit {r['commit']}. " if "gpu" in r else "")
                   + (f"Note: {r['label']}. " if r.get("label") else "")
@@ -764,6 +896,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--kernels", default="auto", choices=KERNELS)
     ap.add_argument("--trace", type=Path, help="acceptance trace JSON (from --record-trace)")
     ap.add_argument("--record-trace", type=Path, help="record the trace on SmolLM2 into this file and exit")
+    ap.add_argument("--trace-contexts", type=int_list(), default=None,
+                    help="with --record-trace: one table per context, on few-shot prompts of at most that many "
+                         "tokens (default: one table on the plain chat questions)")
     ap.add_argument("--gsm8k", type=Path, help="GSM8K-dev JSONL (for --record-trace and smollm2's prompts)")
     ap.add_argument("--gsm8k-train", type=Path, help="GSM8K-train JSONL (smollm2's few-shot prompt prefixes)")
     ap.add_argument("--prompts", type=positive_int, default=32)
@@ -800,6 +935,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, set[str]]:
             parse_draft(d)
         except ValueError as e:
             ap.error(str(e))
+    if args.trace_contexts and not args.record_trace:
+        ap.error("--trace-contexts goes with --record-trace")
     args.ar = [m for m in args.ar.split(",") if m]
     if unknown_ar := [m for m in args.ar if m not in AR]:
         ap.error(f"--ar: unknown methods {unknown_ar}; expected some of {', '.join(AR)}")
@@ -837,19 +974,31 @@ def _preset_real_model(args, explicit: set[str]) -> None:
 
 
 def _check_trace(args, trace: dict, names: list[str]) -> None:
-    if args.drafts and not args.trace and any(n != REAL_MODEL for n in names):
+    """Before anything is timed: every draft and gamma has valid rounds in the table each random-weight
+    configuration replays (per context, the recorded context nearest to it)."""
+    random = [n for n in names if n != REAL_MODEL]
+    if args.drafts and not args.trace and random:
         raise SystemExit("QSPEC on random weights needs --trace (make one with --record-trace)")
-    for d in args.drafts if any(n != REAL_MODEL for n in names) else ():
-        rounds = trace.get(d, {}) if isinstance(trace.get(d), dict) else {}
-        missing = [g for g in args.gammas if str(g) not in rounds]
-        if missing:
-            raise SystemExit(f"the trace has no {d} rounds for gamma {missing}")
-        for g in args.gammas:
-            r = rounds[str(g)]
-            if not (isinstance(r, list) and r and all(isinstance(x, list) and x and all(
-                    isinstance(a, int) and 0 <= a <= g for a in x) for x in r)):
-                raise SystemExit(f"the trace's {d} gamma-{g} entry must be a non-empty list of rounds, each a "
-                                 f"non-empty list of accepted counts in [0, {g}]")
+    if not (args.drafts and random):
+        return
+    contexts = trace.get("contexts")
+    if contexts is not None and not (isinstance(contexts, dict) and contexts and all(
+            c.isdigit() and isinstance(t, dict) for c, t in contexts.items())):
+        raise SystemExit(f"--trace {args.trace}: 'contexts' must map each recorded context to its table")
+    for context in sorted({c for n in random for c in _contexts(n, args)}):
+        at, table = trace_rows(trace, context)
+        where = "" if at is None else f" at context {at} (the recorded context nearest to {context})"
+        for d in args.drafts:
+            rounds = draft_rounds(table, d) or {}
+            missing = [g for g in args.gammas if str(g) not in rounds]
+            if missing:
+                raise SystemExit(f"the trace {args.trace} has no {d} rounds{where} for gamma {missing}")
+            for g in args.gammas:
+                r = rounds[str(g)]
+                if not (isinstance(r, list) and r and all(isinstance(x, list) and x and all(
+                        isinstance(a, int) and 0 <= a <= g for a in x) for x in r)):
+                    raise SystemExit(f"the trace's {d} gamma-{g} entry{where} must be a non-empty list of rounds, "
+                                     f"each a non-empty list of accepted counts in [0, {g}]")
 
 
 def prior_pace(resume: dict | None) -> tuple[float, float, str]:
@@ -873,7 +1022,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.record_trace:
         if not args.gsm8k:
             raise SystemExit("--record-trace needs --gsm8k")
-        record_trace(args)
+        if args.trace_contexts and not args.gsm8k_train:
+            raise SystemExit("--trace-contexts needs --gsm8k-train (the few-shot examples)")
+        record_trace(args, command_line("bench.decode", argv))
         return
     if args.preset:
         _preset_real_model(args, explicit)

@@ -19,8 +19,8 @@ output distribution is W4A16's by construction, so its perplexity is W4A16's.
 picks the Pallas kernels or the references (``qspec_jax.kernels``; default: kernels on a GPU) for the
 generation; the perplexity's full-window forwards have no row tile and run XLA's paths either way (with
 ``pallas``, W4A16 as a bf16 dot, as generate's prefill does).
-``--drafts``: QSPEC's draft modes, each ``MODE`` or ``MODE/kvBITS`` (drafts over an INT8 / INT4 KV
-shadow, ``generate(draft_kv=...)``).
+``--drafts``: QSPEC's draft modes, each ``MODE[/kvBITS][/winSIZE[+SINKS]]`` (drafts over an INT8 / INT4
+KV shadow, ``generate(draft_kv=...)``, and over sinks + a sliding window, ``draft_window`` / ``draft_sinks``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import jax
 import numpy as np
 
 from bench.args import command_line, at_least, positive_int, read_gsm8k
-from bench.decode import parse_draft
+from bench.decode import DraftSpec, parse_draft
 from bench.quality import wikitext_ids
 from convert.embedded import default_checkpoint
 from pallas_kernels.precision import parse_precision
@@ -81,14 +81,16 @@ def agreement(a: np.ndarray, b: np.ndarray) -> tuple[int, int]:
     return int(np.sum(a[:n] == b[:n])), max(len(a), len(b))
 
 
-def run_method(model: Model, questions: list[str], method: str, draft: str, gamma: int, batch: int,
-               max_new: int, kernels: str, draft_kv: int | None = None) -> tuple[list[np.ndarray], list[str], dict]:
+def run_method(model: Model, questions: list[str], method: str, draft: DraftSpec, gamma: int, batch: int,
+               max_new: int, kernels: str) -> tuple[list[np.ndarray], list[str], dict]:
     """Greedy outputs of one method over all questions, in batches; summed QSPEC counters."""
     seqs, texts = [], []
     tot = dict(rounds=0, drafted=0, accepted=0, in_rounds=0, seconds=0.0)
     for i in range(0, len(questions), batch):
-        res = generate(model, questions[i:i + batch], max_new_tokens=max_new, method=method, draft=draft,
-                       gamma=gamma, draft_kv=draft_kv, chat=True, kernels=kernels)
+        window = {} if draft.window is None else {"draft_window": draft.window.size,
+                                                   "draft_sinks": draft.window.sinks}
+        res = generate(model, questions[i:i + batch], max_new_tokens=max_new, method=method, draft=draft.mode,
+                       gamma=gamma, draft_kv=draft.kv, chat=True, kernels=kernels, **window)
         seqs += res.sequences
         texts += res.texts
         st = res.stats
@@ -112,11 +114,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ppl-tokens", type=positive_int, default=40960)
     ap.add_argument("--window", type=at_least(2), default=512)
     ap.add_argument("--kernels", default="auto", choices=KERNELS)
-    ap.add_argument("--drafts", default="w4a8,w4a4", help="QSPEC drafts: MODE or MODE/kvBITS, comma-separated")
+    ap.add_argument("--drafts", default="w4a8,w4a4", help="QSPEC drafts: MODE[/kvBITS][/winSIZE[+SINKS]], comma-separated")
     ap.add_argument("--out", type=Path, default=Path("bench/results/fidelity.md"))
     args = ap.parse_args(argv)
     try:
-        drafts = [(d, *parse_draft(d)) for d in args.drafts.split(",")]
+        drafts = [(d, parse_draft(d)) for d in args.drafts.split(",")]
     except ValueError as e:
         ap.error(f"--drafts: {e}")
     if args.wikitext and not args.wikitext.is_file():
@@ -135,13 +137,13 @@ def main(argv: list[str] | None = None) -> None:
     device = jax.devices()[0].device_kind
     print(f"{len(rows)} problems on {device}", flush=True)
 
-    methods = [(m, m, "w4a4", None) for m in AR_METHODS] + [(f"qspec-{d}", "qspec", mode, kv) for d, mode, kv in drafts]
+    methods = [(m, m, DraftSpec("w4a4")) for m in AR_METHODS] + [(f"qspec-{d}", "qspec", spec) for d, spec in drafts]
     out: dict = {"command": command_line("bench.fidelity", argv), "problems": len(rows), "device": device, "gamma": args.gamma, "methods": {}}
     outputs = {}
-    for name, method, draft, draft_kv in methods:
+    for name, method, draft in methods:
         t = time.time()
         seqs, texts, tot = run_method(model, questions, method, draft, args.gamma, args.batch,
-                                      args.max_new_tokens, args.kernels, draft_kv)
+                                      args.max_new_tokens, args.kernels)
         outputs[name] = seqs
         ext = [extract(x) for x in texts]
         res = {"strict_acc": float(np.mean([_same_number(s, a) for (s, _), a in zip(ext, answers)])),

@@ -7,7 +7,8 @@ Each ``mode:tokens`` run traces (``jax.profiler``, Perfetto JSON) one call of
 :func:`bench.decode.forward_loop`: ``--reps`` forwards of ``tokens`` new tokens per sequence in one
 jitted loop, on a random-weight model shape with a decode state of ``--context`` tokens (``mode/kvBITS``:
 the state carries an INT8 / INT4 KV shadow, which a W4A8 / W4A4 draft forward reads and a W4A16 verify
-forward re-quantizes, as in QSPEC with ``draft_kv``). GPU events
+forward re-quantizes, as in QSPEC with ``draft_kv``; ``/winSIZE[+SINKS]``: a draft forward attends over
+the first SINKS and the last SIZE positions only, as with ``draft_window``). GPU events
 are summed per kernel name and per category (INT4 matmuls, attention, RMSNorm, lm_head, copies, other
 XLA ops) and divided by ``--reps``: microseconds per forward. GPU only (the CPU trace has no per-op
 events). Writes ``profile.md`` / ``profile.json`` under ``--out`` (default ``$OUT``, else bench/results).
@@ -28,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from bench.args import command_line, git_commit, utc_now
-from bench.decode import forward_carry, forward_loop, fresh_state, parse_draft, random_params
+from bench.decode import DRAFT_GRAMMAR, forward_carry, forward_loop, fresh_state, parse_draft, random_params
 from bench.shapes import MODELS
 from pallas_kernels.precision import PRECISIONS
 from qspec_jax.decode import Runtime
@@ -123,12 +124,12 @@ def main(argv: list[str] | None = None) -> None:
     for item in args.runs.split(","):
         spec, _, tokens = item.partition(":")
         try:
-            mode, bits = parse_draft(spec, tuple(p.name for p in PRECISIONS))
+            draft = parse_draft(spec, tuple(p.name for p in PRECISIONS))
         except ValueError as e:
             ap.error(f"--runs: {e}")
         if not tokens.isdigit() or int(tokens) < 1:
-            ap.error(f"--runs: expected mode[/kv8|/kv4]:tokens, got {item!r}")
-        runs.append((spec, mode, bits, int(tokens)))
+            ap.error(f"--runs: expected {DRAFT_GRAMMAR}:tokens, got {item!r}")
+        runs.append((spec, draft, int(tokens)))
     cfg = MODELS[args.model]
     params = random_params(cfg, jax.random.key(1))
     rt = Runtime(cfg, 64, (), Sampling(), jnp.bfloat16, None, Execution.decode())
@@ -136,11 +137,11 @@ def main(argv: list[str] | None = None) -> None:
            "device": jax.devices()[0].device_kind, "date": utc_now(), "commit": git_commit(),
            "model": args.model, "batch": args.batch,
            "context": args.context, "reps": args.reps, "runs": {}}
-    for spec, mode, bits, tokens in runs:  # a fresh state each: the loop donates its cache
-        state = fresh_state(cfg, args.batch, args.context, 64, tokens, 0, bits)
+    for spec, draft, tokens in runs:  # a fresh state each: the loop donates its cache
+        state = fresh_state(cfg, args.batch, args.context, 64, tokens, 0, draft.kv)
         out["runs"][f"{spec}, {tokens} token(s) per sequence"] = profile_run(
-            params, dataclasses.replace(rt, draft_kv=bits), state, mode, tokens, args.reps,
-            draft=bits is not None and mode != "w4a16")
+            params, draft.runtime(rt), state, draft.mode, tokens, args.reps,
+            draft=(draft.kv is not None or draft.window is not None) and draft.mode != "w4a16")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "profile.json").write_text(json.dumps(out, indent=1))
     text = markdown(out)

@@ -48,9 +48,17 @@ def model_name(key: str) -> str:
 
 
 def method_name(key: str) -> str:
-    """``w4a8/kv8`` -> ``W4A8 + INT8 KV``; ``w4a16`` -> ``W4A16``."""
-    base, _, kv = key.partition("/kv")
-    return base.upper() + (f" + INT{kv} KV" if kv else "")
+    """``w4a8/kv8`` -> ``W4A8 + INT8 KV``; ``w4a8/win512+4`` -> ``W4A8 + window 512 (4 sinks)``;
+    ``w4a16`` -> ``W4A16``."""
+    base, *views = key.split("/")
+    words = [base.upper()]
+    for view in views:
+        if view.startswith("win"):
+            size, plus, sinks = view[3:].partition("+")
+            words.append(f"window {size}" + (f" ({sinks} sinks)" if plus else ""))
+        else:
+            words.append(f"INT{view[2:]} KV" if view.startswith("kv") else view)
+    return " + ".join(words)
 
 
 def first_call(command: str) -> str:

@@ -556,3 +556,127 @@ def test_cost_model_calibration_and_memory_limit(monkeypatch):
     assert decode.memory_limit() == float("inf")
     monkeypatch.setattr(decode, "MEM_LIMIT", 5.0)
     assert decode.memory_limit() == 5.0
+
+
+def test_parse_draft_grammar(rng):
+    """MODE[/kvBITS][/winSIZE[+SINKS]]: the old specs mean what they meant, a window's sinks default
+    to DEFAULT_SINKS, and anything else is a ValueError that spells out the grammar."""
+    from pallas_kernels.reference import AttentionWindow
+
+    assert decode.parse_draft("w4a8") == decode.DraftSpec("w4a8", None, None)
+    assert decode.parse_draft("w4a4/kv8") == decode.DraftSpec("w4a4", 8, None)
+    assert decode.parse_draft("w4a8/kv4").kv == 4
+    size, sinks = int(rng.integers(1, 5000)), int(rng.integers(0, 300))
+    assert decode.parse_draft(f"w4a8/win{size}").window == AttentionWindow(decode.DEFAULT_SINKS, size)
+    assert decode.parse_draft(f"w4a8/kv8/win{size}+{sinks}") == decode.DraftSpec("w4a8", 8, AttentionWindow(sinks, size))
+    assert decode.parse_draft(f"w4a4/win{size}+{sinks}").window == AttentionWindow(sinks, size)
+    assert decode.parse_draft("w4a16/kv8", ("w4a16",)).mode == "w4a16"  # bench.profile's modes
+    for bad in ("w4a9", "w4a8/", "w4a8/kv2", "w4a8/kv", "w4a8/win", "w4a8/win0", "w4a8/win-4", f"w4a8/win{size}+",
+                "w4a8/win8+x", f"w4a8/win{size}/kv8", "w4a8/kv8/kv4", "w4a8/win8/win16", "w4a8/kv8/win8/x",
+                "w4a8/int8", "w4a16"):
+        with pytest.raises(ValueError, match=r"expected MODE\[/kvBITS\]\[/winSIZE\[\+SINKS\]\]"):
+            decode.parse_draft(bad)
+
+
+def test_trace_rows_picks_the_nearest_recorded_context(rng):
+    """A per-context trace is replayed from the context nearest to the configuration's (the shorter
+    on a tie); an old single-table trace is replayed as it is, at any context; a draft is found under
+    any spelling of its spec."""
+    recorded = sorted(rng.choice(np.arange(16, 8192), size=4, replace=False).tolist())
+    trace = {"source": "s", "contexts": {str(c): {"prompt_tokens": c - 1.0, "w4a8": {"1": [[c]]}} for c in recorded}}
+    for context in [*rng.integers(1, 9000, size=20).tolist(), *recorded]:
+        at, table = decode.trace_rows(trace, context)
+        assert abs(at - context) == min(abs(c - context) for c in recorded) and table["w4a8"]["1"] == [[at]]
+    lo, hi = recorded[:2]
+    if (hi - lo) % 2 == 0:
+        assert decode.trace_rows(trace, (lo + hi) // 2)[0] == lo
+    old = {"source": "s", "w4a8/win512+64": {"1": [[0]]}}
+    assert decode.trace_rows(old, int(rng.integers(1, 9000))) == (None, old)
+    assert decode.draft_rounds(old, "w4a8/win512") == {"1": [[0]]} and decode.draft_rounds(old, "w4a8") is None
+
+
+def test_decode_bench_replays_each_context_from_its_nearest_trace(tmp_path):
+    """Smoke model at contexts 32 and 64 against a trace recorded at 16 and 100: each section replays
+    (and names) its nearest table, so its tokens per round are that table's; a windowed draft runs in
+    the timed loops with a smaller draft floor; a draft or gamma the nearest table lacks stops the run
+    before anything is timed, naming it."""
+    tables = {"16": {"w4a8": {"1": [[0, 0]]}, "w4a8/win8+4": {"1": [[1, 0]]}},
+              "100": {"w4a8": {"1": [[1, 1]]}, "w4a8/win8+4": {"1": [[0, 1]]}}}
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"source": "per-context test trace", "contexts": tables}))
+    out = tmp_path / "out"
+    args = ["--models", "smoke", "--batches", "2", "--new", "8", "--gammas", "1", "--ar", "w4a16",
+            "--kernels", "reference", "--trace", str(trace), "--out", str(out)]
+    decode.main([*args, "--contexts", "32,64", "--drafts", "w4a8,w4a8/win8+4"])
+    by_context = {r["context"]: r for r in json.loads((out / "decode.json").read_text())["results"]}
+    assert by_context[32]["trace_context"] == 16 and by_context[64]["trace_context"] == 100
+    assert by_context[32]["methods"]["qspec w4a8 g=1"]["tokens_per_round"] == 1
+    assert by_context[64]["methods"]["qspec w4a8 g=1"]["tokens_per_round"] == 2
+    # [0, 1]: one sequence 8 rounds of 1 token, the other 4 of 2, so 8 tokens in 6 rounds on average
+    assert abs(by_context[64]["methods"]["qspec w4a8/win8+4 g=1"]["tokens_per_round"] - 8 / 6) < 1e-9
+    for r in by_context.values():
+        assert r["methods"]["qspec w4a8/win8+4 g=1"]["draft_floor_ms"] < r["methods"]["qspec w4a8 g=1"]["draft_floor_ms"]
+    assert "replayed from the trace recorded at context 100" in (out / "decode.md").read_text()
+    tables["100"]["w4a8"]["2"] = [[1, 1]]
+    trace.write_text(json.dumps({"source": "s", "contexts": tables}))
+    with pytest.raises(SystemExit, match=r"no w4a8 rounds at context 16 \(the recorded context nearest to 32\) "
+                                         r"for gamma \[2\]"):
+        decode.main([*args, "--contexts", "32,64", "--gammas", "2", "--drafts", "w4a8"])
+    with pytest.raises(SystemExit, match=r"no w4a8/kv8 rounds at context 100"):
+        decode.main([*args, "--contexts", "64", "--drafts", "w4a8/kv8"])
+
+
+def test_record_trace_per_context_on_the_real_model(tmp_path):
+    """--record-trace --trace-contexts: one table per context on few-shot prompts that fit it (their
+    mean length recorded), every draft spec x gamma with rounds in [0, gamma], the metadata, and the
+    markdown summary; the shadow quantized from a plain prefill is the one a shadowed prefill makes."""
+    rows = [{"question": f"Ann has {i} pens and buys {i + 2} more. How many pens does she have?",
+             "answer": f"She has {i} + {i + 2} = {2 * i + 2} pens.\n#### {2 * i + 2}"} for i in range(30)]
+    dev, train = tmp_path / "dev.jsonl", tmp_path / "train.jsonl"
+    for path, part in ((dev, rows[:4]), (train, rows[4:])):
+        path.write_text("\n".join(json.dumps(r) for r in part))
+    out = tmp_path / "trace.json"
+    decode.main(["--record-trace", str(out), "--trace-contexts", "96,192", "--gsm8k", str(dev), "--gsm8k-train",
+                 str(train), "--prompts", "2", "--new", "6", "--gammas", "1,2", "--drafts", "w4a8,w4a8/kv8/win16+4",
+                 "--kernels", "reference"])
+    doc = json.loads(out.read_text())
+    assert doc["device"] == jax.devices()[0].device_kind and doc["date"].endswith("UTC") and doc["commit"]
+    assert doc["command"].startswith("python3 -m bench.decode --record-trace")
+    assert set(doc["contexts"]) == {"96", "192"}
+    for context, table in doc["contexts"].items():
+        assert 50 < table["prompt_tokens"] <= int(context)
+        for draft in ("w4a8", "w4a8/kv8/win16+4"):
+            for g in (1, 2):
+                rounds = table[draft][str(g)]
+                assert rounds and all(len(r) == 2 and all(0 <= a <= g for a in r) for r in rounds)
+    assert doc["contexts"]["192"]["prompt_tokens"] > doc["contexts"]["96"]["prompt_tokens"]
+    md = out.with_suffix(".md").read_text()
+    assert "## Context 96 (prompts of" in md and "| draft | γ=1 | γ=2 |" in md
+    mean = 1 + np.mean(doc["contexts"]["192"]["w4a8"]["2"])
+    assert f"{mean:.2f}" in md.split("## Context 192")[1].split("| w4a8 |")[1].split("\n")[0]
+    with pytest.raises(SystemExit, match="--trace-contexts needs --gsm8k-train"):
+        decode.main(["--record-trace", str(out), "--trace-contexts", "96", "--gsm8k", str(dev)])
+
+    model = decode.load(decode.default_checkpoint())
+    ids = decode.fewshot_prompts(model, dev, train, 2, 96)
+    rt = decode.Runtime(model.config, 6, (), decode.Sampling(), decode.jnp.float32,
+                        model.checkpoint.online_rotation_seed, decode.Execution.decode("reference"))
+    plain = decode.real_state_maker(model, rt, ids, 6, 2)()
+    shadowed = decode.real_state_maker(model, decode.dataclasses.replace(rt, draft_kv=8), ids, 6, 2)()
+    quantized = decode.with_shadow(plain, model.config, 8, max(len(p) for p in ids))
+    for a, b in zip(jax.tree.leaves(shadowed.cache), jax.tree.leaves(quantized.cache)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_trace_markdown_marks_what_a_context_lacks(rng):
+    """The summary's tokens per round are 1 + the mean accepted count; a draft or gamma recorded at one
+    context but not another reads "not recorded" there."""
+    rounds = rng.integers(0, 4, size=(5, 3)).tolist()
+    trace = {"device": "cpu", "kernels": "reference", "dtype": "float32", "command": "c",
+             "contexts": {"512": {"prompt_tokens": 400.0, "w4a8": {"3": rounds}, "w4a8/win256+4": {"1": [[1]]}},
+                          "3584": {"prompt_tokens": 3500.0, "w4a8": {"3": rounds}}}}
+    md = decode.trace_markdown(trace)
+    assert "CPU (float32 references)" in md
+    long = md.split("## Context 3584")[1]
+    assert f"| w4a8 | not recorded | {1 + np.mean(rounds):.2f} |" in long
+    assert "| w4a8/win256+4 | not recorded | not recorded |" in long

@@ -109,3 +109,11 @@ def test_decode_caption_from_per_section_metadata(results: Path):
     _edit(results / "decode.json", stamp)
     first = report.tables(results)["decode"].splitlines()[0]
     assert first.startswith("*NVIDIA H100 80GB HBM3; date: 2026-12-05 to 2026-12-06; commit: 1234abc;"), first
+
+
+def test_method_names_of_draft_specs():
+    """A draft spec's views of the KV cache, spelled out in the tables' headers."""
+    assert report.method_name("w4a16") == "W4A16"
+    assert report.method_name("w4a8/kv8") == "W4A8 + INT8 KV"
+    assert report.method_name("w4a8/win1024") == "W4A8 + window 1024"
+    assert report.method_name("w4a4/kv4/win512+4") == "W4A4 + INT4 KV + window 512 (4 sinks)"
