@@ -9,7 +9,8 @@ One table per benchmark:
 
 | NAME | from | made by |
 |---|---|---|
-| ``decode`` | ``decode.json`` | ``bench/decode.py`` |
+| ``decode`` | ``decode.json`` | ``bench/decode.py --preset headline`` |
+| ``decode-views`` | ``decode_views.json`` | ``bench/decode.py`` at long context, draft views of the cache |
 | ``kernels`` | ``kernels.json`` | ``bench/kernels.py`` |
 | ``fidelity`` | ``fidelity.json`` | ``bench/fidelity.py`` |
 | ``quality`` | ``quality.json`` | ``bench/quality.py`` |
@@ -119,7 +120,8 @@ def _best_gamma(methods: dict, draft: str) -> tuple[int, dict] | None:
     return max(found, key=lambda ge: ge[1]["tokens_per_s"]) if found else None
 
 
-def render_decode(run: dict) -> str:
+def render_decode(run: dict, source: str = "decode.json") -> str:
+    """One table per (model, context) of a ``bench/decode.py`` run read from ``source``."""
     sections = _valid_sections(run)
     if not sections:
         return "*No decode configuration measured yet.*"
@@ -129,14 +131,15 @@ def render_decode(run: dict) -> str:
     days = sorted({str(r["date"])[:10] for r in sections if r.get("date")}) or \
         ([run["date"]] if run.get("date") else [])
     date = days[0] if len(days) == 1 else f"{days[0]} to {days[-1]}" if days else None
-    cap = caption(", ".join(devices), date, ", ".join(commits), run.get("command"), "decode.json")
+    cap = caption(", ".join(devices), date, ", ".join(commits), run.get("command"), source)
     lines = [cap, "",
              "Tokens/s of the whole batch; in brackets the speed-up over W4A16 AR in the same run. "
              "QSPEC: the best of the γ measured (γ given; every γ is in "
-             "[decode.md](bench/results/decode.md)). "
+             f"[{Path(source).stem}.md](bench/results/{Path(source).stem}.md)). "
              + ("Llama shapes: random INT4 weights with QSPEC's acceptance replayed from a trace recorded on "
-                "SmolLM2's real weights; SmolLM2: real weights, measured acceptance."
-                if any(r.get("acceptance") == "replayed" for r in sections) else "")]
+                "SmolLM2's real weights." if any(r.get("acceptance") == "replayed" for r in sections) else "")
+             + (" SmolLM2: real weights, measured acceptance."
+                if any(r.get("acceptance") == "measured" for r in sections) else "")]
     groups: dict[tuple[str, int, Any], list[dict]] = {}
     for r in sections:
         groups.setdefault((r["model"], r["context"], r.get("new")), []).append(r)
@@ -262,15 +265,16 @@ def render_hf(data: dict, decode: dict | None = None) -> str:
     rows = data.get("rows", [])
     if not rows:
         return "*No Hugging Face baseline recorded yet.*"
-    ours = {}
+    ours = {}  # only sections measured on the baseline's GPU: speeds of two cards are not compared
     for r in _valid_sections(decode or {}):
         e = r["methods"].get("w4a16", {})
-        if "tokens_per_s" in e:
+        if "tokens_per_s" in e and r.get("gpu") == data.get("device"):
             ours[(r["model"], r["batch"], r["context"])] = e["tokens_per_s"]
     lines = [file_caption(data, "hf_baseline.json"),
              "", "Hugging Face transformers, PyTorch bf16, static cache, greedy `generate`, random weights of the "
              "model's shape; decode rate without the prefill. qspec-jax W4A16 AR: the same model, batch and "
-             "prompt length in [decode.json](bench/results/decode.json) (its own number of new tokens).", "",
+             "prompt length in [decode.json](bench/results/decode.json) (its own number of new tokens), "
+             "shown only where it ran on the same GPU.", "",
              "| model | batch | prompt + new | HF decode tok/s | qspec-jax W4A16 AR tok/s | ratio |",
              "|---|---|---|---|---|---|"]
     for r in rows:
@@ -293,6 +297,7 @@ def tables(results: Path = RESULTS) -> dict[str, str]:
     decode = _read(results, "decode.json")
     makers: dict[str, tuple[str, Callable[[dict], str]]] = {
         "decode": ("decode.json", render_decode),
+        "decode-views": ("decode_views.json", lambda d: render_decode(d, "decode_views.json")),
         "kernels": ("kernels.json", render_kernels),
         "fidelity": ("fidelity.json", render_fidelity),
         "quality": ("quality.json", render_quality),

@@ -11,7 +11,7 @@ import pytest
 from bench import report
 
 ROOT = Path(__file__).resolve().parent.parent
-MARKERS = ("decode", "kernels", "fidelity", "quality", "hf")
+MARKERS = ("decode", "decode-views", "kernels", "fidelity", "quality", "hf")
 
 
 def test_readme_tables_match_the_committed_results():
@@ -46,6 +46,8 @@ def _edit(path: Path, change) -> None:
     ("decode", "decode.json",
      lambda d: d["results"][0]["methods"]["w4a16"].update(tokens_per_s=d["results"][0]["methods"]["w4a16"]
                                                           ["tokens_per_s"] * 2)),
+    ("decode-views", "decode_views.json",
+     lambda d: next(r for r in d["results"] if "methods" in r)["methods"]["w4a16"].update(tokens_per_s=1.0)),
     ("kernels", "kernels.json",
      lambda d: next(t for t in d["table"].values() if t["M"] == report.KERNEL_M
               and t["model"] == report.KERNEL_MODEL)["w4a16"].update(us=1234.5)),
@@ -117,3 +119,17 @@ def test_method_names_of_draft_specs():
     assert report.method_name("w4a8/kv8") == "W4A8 + INT8 KV"
     assert report.method_name("w4a8/win1024") == "W4A8 + window 1024"
     assert report.method_name("w4a4/kv4/win512+4") == "W4A4 + INT4 KV + window 512 (4 sinks)"
+
+
+def test_hf_ratio_only_on_the_same_gpu(results: Path):
+    """qspec-jax's W4A16 speed sits next to the Hugging Face baseline only when both ran on one GPU."""
+    hf = json.loads((results / "hf_baseline.json").read_text())
+    row = hf["rows"][0]
+    decode = {"results": [{"model": row["model"], "batch": row["batch"], "context": row["context"], "gpu": "GPU A",
+                           "methods": {"w4a16": {"tokens_per_s": 2.0 * row["decode_tokens_per_s"]}}}]}
+    (results / "decode.json").write_text(json.dumps(decode))
+    for gpu, shown in (("GPU A", True), ("GPU B", False)):
+        _edit(results / "hf_baseline.json", lambda d: d.update(device=gpu))
+        start = f"| {report.model_name(row['model'])} | {row['batch']} |"
+        line = next(x for x in report.tables(results)["hf"].splitlines() if x.startswith(start))
+        assert ("2.00×" in line) is shown, line
