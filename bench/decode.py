@@ -10,7 +10,7 @@ random INT4 weights (and on SmolLM2's real weights and prompts).
     # any matrix (flags given explicitly override a preset's):
     PYTHONPATH=. python3 -m bench.decode --trace bench/results/acceptance_trace.json \
         [--models llama3-8b,llama2-7b,llama2-13b,llama2-70b,smollm2] [--batches 1,8,16,32,64]
-        [--contexts 512,4096] [--new 512] [--gammas 1,3,5] [--drafts w4a8,w4a4,w4a8/kv8]
+        [--contexts 512,4096] [--new 512] [--gammas 1,3,5] [--auto] [--drafts w4a8,w4a4,w4a8/kv8]
         [--ar w16a16,w4a16,w4a8,w4a4] [--out DIR] [--resume OLD.json] [--rerun] [--budget-s 540]
         [--threads 8] [--reps 1] [--phase-reps 16] [--label TEXT]
         [--gsm8k DEV.jsonl --gsm8k-train TRAIN.jsonl [--checkpoint DIR] [--real-contexts 512]]
@@ -21,7 +21,7 @@ random INT4 weights (and on SmolLM2's real weights and prompts).
         [--trace-contexts 512,3584 --gsm8k-train ../shared/data/gsm8k_train.jsonl]
 
 Presets: ``headline`` (Llama-2-7B, Llama-3-8B, Llama-2-13B x batch 1, 8, 16, 32 x context 512 and 4096,
-W4A16 and W4A8 AR, QSPEC with W4A8 drafts at gamma 1 and 3, plus SmolLM2 at context 512 when its
+W4A16 and W4A8 AR, QSPEC with W4A8 drafts at gamma 1, 3 and "auto", plus SmolLM2 at context 512 when its
 checkpoint and the GSM8K files are found: ``--gsm8k`` / ``--gsm8k-train``, else .carry/data or
 ../shared/data) and ``full`` (every model, batch 1-64, gamma 1, 3, 5, drafts W4A8, W4A4 and
 W4A8 over an INT8 KV shadow, the W16A16 baseline), both resumable.
@@ -75,18 +75,19 @@ import numpy as np  # noqa: E402
 
 from bench.args import (command_line, git_commit, int_list, positive_int, positive_seconds, read_gsm8k,  # noqa: E402
                         read_json, utc_now)
-from bench.hooks import acceptance_trace, replay_loop, unstack_layers  # noqa: E402
+from bench.hooks import acceptance_trace, replay_auto_loop, replay_loop, unstack_layers  # noqa: E402
 from bench.shapes import MODELS  # noqa: E402
 from convert.embedded import default_checkpoint  # noqa: E402
 from pallas_kernels.layout import QuantizedWeight, dequantize  # noqa: E402
 from pallas_kernels.precision import W4A16, parse_precision  # noqa: E402
 from pallas_kernels.reference import KV_BITS, AttentionWindow  # noqa: E402
-from qspec_jax.api import DEFAULT_GAMMA, DEFAULT_SINKS, DRAFTS, METHODS, cache_slots, load  # noqa: E402
+from qspec_jax.api import AUTO_GAMMA_MAX, DEFAULT_GAMMA, DEFAULT_SINKS, DRAFTS, METHODS, cache_slots, load  # noqa: E402
 from qspec_jax.config import LlamaConfig  # noqa: E402
+from qspec_jax.gamma import cost_model, expected_tokens  # noqa: E402
 from qspec_jax.kernels import KERNELS, Execution, resolve_kernels  # noqa: E402
 from qspec_jax.decode import DecodeState, Runtime, ar_loop, prefill_jit  # noqa: E402
 from qspec_jax.model import init_cache, sync_shadow  # noqa: E402
-from qspec_jax.qspec import qspec_loop  # noqa: E402
+from qspec_jax.qspec import qspec_auto_loop, qspec_loop  # noqa: E402
 from qspec_jax.sampling import Sampling  # noqa: E402
 
 GROUP = 128  # random weights: symmetric, group 128
@@ -171,7 +172,7 @@ def kv_bytes(cfg: LlamaConfig, batch: int, slots: int) -> int:
 def _programs(args) -> tuple[int, int]:
     """(decode loops, programs compiled) of one configuration: every loop, plus the phase forwards (the
     W4A16 step, and per draft its step and a verify per gamma)."""
-    loops = len(args.ar) + len(args.drafts) * len(args.gammas)
+    loops = len(args.ar) + len(args.drafts) * (len(args.gammas) + args.auto)
     phases = (1 + len(args.drafts) * (1 + len(args.gammas))) if args.drafts else 0
     return loops, loops + phases
 
@@ -228,7 +229,9 @@ def _section_args(r: dict) -> argparse.Namespace:
     """The method set a recorded section measured, as :func:`config_cost_s` reads it."""
     qspec = [m.split() for m in r.get("methods", {}) if m.startswith("qspec ")]
     return argparse.Namespace(ar=[m for m in r.get("methods", {}) if not m.startswith("qspec ")],
-                              drafts=sorted({q[1] for q in qspec}), gammas=sorted({q[2] for q in qspec}),
+                              drafts=sorted({q[1] for q in qspec}),
+                              gammas=sorted({q[2] for q in qspec if q[2] != "g=auto"}),
+                              auto=any(q[2] == "g=auto" for q in qspec),
                               new=r.get("new", 512), contexts=[r["context"]], batches=[r["batch"]])
 
 
@@ -275,12 +278,6 @@ def parse_draft(spec: str, modes: tuple[str, ...] = DRAFTS) -> DraftSpec:
                          f"(default {DEFAULT_SINKS}), e.g. w4a8, w4a8/kv8, w4a8/win1024, w4a8/kv8/win512+4")
     window = None if m[3] is None else AttentionWindow(DEFAULT_SINKS if m[4] is None else int(m[4]), int(m[3]))
     return DraftSpec(m[1], None if m[2] is None else int(m[2]), window)
-
-
-def expected_tokens(alpha: float, gamma: int) -> float:
-    """docs/design.md §2's ``E[L] = (1 - alpha**(gamma+1)) / (1 - alpha)``: tokens per round when each
-    draft is accepted independently with probability ``alpha``."""
-    return float(gamma + 1) if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
 
 
 def fresh_state(cfg: LlamaConfig, batch: int, context: int, new: int, gamma: int, seed: int,
@@ -466,7 +463,7 @@ def plan_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None,
     otherwise random states and the trace's accept decisions replayed."""
     res: dict = {"model": name, "batch": batch, "context": context, "new": args.new, "methods": {},
                  "acceptance": "replayed" if model is None else "measured", "kernels": resolve_kernels(args.kernels)}
-    gmax = max(args.gammas)
+    gmax = max([*args.gammas, *([AUTO_GAMMA_MAX] if args.auto else [])])
     rt = Runtime(cfg, args.new, (), Sampling(), jnp.bfloat16,
                  None if model is None else model.checkpoint.online_rotation_seed, Execution.decode(args.kernels))
     if model is not None:
@@ -516,6 +513,14 @@ def plan_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None,
             # the verify on the draft's state: with a shadow, its re-quantization (sync_shadow) included
             jobs["fwd", "w4a16", g + 1, bits, None] = (forward_loop(rt_d, "w4a16", args.phase_reps),
                                                         (params, carry(g + 1, bits)))
+        if args.auto:
+            costs = cost_model(params, cfg, jnp.bfloat16, bits, spec.window)
+            replay = None if trace is None else jnp.asarray(auto_rounds(draft_rounds(rows, draft)), jnp.int32)
+            jobs["qspec", draft, "auto"] = (jax.jit(lambda q, s, p=parse_precision(mode), rt_d=rt_d, replay=replay,
+                                                    costs=costs: (
+                qspec_auto_loop(q, s, rt=rt_d, gamma_max=AUTO_GAMMA_MAX, draft=p, costs=costs) if replay is None
+                else replay_auto_loop(q, s, replay, rt=rt_d, gamma_max=AUTO_GAMMA_MAX, draft=p, costs=costs)),
+                donate_argnums=1), (params, state_d))
     return Config(res, rt, makes, jobs, ahead)
 
 
@@ -622,12 +627,44 @@ def run_config(c: Config, compiled: dict, params: dict, fparams: dict | None, ar
                 entry["speedup_vs_w4a16"] = base * args.new / (1e3 * secs)
                 # docs/design.md §2: E[L] * T_target / (gamma * T_draft + T_verify + T_overhead), that sum being t_round
                 entry["model_speedup"] = tpr * t_target / t_round
-                entry["model_speedup_alpha"] = expected_tokens(alpha, g) * t_target / t_round
+                entry["model_speedup_alpha"] = float(expected_tokens(alpha, g)) * t_target / t_round
             res["methods"][f"qspec {draft} g={g}"] = entry
             log(f"  qspec {draft} g={g}: {t_round:.2f} ms/round ({g} x {t_draft:.2f} draft + {t_verify:.2f} verify + "
                 f"{overhead:.2f}), {tpr:.2f} tok/round, batch tail x{tail:.2f}, {entry['tokens_per_s']:.0f} tok/s, "
                 f"x{entry.get('speedup_vs_w4a16', float('nan')):.2f} vs w4a16 ({res['acceptance']} acceptance)")
+        if args.auto:
+            res["methods"][f"qspec {draft} g=auto"] = entry = _time_auto(compiled["qspec", draft, "auto"], params,
+                                                                          c.makes[bits], args, base)
+            log(f"  qspec {draft} g=auto: mean gamma {entry['mean_gamma']:.2f}, {entry['tokens_per_round']:.2f} "
+                f"tok/round, {entry['tokens_per_s']:.0f} tok/s, "
+                f"x{entry.get('speedup_vs_w4a16', float('nan')):.2f} vs w4a16 ({res['acceptance']} acceptance)")
     return res
+
+
+def _time_auto(loop, params: dict, make, args, base_ms: float | None) -> dict:
+    """``gamma="auto"``'s decode loop timed whole: tokens/s, tokens per round (a W4A16 step counts as a
+    round of γ = 0), the mean γ chosen, the acceptance, and the speed-up over W4A16 AR."""
+    secs, out = time_loop(loop, params, make, args.new, args.reps)
+    rounds, drafted = np.asarray(out.rounds), int(np.asarray(out.drafted).sum())
+    alpha = int(np.asarray(out.accepted).sum()) / max(drafted, 1)
+    memory = loop_memory_bytes(loop)
+    del out
+    # rounds: the loop iterations each sequence ran in, its W4A16 steps (gamma 0) included
+    entry = {"tokens_per_s": len(rounds) * args.new / secs, "mean_gamma": drafted / max(int(rounds.sum()), 1),
+             "tokens_per_round": args.new / max(float(rounds.mean()), 1e-9), "alpha": alpha, "memory_bytes": memory}
+    if base_ms:
+        entry["speedup_vs_w4a16"] = base_ms * args.new / (1e3 * secs)
+    return entry
+
+
+def auto_rounds(rounds: dict) -> list:
+    """The rounds ``gamma="auto"`` replays: those recorded at the smallest gamma >= its largest
+    (:data:`AUTO_GAMMA_MAX`), each clipped to the round's own gamma when replayed."""
+    deep = sorted(int(g) for g in rounds if int(g) >= AUTO_GAMMA_MAX)
+    if not deep:
+        raise ValueError(f"gamma='auto' replays rounds recorded at gamma >= {AUTO_GAMMA_MAX}; "
+                         f"the trace has gamma {sorted(int(g) for g in rounds)}")
+    return rounds[str(deep[0])]
 
 
 # ------------------------------------------------------------------------------ the trace
@@ -769,7 +806,7 @@ def best_gamma(r: dict) -> dict[str, tuple[str, float]]:
     speed-up over W4A16 AR."""
     best: dict[str, tuple[str, float]] = {}
     for m, e in r.get("methods", {}).items():
-        if m.startswith("qspec ") and "speedup_vs_w4a16" in e:
+        if m.startswith("qspec ") and not m.endswith("g=auto") and "speedup_vs_w4a16" in e:
             draft = m.split()[1]
             if draft not in best or e["speedup_vs_w4a16"] > best[draft][1]:
                 best[draft] = (m, e["speedup_vs_w4a16"])
@@ -846,6 +883,10 @@ def markdown(run: dict) -> str:
                 ratio = r["methods"].get("w4a16", {}).get("ms_per_step", float("nan")) / e["ms_per_step"]
                 lines.append(f"| {m} | {e['tokens_per_s']:.0f} | {e['ms_per_step']:.2f} | 1 | | | | | {ratio:.2f}× "
                              f"| | | {mem} |")
+            elif "mean_gamma" in e:  # gamma="auto": timed whole, no phases
+                lines.append(f"| {m} ({acceptance}) | {e['tokens_per_s']:.0f} | | {e['tokens_per_round']:.2f} "
+                             f"(mean γ {e['mean_gamma']:.2f}) | {e['alpha']:.3f} | | | | "
+                             f"{e.get('speedup_vs_w4a16', float('nan')):.2f}× | | | {mem} |")
             else:
                 tail = f"{e['tail']:.2f}" if "tail" in e else "(in overhead)"
                 alpha = f"{e['alpha']:.3f}" if "alpha" in e else ""
@@ -866,13 +907,13 @@ CALIBRATION = ROOT / "bench" / "results" / "decode.json"  # recorded sections th
 PRESETS = {
     "headline": {"models": f"llama2-7b,llama3-8b,llama2-13b,{REAL_MODEL}", "batches": "1,8,16,32",
                  "contexts": "512,4096", "new": "512", "gammas": "1,3", "drafts": "w4a8", "ar": "w4a16,w4a8",
-                 "trace": str(DEFAULT_TRACE), "phase_reps": "8", "real_contexts": "512"},
+                 "auto": True, "trace": str(DEFAULT_TRACE), "phase_reps": "8", "real_contexts": "512"},
     "full": {"models": f"llama3-8b,llama2-7b,llama2-13b,llama2-70b,{REAL_MODEL}", "batches": "1,8,16,32,64",
              "contexts": "512,4096", "new": "512", "gammas": "1,3,5", "drafts": "w4a8,w4a4,w4a8/kv8",
              "ar": "w16a16,w4a16,w4a8,w4a4", "trace": str(DEFAULT_TRACE), "phase_reps": "16"},
     # the headline's methods on the tiny model, for a check of the whole tool on the CPU
     "smoke": {"models": "smoke", "batches": "2", "contexts": "32,64", "new": "8", "gammas": "1,3", "drafts": "w4a8",
-              "ar": "w4a16,w4a8", "trace": str(DEFAULT_TRACE), "phase_reps": "2", "kernels": "reference"},
+              "ar": "w4a16,w4a8", "auto": True, "trace": str(DEFAULT_TRACE), "phase_reps": "2", "kernels": "reference"},
 }
 
 
@@ -892,6 +933,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--new", type=positive_int, default=512)
     ap.add_argument("--gammas", type=int_list(), default="1,3,5")
     ap.add_argument("--drafts", default="w4a8,w4a4")
+    ap.add_argument("--auto", action="store_true",
+                    help=f"also time each draft with gamma='auto' (gamma 0..{AUTO_GAMMA_MAX} chosen per round)")
     ap.add_argument("--ar", default="w16a16,w4a16,w4a8,w4a4", help=f"autoregressive methods, of {', '.join(AR)}")
     ap.add_argument("--kernels", default="auto", choices=KERNELS)
     ap.add_argument("--trace", type=Path, help="acceptance trace JSON (from --record-trace)")
@@ -993,7 +1036,14 @@ def _check_trace(args, trace: dict, names: list[str]) -> None:
             missing = [g for g in args.gammas if str(g) not in rounds]
             if missing:
                 raise SystemExit(f"the trace {args.trace} has no {d} rounds{where} for gamma {missing}")
-            for g in args.gammas:
+            checked = list(args.gammas)
+            if args.auto:
+                try:
+                    auto_rounds(rounds)
+                except ValueError as e:
+                    raise SystemExit(f"the trace {args.trace}, {d} rounds{where}: {e}") from None
+                checked.append(min(int(g) for g in rounds if int(g) >= AUTO_GAMMA_MAX))
+            for g in checked:
                 r = rounds[str(g)]
                 if not (isinstance(r, list) and r and all(isinstance(x, list) and x and all(
                         isinstance(a, int) and 0 <= a <= g for a in x) for x in r)):
@@ -1176,7 +1226,8 @@ def _lacks(r: dict, args) -> str | None:
         return f"of {r.get('new')} new tokens, not {args.new}"
     if r.get("kernels", KERNELS_MEASURED) != resolve_kernels(args.kernels):  # older sections: the Pallas kernels
         return f"of the {r['kernels']} kernels"
-    want = {*args.ar, *(f"qspec {d} g={g}" for d in args.drafts for g in args.gammas)}
+    gammas = [*args.gammas, *(["auto"] if args.auto else [])]
+    want = {*args.ar, *(f"qspec {d} g={g}" for d in args.drafts for g in gammas)}
     if missing := sorted(want - set(r.get("methods", {})) - set(r.get("not_run", {}))):
         return f"without {', '.join(missing)}"
     return None

@@ -116,7 +116,7 @@ def _qspec_methods(sections: list[dict]) -> list[str]:
 
 def _best_gamma(methods: dict, draft: str) -> tuple[int, dict] | None:
     found = [(int(m.rsplit("g=", 1)[1]), e) for m, e in methods.items()
-             if m.startswith(f"qspec {draft} g=") and "tokens_per_s" in e]
+             if m.startswith(f"qspec {draft} g=") and m != f"qspec {draft} g=auto" and "tokens_per_s" in e]
     return max(found, key=lambda ge: ge[1]["tokens_per_s"]) if found else None
 
 
@@ -134,8 +134,10 @@ def render_decode(run: dict, source: str = "decode.json") -> str:
     cap = caption(", ".join(devices), date, ", ".join(commits), run.get("command"), source)
     lines = [cap, "",
              "Tokens/s of the whole batch; in brackets the speed-up over W4A16 AR in the same run. "
-             "QSPEC: the best of the γ measured (γ given; every γ is in "
+             "QSPEC: the best of the fixed γ measured (γ given; every γ is in "
              f"[{Path(source).stem}.md](bench/results/{Path(source).stem}.md)). "
+             + ("γ auto: `generate`'s default, γ chosen every round (the mean γ given, a W4A16 step counting "
+                "as γ = 0). " if any(k.endswith(" g=auto") for r in sections for k in r["methods"]) else "")
              + ("Llama shapes: random INT4 weights with QSPEC's acceptance replayed from a trace recorded on "
                 "SmolLM2's real weights." if any(r.get("acceptance") == "replayed" for r in sections) else "")
              + (" SmolLM2: real weights, measured acceptance."
@@ -147,7 +149,9 @@ def render_decode(run: dict, source: str = "decode.json") -> str:
         rows = sorted(rows, key=lambda r: r["batch"])
         ar = [m for m in AR_METHODS if any(m in r["methods"] for r in rows)]
         drafts = _qspec_methods(rows)
-        head = ["batch", *(f"{method_name(m)} AR" for m in ar), *(f"QSPEC, {method_name(d)} draft" for d in drafts)]
+        auto = [d for d in drafts if any(f"qspec {d} g=auto" in r["methods"] for r in rows)]
+        head = ["batch", *(f"{method_name(m)} AR" for m in ar), *(f"QSPEC, {method_name(d)} draft" for d in drafts),
+                *(f"QSPEC, {method_name(d)} draft, γ auto" for d in auto)]
         lines += ["", f"**{model_name(model)}, context {context}" + (f" + {new} new tokens" if new else "") + "**", "",
                   "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for r in rows:
@@ -169,6 +173,13 @@ def render_decode(run: dict, source: str = "decode.json") -> str:
                     g, e = best
                     ratio = f"{_x(e['tokens_per_s'] / base)}, " if base else ""
                     cells.append(f"{e['tokens_per_s']:.0f} ({ratio}γ={g})")
+            for d in auto:
+                e = r["methods"].get(f"qspec {d} g=auto")
+                if not e or "tokens_per_s" not in e:
+                    cells.append("–")
+                else:
+                    ratio = f"{_x(e['tokens_per_s'] / base)}, " if base else ""
+                    cells.append(f"{e['tokens_per_s']:.0f} ({ratio}mean γ {e['mean_gamma']:.1f})")
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

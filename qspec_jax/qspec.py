@@ -87,16 +87,20 @@ def qspec_loop(params, state: DecodeState, *, rt: Runtime, gamma: int, draft: Pr
                               lambda s: qspec_round(params, s, rt, gamma, draft), state)
 
 
+def auto_round(params, state: DecodeState, rt: Runtime, gamma_max: int, draft: Precision, costs: CostModel,
+               accept: Accept | None = None) -> DecodeState:
+    """One round with γ chosen by :func:`qspec_jax.gamma.choose_gamma`: a W4A16 step (γ = 0) or a
+    :func:`qspec_round` of 1..``gamma_max`` drafts (``accept`` as there), through ``lax.switch``."""
+    branches = [lambda s: ar_step(params, s, rt, TARGET)] + [
+        functools.partial(lambda s, g: qspec_round(params, s, rt, g, draft, accept), g=g)
+        for g in range(1, gamma_max + 1)]
+    g = choose_gamma(costs, gamma_max, state.accepted, state.drafted, state.lengths, ~state.done)
+    return jax.lax.switch(g, branches, state)
+
+
 @functools.partial(jax.jit, static_argnames=("rt", "gamma_max", "draft", "costs"), donate_argnames=("state",))
 def qspec_auto_loop(params, state: DecodeState, *, rt: Runtime, gamma_max: int, draft: Precision,
                     costs: CostModel) -> DecodeState:
-    """QSPEC decoding with γ chosen every round (:func:`qspec_jax.gamma.choose_gamma`): one
-    ``lax.while_loop`` whose body switches between a W4A16 step (γ = 0) and rounds of 1..``gamma_max``."""
-    branches = [lambda s: ar_step(params, s, rt, TARGET)] + [
-        functools.partial(lambda s, g: qspec_round(params, s, rt, g, draft), g=g) for g in range(1, gamma_max + 1)]
-
-    def body(s: DecodeState) -> DecodeState:
-        g = choose_gamma(costs, gamma_max, s.accepted, s.drafted, s.lengths, ~s.done)
-        return jax.lax.switch(g, branches, s)
-
-    return jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
+    """QSPEC decoding with γ chosen every round: one ``lax.while_loop`` of :func:`auto_round`."""
+    return jax.lax.while_loop(lambda s: ~jnp.all(s.done),
+                              lambda s: auto_round(params, s, rt, gamma_max, draft, costs), state)

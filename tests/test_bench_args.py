@@ -74,7 +74,7 @@ def test_decode_refuses_bad_arguments_before_measuring(tmp_path, capsys):
     for doc, match in [({"w4a8": {"1": "abc"}}, "gamma-1 entry must be a non-empty list"),
                        ({"w4a8": {"1": []}}, "gamma-1 entry must be a non-empty list"),
                        ({"w4a8": {"1": [[0, 2]]}}, r"accepted counts in \[0, 1\]"),
-                       ({"w4a8": []}, "the trace has no w4a8 rounds")]:
+                       ({"w4a8": []}, r"the trace \S+ has no w4a8 rounds")]:
         with pytest.raises(SystemExit, match=match):
             decode.main([*base, "--trace", _trace(tmp_path, doc)])
     (tmp_path / "bad.json").write_text("[]")

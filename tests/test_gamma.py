@@ -105,3 +105,11 @@ def test_generate_auto_gamma_equals_w4a16(rng):
         assert got.stats["drafted"] <= AUTO_GAMMA_MAX * got.stats["rounds"]
         for a, b in zip(got.sequences, ref.sequences):
             np.testing.assert_array_equal(a, b)
+
+
+def test_expected_tokens_matches_a_geometric_sum(rng):
+    """E[L] for independent accepts: sum over k = 0..gamma of alpha**k, in float64; gamma + 1 at alpha 1."""
+    for alpha, gamma in zip(rng.uniform(0, 0.999, 20), rng.integers(1, 9, 20)):
+        want = sum(np.float64(alpha) ** k for k in range(gamma + 1))
+        assert abs(float(gm.expected_tokens(float(alpha), int(gamma))) - want) < 1e-5 * want
+    assert abs(float(gm.expected_tokens(1.0, 4)) - 5.0) < 1e-4 and float(gm.expected_tokens(0.0, 4)) == 1.0

@@ -22,6 +22,7 @@ from convert.quantize import QuantScheme
 from pallas_kernels.reference import AttentionWindow, quantize_kv as ref_quantize_kv
 from qspec_jax.decode import Runtime, prefill
 from qspec_jax.api import MAX_GAMMA, generate, load
+from qspec_jax.gamma import CostModel
 from qspec_jax.model import KVCache, forward, init_cache, with_draft_head
 from bench import hooks
 from qspec_jax.qspec import qspec_loop, qspec_round
@@ -806,4 +807,33 @@ def test_replayed_acceptance_trace(tiny_model, rng):
     st = hooks.replay_loop(params, fresh(), jnp.asarray(made_up), rt=rt, gamma=3, draft=W4A4)
     # 11 tokens after the prefill's first: rounds of 4, 1 and 3 tokens -> 3, 11 and 4 rounds
     np.testing.assert_array_equal(np.asarray(st.rounds), [3, 11, 4])
+    np.testing.assert_array_equal(np.asarray(st.lengths - lengths), [12, 12, 12])
+
+
+def test_replayed_auto_loop_follows_its_cost_model(tiny_model, rng):
+    """gamma="auto" with replayed acceptance: drafts that cost nothing pick the largest γ every round,
+    so the run equals the γ = 4 replay of the same trace (clipped per round); drafts that cost as much
+    as a W4A16 step never pay off, so every round is a W4A16 step and nothing is drafted."""
+    cfg, params = tiny_model.config, tiny_model.checkpoint.params
+    rt = Runtime(cfg, 12, (), Sampling())
+    tokens = rng.integers(0, cfg.vocab_size, (3, 6)).astype(np.int32)
+    lengths = np.array([6, 4, 5], np.int32)
+
+    def fresh():
+        return _prefill_jit(params, tokens, lengths, jax.random.key(0), rt=rt, buffer_len=22, cache_len=22,
+                            precision=W4A16)
+
+    trace = jnp.asarray(rng.integers(0, 6, (int(rng.integers(2, 6)), 3)), jnp.int32)  # recorded at γ 5
+    # no weight bytes: a draft step costs its head and KV reads only, nothing here
+    cheap = CostModel(weight_bytes=0.0, head_bytes=1e8, draft_head_bytes=0.0, kv_bytes=1e3, draft_kv_bytes=0.0)
+    got = hooks.replay_auto_loop(params, fresh(), trace, rt=rt, gamma_max=4, draft=W4A4, costs=cheap)
+    want = hooks.replay_loop(params, fresh(), trace, rt=rt, gamma=4, draft=W4A4)
+    for a, b in zip((got.tokens, got.lengths, got.rounds, got.accepted, got.drafted),
+                    (want.tokens, want.lengths, want.rounds, want.accepted, want.drafted)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    costly = dataclasses.replace(cheap, draft_head_bytes=1e8, draft_kv_bytes=1e3)
+    st = hooks.replay_auto_loop(params, fresh(), trace, rt=rt, gamma_max=4, draft=W4A4, costs=costly)
+    np.testing.assert_array_equal(np.asarray(st.drafted), [0, 0, 0])
+    # 11 tokens after the prefill's first, one W4A16 step each
+    np.testing.assert_array_equal(np.asarray(st.rounds), [11, 11, 11])
     np.testing.assert_array_equal(np.asarray(st.lengths - lengths), [12, 12, 12])

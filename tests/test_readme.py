@@ -94,6 +94,18 @@ def test_decode_with_some_configurations(results: Path):
     assert "not present" in report.tables(results)["decode"]
 
 
+def test_decode_auto_gamma_column(results: Path):
+    """A gamma="auto" entry gets its own column (speed-up and mean γ); it is never taken as a fixed γ."""
+    section = {"model": "llama3-8b", "batch": 8, "context": 512, "new": 512, "acceptance": "replayed",
+               "methods": {"w4a16": {"tokens_per_s": 2000.0, "ms_per_step": 4.0},
+                           "qspec w4a8 g=1": {"tokens_per_s": 1800.0, "ms_per_round": 12.0},
+                           "qspec w4a8 g=auto": {"tokens_per_s": 2100.0, "mean_gamma": 0.25}}}
+    (results / "decode.json").write_text(json.dumps({"device": "NVIDIA H200", "results": [section]}))
+    text = report.tables(results)["decode"]
+    assert "| batch | W4A16 AR | QSPEC, W4A8 draft | QSPEC, W4A8 draft, γ auto |" in text
+    assert "| 8 | 2000 | 1800 (0.90×, γ=1) | 2100 (1.05×, mean γ 0.2) |" in text and "γ auto:" in text
+
+
 def test_marker_without_its_end_is_refused():
     with pytest.raises(SystemExit, match="no <!-- /results:decode -->"):
         report.fill("<!-- results:decode -->\nold\n", {"decode": "new"})
