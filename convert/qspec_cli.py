@@ -21,9 +21,10 @@ DEMO_PROMPTS = [
 
 
 def _print_stats(label: str, stats: dict) -> None:
+    rounds = (f"rounds {stats['rounds']}, acceptance {stats['acceptance_rate']:.3f}, "
+              f"tokens/round {stats['tokens_per_round']:.2f}" if "rounds" in stats else f"steps {stats['steps']}")
     print(f"  [{label}] {stats['generated']} tokens in {stats['wall_time_s']:.2f} s "
-          f"({stats['tokens_per_s']:.1f} tok/s) | rounds {stats['rounds']}, "
-          f"acceptance {stats['acceptance_rate']:.3f}, tokens/round {stats['tokens_per_round']:.2f}")
+          f"({stats['tokens_per_s']:.1f} tok/s) | {rounds}")
 
 
 def _gamma(text: str) -> int | str:
@@ -49,7 +50,8 @@ def cmd_generate(args) -> None:
     qspec_only = {name: value for name, value in qspec_only.items() if value is not None}  # unset: generate()'s defaults
     if args.method != "qspec" and qspec_only:  # refused, not silently ignored
         flags = ", ".join("--" + name.replace("_", "-") for name in qspec_only)
-        raise ValueError(f"{flags} only apply to --method qspec, not {args.method}")
+        raise ValueError(f"{flags} {'applies' if len(qspec_only) == 1 else 'apply'} to --method qspec only, "
+                         f"not {args.method}")
     model = load(_checkpoint(args))
     res = generate(model, [args.prompt], max_new_tokens=args.max_new_tokens, method=args.method, **qspec_only,
                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=args.chat)
@@ -64,11 +66,12 @@ def cmd_demo(args) -> None:
     model = load(_checkpoint(args))
     print(f"checkpoint: {model.checkpoint.path}")
     runs = {}
-    for label, method, draft in (("w4a16", "w4a16", "w4a4"), ("qspec/w4a4", "qspec", "w4a4"),
-                                 ("qspec/w4a8", "qspec", "w4a8")):
+    for label, method, qspec in (("w4a16", "w4a16", {}),
+                                 ("qspec/w4a4", "qspec", dict(draft="w4a4", gamma=args.gamma)),
+                                 ("qspec/w4a8", "qspec", dict(draft="w4a8", gamma=args.gamma))):
         for attempt in ("compile", "timed"):  # the second call reuses the compiled loop
             runs[label] = generate(model, DEMO_PROMPTS, max_new_tokens=args.max_new_tokens, method=method,
-                                   draft=draft, gamma=args.gamma, chat=True)
+                                   chat=True, **qspec)
     for i, prompt in enumerate(DEMO_PROMPTS):
         print(f"\nprompt: {prompt}\n{runs['qspec/w4a8'].texts[i].strip()}")
     print(f"\nbatch of {len(DEMO_PROMPTS)}, gamma={args.gamma}, greedy, second call (compiled):")

@@ -65,14 +65,19 @@ def load(path: str | Path) -> Model:
     if path is None:
         raise ValueError("load() needs a checkpoint path (the embedded SmolLM2's: "
                          "convert.embedded.default_checkpoint())")
+    path = Path(path).expanduser()
     ck = load_checkpoint(path)
-    tok = load_tokenizer(path) if (Path(path) / "tokenizer.json").is_file() else None
+    tok = load_tokenizer(path) if (path / "tokenizer.json").is_file() else None
     return Model(ck, tok)
 
 
 @dataclasses.dataclass
 class GenerationResult:
-    """Generated tokens per prompt, why each stopped, decoded texts and decoding statistics."""
+    """Generated tokens per prompt, why each stopped, decoded texts and decoding statistics.
+
+    ``stats``: ``generated`` tokens, ``wall_time_s`` (prefill + decode, and compilation on the first
+    call of a shape), ``tokens_per_s``; QSPEC adds ``rounds``, ``drafted``, ``accepted``,
+    ``acceptance_rate`` and ``tokens_per_round``, an autoregressive method ``steps``."""
 
     sequences: list[np.ndarray]
     prompt_lengths: np.ndarray
@@ -145,8 +150,8 @@ def _draft_window(method: str, size: int | None, sinks: int) -> reference.Attent
 
 
 def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]] | np.ndarray, *,
-             max_new_tokens: int, method: str = "qspec", draft: str = DEFAULT_DRAFT,
-             gamma: int | str = DEFAULT_GAMMA,
+             max_new_tokens: int, method: str = "qspec", draft: str | None = None,
+             gamma: int | str | None = None,
              draft_kv: int | None = None, draft_window: int | None = None, draft_sinks: int = DEFAULT_SINKS,
              draft_head: int | None = None,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
@@ -154,10 +159,10 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
              dtype: Any = None, kernels: str = "auto") -> GenerationResult:
     """Generate continuations of ``prompts`` (strings or token-id sequences) with ``method``.
 
-    ``qspec`` drafts ``gamma`` tokens per round in ``draft`` precision and verifies them in W4A16
-    (``"auto"``: each round's γ in ``0..AUTO_GAMMA_MAX`` from a bytes cost model of the phases and the
+    ``qspec`` drafts ``gamma`` tokens per round (default :data:`DEFAULT_GAMMA`) in ``draft`` precision
+    (default :data:`DEFAULT_DRAFT`) and verifies them in W4A16 (``"auto"``: each round's γ in ``0..AUTO_GAMMA_MAX`` from a bytes cost model of the phases and the
     acceptance so far, :mod:`qspec_jax.gamma`; γ = 0 is a W4A16 step); the other methods decode
-    autoregressively in that mode. ``draft_kv`` (8 or 4, ``qspec`` only):
+    autoregressively in that mode and refuse ``draft`` / ``gamma``. ``draft_kv`` (8 or 4, ``qspec`` only):
     the drafts attend over an INT8 / INT4 copy of the KV cache kept beside it, reading fewer bytes
     per draft step; the verifier still reads only its own float cache, so the output is unchanged.
     ``draft_window`` (``qspec`` only): the drafts attend over the first ``draft_sinks`` slots and the
@@ -180,7 +185,11 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
     if not isinstance(model, Model):
         raise ValueError(f"model must be a qspec_jax.Model (from qspec_jax.load(path)), got {type(model).__name__}")
     ar = None if method == "qspec" else parse_precision(method, AR_PRECISIONS, "method", others=("qspec",))
-    draft = parse_precision(draft, DRAFT_PRECISIONS, "draft precision")
+    if ar is not None and (given := [n for n, v in (("draft", draft), ("gamma", gamma)) if v is not None]):
+        raise ValueError(f"{' and '.join(given)} apply to method 'qspec' only; method {method!r} decodes "
+                         "autoregressively (leave them out)")
+    draft = parse_precision(DEFAULT_DRAFT if draft is None else draft, DRAFT_PRECISIONS, "draft precision")
+    gamma = DEFAULT_GAMMA if gamma is None else gamma
     if draft_kv is not None and (method != "qspec" or not is_integer(draft_kv) or draft_kv not in reference.KV_BITS):
         raise ValueError(f"draft_kv must be None or one of {reference.KV_BITS}, with method 'qspec'; got "
                          f"draft_kv={draft_kv!r} with method {method!r}")
@@ -221,13 +230,14 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
         raise ValueError(f"max_len={max_len} exceeds the model's max_position_embeddings "
                          f"{cfg.max_position_embeddings} (the positions it was trained for)")
     if lengths.max() + max_new_tokens > max_len:
-        raise ValueError(f"prompt of {lengths.max()} tokens plus max_new_tokens={max_new_tokens} exceeds the "
+        raise ValueError(f"a prompt of {lengths.max()} token{'s' if lengths.max() != 1 else ''} plus "
+                         f"max_new_tokens={max_new_tokens} exceeds the "
                          f"cache length max_len={max_len}")
     eos_ids = _eos_ids(model, eos_token_id)
     b = len(ids)
     if max_new_tokens == 0:
         return GenerationResult([np.zeros(0, np.int32)] * b, lengths, np.zeros(b, np.int32), ["length"] * b,
-                                [""] * b if model.tokenizer is not None else None, _stats(None, 0.0))
+                                [""] * b if model.tokenizer is not None else None, _stats(None, 0.0, ar is None))
 
     rt = Runtime(cfg, int(max_new_tokens), eos_ids, sampling, dtype,
                  model.checkpoint.online_rotation_seed, execution, draft_kv=draft_kv, draft_window=window,
@@ -256,7 +266,7 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
     texts = None
     if model.tokenizer is not None:
         texts = [model.tokenizer.decode(s, skip_special_tokens=True) for s in seqs]
-    stats = _stats((rounds, drafted, accepted, gen), wall)
+    stats = _stats((rounds, drafted, accepted, gen), wall, ar is None)
     return GenerationResult(seqs, lengths, gen, [FINISH_REASONS[int(f)] for f in finish], texts, stats)
 
 
@@ -279,17 +289,16 @@ def _eos_ids(model: Model, eos_token_id) -> tuple[int, ...]:
     return tuple(dict.fromkeys(int(i) for i in ids))
 
 
-def _stats(counters, wall: float) -> dict[str, float]:
-    """Totals over the batch; ``wall_time_s`` spans prefill + decode (compilation too on a first call).
-    ``accepted`` counts the drafts committed: a round cut short by ``max_new_tokens`` or EOS counts all
-    its ``gamma`` drafts as drafted but commits fewer, so short runs understate the acceptance rate."""
-    if counters is None:
-        return dict(rounds=0, drafted=0, accepted=0, acceptance_rate=0.0, tokens_per_round=0.0,
-                    generated=0, wall_time_s=wall, tokens_per_s=0.0)
-    rounds, drafted, accepted, gen = (int(np.sum(c)) for c in counters)
+def _stats(counters, wall: float, qspec: bool) -> dict[str, float]:
+    """Totals over the batch (:class:`GenerationResult`'s ``stats``). ``accepted`` counts the drafts
+    committed: a round cut short by ``max_new_tokens`` or EOS counts all its ``gamma`` drafts as
+    drafted but commits fewer, so short runs understate the acceptance rate."""
+    rounds, drafted, accepted, gen = (0, 0, 0, 0) if counters is None else (int(np.sum(c)) for c in counters)
+    common = dict(generated=gen, wall_time_s=wall, tokens_per_s=gen / wall if wall > 0 else 0.0)
+    if not qspec:
+        return dict(steps=rounds, **common)
     # the first token of each sequence comes from the prefill, not from a round
-    in_rounds = gen - int(np.sum(np.minimum(counters[3], 1)))
+    in_rounds = 0 if counters is None else gen - int(np.sum(np.minimum(counters[3], 1)))
     return dict(rounds=rounds, drafted=drafted, accepted=accepted,
                 acceptance_rate=accepted / drafted if drafted else 0.0,
-                tokens_per_round=in_rounds / rounds if rounds else 0.0,
-                generated=gen, wall_time_s=wall, tokens_per_s=gen / wall if wall > 0 else 0.0)
+                tokens_per_round=in_rounds / rounds if rounds else 0.0, **common)

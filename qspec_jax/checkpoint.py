@@ -6,7 +6,9 @@ Layout of a checkpoint directory::
                          which params are packed INT4 (and their group size), sha256 of every file
     model.safetensors    params, flattened with '.'-joined paths; a packed weight ``p`` is stored
                          as ``p.packed``, ``p.scales`` and (asymmetric) ``p.mins``; optionally
-                         ``draft_vocab``: token ids by falling calibration frequency (a draft head's rows)
+                         ``draft_vocab``: token ids by falling calibration frequency (a draft head's rows);
+                         its metadata holds the sha256 of the manifest's fields (all but the checksums),
+                         so the manifest cannot be edited without the weights' checksum failing
     tokenizer.json, tokenizer_config.json, ...   loadable without torch
 """
 
@@ -26,7 +28,7 @@ from pallas_kernels.layout import QuantizedWeight
 from qspec_jax.config import LlamaConfig
 
 FORMAT = "qspec-jax"
-FORMAT_VERSION = 2  # 2: the nibble-planar packed layout of pallas_kernels/layout.py
+FORMAT_VERSION = 3  # 2: the nibble-planar packed layout of pallas_kernels/layout.py; 3: the manifest's digest
 MANIFEST = "manifest.json"
 WEIGHTS = "model.safetensors"
 # The tokenizer files a converted checkpoint keeps (those of its source), each listed and checksummed in
@@ -37,6 +39,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "chat_template.jinja", "chat_template.json", "generation_config.json")
 EXTRA_TEMPLATES = "additional_chat_templates"
 DRAFT_VOCAB = "draft_vocab"  # the tensor (and manifest entry) of the token ranking draft heads take rows from
+MANIFEST_DIGEST = "qspec_jax.manifest_sha256"  # the weights file's metadata key of manifest_digest()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +131,13 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def manifest_digest(manifest: dict[str, Any]) -> str:
+    """sha256 of the manifest's fields but its file checksums (canonical JSON): stored in the weights
+    file, whose checksum the manifest holds, so neither can change without the other noticing."""
+    fields = {k: v for k, v in manifest.items() if k != "files"}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def save_checkpoint(out: str | Path, params: dict[str, Any], config: LlamaConfig,
                     tokenizer_files: dict[str, str], ranking: np.ndarray | None = None,
                     **manifest_fields: Any) -> Path:
@@ -146,15 +156,15 @@ def save_checkpoint(out: str | Path, params: dict[str, Any], config: LlamaConfig
     out.mkdir(parents=True, exist_ok=True)
     for name in set(TOKENIZER_FILES) - set(tokenizer_files):
         (out / name).unlink(missing_ok=True)
-    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(out / WEIGHTS))
+    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "config": config.to_hf(),
+                **manifest_fields, "packed_weights": packed}
+    manifest = json.loads(json.dumps(manifest))  # as load() will read it back (tuples as lists)
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(out / WEIGHTS),
+              metadata={MANIFEST_DIGEST: manifest_digest(manifest)})
     for name, text in tokenizer_files.items():
         (out / name).write_text(text)
     files = [WEIGHTS, *sorted(tokenizer_files)]
-    manifest = {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "config": config.to_hf(),
-        **manifest_fields, "packed_weights": packed,
-        "files": {name: sha256(out / name) for name in files},
-    }
+    manifest["files"] = {name: sha256(out / name) for name in files}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return out
 
@@ -211,9 +221,10 @@ def check_params(params: dict[str, Any], config: LlamaConfig, quantized: bool) -
 def load_checkpoint(path: str | Path) -> Checkpoint:
     """Load and verify a converted checkpoint (existence, checksums, format, shapes); its weights are
     placed on the default device once, so a jitted call does not copy them from the host each time."""
+    from safetensors import safe_open
     from safetensors.numpy import load_file
 
-    path = Path(path)
+    path = Path(path).expanduser()
     mpath = path / MANIFEST
     if not mpath.is_file():
         raise FileNotFoundError(f"{mpath} not found: {path} is not a qspec-jax checkpoint "
@@ -262,6 +273,12 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         check_draft_vocab(draft_vocab, config.vocab_size, f"{path / WEIGHTS}: {DRAFT_VOCAB!r}")
     params = unflatten_params(tensors, manifest["packed_weights"])
     check_params(params, config, manifest.get("quantization") is not None)
+    with safe_open(str(path / WEIGHTS), framework="np") as f:
+        recorded = (f.metadata() or {}).get(MANIFEST_DIGEST)
+    if recorded != manifest_digest(manifest):
+        raise ValueError(f"{mpath} does not match {path / WEIGHTS}: its fields differ from those the checkpoint was "
+                         "converted with (edited by hand, or copied from another checkpoint); convert the model "
+                         "again rather than editing the manifest")
     return Checkpoint(path, config, jax.device_put(params), manifest, draft_vocab)
 
 

@@ -72,6 +72,12 @@ class LlamaConfig:
             raise ValueError(
                 f"unsupported architecture {archs or model_type!r}: qspec-jax handles "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        # each field that is given must name the same supported model: a contradiction is refused
+        types = {dict(zip(SUPPORTED_ARCHITECTURES, SUPPORTED_MODEL_TYPES)).get(a) for a in archs}
+        if None in types or (model_type is not None and archs and types != {model_type}) or len(types) > 1:
+            raise ValueError(f"config.json contradicts itself: 'architectures' {archs!r} and 'model_type' "
+                             f"{model_type!r} must name one supported model ({', '.join(SUPPORTED_ARCHITECTURES)}, "
+                             f"model_type {', '.join(SUPPORTED_MODEL_TYPES)})")
         _check_hf_features(hf, model_type)
         hidden, heads = _hf_value(hf, "hidden_size", int), _hf_value(hf, "num_attention_heads", int)
         if heads < 1:

@@ -20,7 +20,7 @@ def test_generate_flags_reach_generate(monkeypatch, capsys, rng):
     def fake_generate(model, prompts, **kw):
         calls.append((model, prompts, kw))
         return api.GenerationResult([np.zeros(2, np.int32)], np.ones(1), np.full(1, 2), ["eos"], ["an answer"],
-                                    api._stats(None, 0.0))
+                                    api._stats(None, 0.0, True))
 
     monkeypatch.setattr(api, "load", lambda path: ("model at", path))
     monkeypatch.setattr(cli, "default_checkpoint", lambda: "embedded")
@@ -38,7 +38,7 @@ def test_generate_flags_reach_generate(monkeypatch, capsys, rng):
     assert cli.main(["generate", "--prompt", "hi", "--gamma", "5", "--draft", "w4a4"]) == 0
     assert calls[-1][2]["gamma"] == 5 and calls[-1][2]["draft"] == "w4a4"
     assert cli.main(["generate", "--prompt", "hi", "--method", "w4a16", "--gamma", "2", "--draft", "w4a4"]) == 2
-    assert len(calls) == 2 and "--gamma, --draft only apply to --method qspec" in capsys.readouterr().err
+    assert len(calls) == 2 and "--gamma, --draft apply to --method qspec only" in capsys.readouterr().err
     argv = ["generate", "--prompt", "hi", "--gamma", "auto", "--draft-window", "512", "--draft-sinks", "4",
             "--draft-head", "4096"]
     assert cli.main(argv) == 0

@@ -159,6 +159,53 @@ def test_manifest_config_mismatch_is_a_shape_error(tiny_ckpt):
         load_checkpoint(tiny_ckpt)
 
 
+@pytest.mark.parametrize("edit", ["rotation changed", "rms_norm_eps", "rope_theta", "source", "field added"])
+def test_hand_edited_manifest_is_refused(tiny_ckpt, rng, edit):
+    """A well-formed manifest edited after conversion (its checksums untouched, still valid) no longer
+    matches the digest the weights file holds: refused, where it would load and decode differently."""
+    m = json.loads((tiny_ckpt / MANIFEST).read_text())
+    if edit == "rotation changed":  # the issue's case: a rotated checkpoint's rotation set to null, or the reverse
+        m["rotation"] = None if m.get("rotation") else {"online": True, "seed": int(rng.integers(0, 1000))}
+    elif edit == "rms_norm_eps":
+        m["config"]["rms_norm_eps"] = float(m["config"]["rms_norm_eps"]) * float(rng.uniform(1.5, 10))
+    elif edit == "rope_theta":
+        m["config"]["rope_theta"] = float(rng.uniform(1e3, 1e6))
+    elif edit == "source":
+        m["source"] = "another model"
+    else:
+        m["note"] = "edited"
+    (tiny_ckpt / MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(ValueError, match="does not match .*model.safetensors.*convert the model again"):
+        load_checkpoint(tiny_ckpt)
+
+
+def test_manifest_of_another_checkpoint_is_refused(tmp_path, rng):
+    """Two conversions of one source that differ only in a manifest field: the manifests swapped, with
+    the checksums made right, do not load."""
+    src = random_source(TINY, rng, '{"stub": 1}')
+    params, config, manifest = convert_model(src, QuantScheme(16, False, "rtn"), None)
+    a = save_checkpoint(tmp_path / "a", params, config, src.tokenizer_files, **manifest)
+    b = save_checkpoint(tmp_path / "b", params, config, src.tokenizer_files, **{**manifest, "source": "renamed"})
+    m = json.loads((b / MANIFEST).read_text())
+    m["files"] = json.loads((a / MANIFEST).read_text())["files"]
+    (a / MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(ValueError, match="does not match"):
+        load_checkpoint(a)
+    assert load_checkpoint(b).manifest["source"] == "renamed"
+
+
+def test_load_expands_the_home_directory(tiny_ckpt, monkeypatch):
+    """``~`` in a checkpoint path is the home directory, for the weights and the tokenizer."""
+    import qspec_jax.tokenizer
+    from qspec_jax.api import load
+
+    monkeypatch.setenv("HOME", str(tiny_ckpt.parent))
+    monkeypatch.setattr(qspec_jax.tokenizer, "load_tokenizer", lambda path: Path(path))  # its stub is no tokenizer
+    model = load(f"~/{tiny_ckpt.name}")
+    assert model.checkpoint.path == tiny_ckpt and model.tokenizer == tiny_ckpt
+    assert load_checkpoint(Path("~") / tiny_ckpt.name).path == tiny_ckpt
+
+
 def test_unknown_format_version(tiny_ckpt):
     m = json.loads((tiny_ckpt / MANIFEST).read_text())
     m["format_version"] = 999
@@ -341,6 +388,14 @@ def test_unknown_architecture_rejected(tmp_path, rng):
         read_source(d)
     with pytest.raises(ValueError, match="num_attention_heads"):
         LlamaConfig.from_hf({"architectures": ["LlamaForCausalLM"], "hidden_size": 8})
+    # either field would pass alone: together they must name the same model
+    for archs, model_type in ((["GPT2LMHeadModel"], "llama"), (["LlamaForCausalLM"], "qwen2"),
+                              (["LlamaForCausalLM", "Qwen2ForCausalLM"], None),
+                              (["LlamaForCausalLM", "GPT2LMHeadModel"], "llama")):
+        cfg.update(architectures=archs, model_type=model_type)
+        (d / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(ValueError, match="contradicts itself"):
+            read_source(d)
 
 
 def test_hf_tensor_shape_mismatch_named(tmp_path, rng):

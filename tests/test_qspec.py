@@ -524,6 +524,24 @@ def test_invalid_requests_raise(tiny_model):
         generate(tiny_model, ok[0], max_new_tokens=4)  # a flat list of ids: a batch of 0-d prompts
     with pytest.raises(ValueError, match="must be a qspec_jax.Model"):
         generate(str(tiny_model.checkpoint.path), ok, max_new_tokens=4)
+    for method in ("w4a16", "w4a8", "w16a16"):  # QSPEC's settings are refused, not ignored, by the AR methods
+        for extra, named in ((dict(gamma=5), "gamma"), (dict(draft="w4a4"), "draft"),
+                             (dict(gamma="auto", draft="w4a8"), "draft and gamma")):
+            with pytest.raises(ValueError, match=f"{named} apply to method 'qspec' only; method '{method}'"):
+                generate(tiny_model, ok, max_new_tokens=4, method=method, **extra)
+    with pytest.raises(ValueError, match="kernels='pallas' needs a GPU.*'reference'.*'interpret'"):
+        generate(tiny_model, ok, max_new_tokens=4, kernels="pallas")
+    with pytest.raises(ValueError, match="a prompt of 1 token plus"):
+        generate(tiny_model, [[3]], max_new_tokens=TINY.max_position_embeddings)
+
+
+def test_stats_are_the_method_s(tiny_model):
+    """Autoregressive runs report steps, not QSPEC's rounds and acceptance; QSPEC reports its counters."""
+    ar = generate(tiny_model, [[3, 4, 5]], max_new_tokens=6, method="w4a16", eos_token_id=-1).stats
+    assert set(ar) == {"steps", "generated", "wall_time_s", "tokens_per_s"} and ar["steps"] == 5
+    qs = generate(tiny_model, [[3, 4, 5]], max_new_tokens=6, gamma=2, eos_token_id=-1).stats
+    assert {"rounds", "drafted", "accepted", "acceptance_rate", "tokens_per_round", "generated"} <= set(qs)
+    assert "steps" not in qs and qs["drafted"] == 2 * qs["rounds"]
 
 
 def test_tokenizer_must_match_the_model(tmp_path, rng, smollm2_tokenizer_json):
