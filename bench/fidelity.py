@@ -81,23 +81,26 @@ def agreement(a: np.ndarray, b: np.ndarray) -> tuple[int, int]:
     return int(np.sum(a[:n] == b[:n])), max(len(a), len(b))
 
 
-def run_method(model: Model, questions: list[str], method: str, draft: DraftSpec, gamma: int, batch: int,
+def run_method(model: Model, questions: list[str], method: str, draft: DraftSpec | None, gamma: int, batch: int,
                max_new: int, kernels: str) -> tuple[list[np.ndarray], list[str], dict]:
-    """Greedy outputs of one method over all questions, in batches; summed QSPEC counters."""
+    """Greedy outputs of one method over all questions, in batches; summed QSPEC counters (``draft``:
+    QSPEC's drafts, None for an autoregressive method)."""
     seqs, texts = [], []
     tot = dict(rounds=0, drafted=0, accepted=0, in_rounds=0, seconds=0.0)
     for i in range(0, len(questions), batch):
-        window = {} if draft.window is None else {"draft_window": draft.window.size,
-                                                   "draft_sinks": draft.window.sinks}
-        res = generate(model, questions[i:i + batch], max_new_tokens=max_new, method=method, draft=draft.mode,
-                       gamma=gamma, draft_kv=draft.kv, chat=True, kernels=kernels, **window)
+        qspec = {} if draft is None else {"draft": draft.mode, "gamma": gamma, "draft_kv": draft.kv}
+        if draft is not None and draft.window is not None:
+            qspec |= {"draft_window": draft.window.size, "draft_sinks": draft.window.sinks}
+        res = generate(model, questions[i:i + batch], max_new_tokens=max_new, method=method, chat=True,
+                       kernels=kernels, **qspec)
         seqs += res.sequences
         texts += res.texts
         st = res.stats
-        tot["rounds"] += st["rounds"]
-        tot["drafted"] += st["drafted"]
-        tot["accepted"] += st["accepted"]
-        tot["in_rounds"] += st["tokens_per_round"] * st["rounds"]
+        if draft is not None:
+            tot["rounds"] += st["rounds"]
+            tot["drafted"] += st["drafted"]
+            tot["accepted"] += st["accepted"]
+            tot["in_rounds"] += st["tokens_per_round"] * st["rounds"]
         tot["seconds"] += st["wall_time_s"]
     return seqs, texts, tot
 
@@ -137,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     device = jax.devices()[0].device_kind
     print(f"{len(rows)} problems on {device}", flush=True)
 
-    methods = [(m, m, DraftSpec("w4a4")) for m in AR_METHODS] + [(f"qspec-{d}", "qspec", spec) for d, spec in drafts]
+    methods = [(m, m, None) for m in AR_METHODS] + [(f"qspec-{d}", "qspec", spec) for d, spec in drafts]
     out: dict = {"command": command_line("bench.fidelity", argv), "problems": len(rows), "device": device, "gamma": args.gamma, "methods": {}}
     outputs = {}
     for name, method, draft in methods:

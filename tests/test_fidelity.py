@@ -34,3 +34,27 @@ def test_unknown_draft_is_rejected_before_any_work(tmp_path, capsys):
         with pytest.raises(SystemExit):
             fidelity.main(["--gsm8k", str(dev), "--drafts", bad])
         assert f"error: --drafts: unknown draft '{bad}'" in capsys.readouterr().err
+
+
+def test_fidelity_end_to_end_on_smollm2(tmp_path):
+    """Every method on two problems with the embedded SmolLM2 (reference kernels): the autoregressive
+    methods run without QSPEC's settings; W4A16 is identical to itself, QSPEC to W4A16 (greedy), and
+    QSPEC reports its acceptance and tokens per round."""
+    import json
+
+    from bench import fidelity
+
+    dev = tmp_path / "dev.jsonl"
+    rows = [{"question": "Tom has 3 apples and buys 4 more. How many apples does he have?", "answer": "#### 7"},
+            {"question": "A pen costs 2 dollars. How much do 5 pens cost?", "answer": "#### 10"}]
+    dev.write_text("\n".join(json.dumps(r) for r in rows))
+    out = tmp_path / "fidelity.md"
+    fidelity.main(["--gsm8k", str(dev), "--max-new-tokens", "6", "--batch", "2", "--drafts", "w4a8,w4a8/win8+4",
+                   "--kernels", "reference", "--out", str(out)])
+    doc = json.loads(out.with_suffix(".json").read_text())
+    assert set(doc["methods"]) == {*fidelity.AR_METHODS, "qspec-w4a8", "qspec-w4a8/win8+4"}
+    assert doc["methods"]["w4a16"]["identical"] == 2
+    for name in ("qspec-w4a8", "qspec-w4a8/win8+4"):
+        r = doc["methods"][name]
+        assert r["identical"] == 2 and 0 <= r["acceptance"] <= 1 and 1 <= r["tokens_per_round"] <= 4
+    assert "acceptance" not in doc["methods"]["w4a8"] and "| qspec-w4a8 |" in out.read_text()
