@@ -14,7 +14,7 @@ import numpy as np
 from pallas_kernels import reference
 from pallas_kernels.precision import DRAFT_PRECISIONS, W4A8, W4A16, W16A16, W4A4, parse_precision
 from qspec_jax.checkpoint import Checkpoint, load_checkpoint
-from qspec_jax.decode import FINISH_REASONS, Runtime, ar_loop, pad_prompts, prefill_jit
+from qspec_jax.decode import FINISH_REASONS, STOP, Runtime, ar_loop, pad_prompts, prefill_jit
 from qspec_jax.kernels import Execution
 from qspec_jax.model import with_draft_head
 from qspec_jax.gamma import cost_model
@@ -75,7 +75,8 @@ def load(path: str | Path) -> Model:
 class GenerationResult:
     """Generated tokens per prompt, why each stopped, decoded texts and decoding statistics.
 
-    ``stats``: ``generated`` tokens, ``wall_time_s`` (prefill + decode, and compilation on the first
+    ``finish_reasons``: ``"stop"`` (an EOS token or a stop string) or ``"length"``.
+    ``stats``: ``generated`` tokens (by the decode loop, before any stop-string cut), ``wall_time_s`` (prefill + decode, and compilation on the first
     call of a shape), ``tokens_per_s``; QSPEC adds ``rounds``, ``drafted``, ``accepted``,
     ``acceptance_rate`` and ``tokens_per_round``, an autoregressive method ``steps``."""
 
@@ -87,10 +88,17 @@ class GenerationResult:
     stats: dict[str, float]
 
 
-def tokenize(model: Model, prompts, chat: bool) -> list[list[int]]:
-    """Token ids of each prompt (strings through the tokenizer), checked against the vocabulary."""
-    if isinstance(prompts, str):
+def _is_conversation(p) -> bool:
+    return isinstance(p, (list, tuple)) and bool(p) and all(isinstance(m, dict) for m in p)
+
+
+def tokenize(model: Model, prompts, chat: bool, system: str | None = None) -> list[list[int]]:
+    """Token ids of each prompt (strings and conversations through the tokenizer; ``system``: a system
+    message before each chat prompt), checked against the vocabulary."""
+    if isinstance(prompts, str) or _is_conversation(prompts):
         prompts = [prompts]
+    if system is not None and not chat:
+        raise ValueError("system= is a chat message: it needs chat=True")
     if getattr(prompts, "ndim", 1) == 0 or not hasattr(prompts, "__iter__"):
         raise ValueError(f"prompts must be a string, a list of strings or a list of token-id sequences, "
                          f"got {type(prompts).__name__}")
@@ -98,12 +106,14 @@ def tokenize(model: Model, prompts, chat: bool) -> list[list[int]]:
         prompts = [prompts]
     out = []
     for p in prompts:
-        if isinstance(p, str):
+        if isinstance(p, str) or _is_conversation(p):
             if model.tokenizer is None:
                 raise ValueError("this checkpoint has no tokenizer: pass token ids instead of strings")
             if chat:
                 from qspec_jax.tokenizer import chat_prompt
-                ids = np.asarray(chat_prompt(model.tokenizer, p), np.int64)
+                ids = np.asarray(chat_prompt(model.tokenizer, p, system), np.int64)
+            elif not isinstance(p, str):
+                raise ValueError("a list of messages is a conversation for the chat template: it needs chat=True")
             else:
                 ids = np.asarray(model.tokenizer.encode(p, add_special_tokens=False), np.int64)
         else:
@@ -155,7 +165,8 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
              draft_kv: int | None = None, draft_window: int | None = None, draft_sinks: int = DEFAULT_SINKS,
              draft_head: int | None = None,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-             eos_token_id: int | Sequence[int] | None = None, chat: bool = False, max_len: int | None = None,
+             eos_token_id: int | Sequence[int] | None = None, stop: str | Sequence[str] | None = None,
+             chat: bool = False, system: str | None = None, max_len: int | None = None,
              dtype: Any = None, kernels: str = "auto") -> GenerationResult:
     """Generate continuations of ``prompts`` (strings or token-id sequences) with ``method``.
 
@@ -175,7 +186,11 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
     ``eos_token_id``: the token(s) that end a sequence, by default the tokenizer's EOS and the config's
     (all of them, where it lists several); ``-1`` never stops on a token.
     ``temperature`` 0 decodes greedily; above 0 tokens are sampled (key from ``seed``), ``top_k`` /
-    ``top_p`` restricting the distribution. ``chat`` wraps string prompts in the chat template.
+    ``top_p`` restricting the distribution. ``stop``: strings that end a sequence's text; each is cut
+    after the token that completes the first match and its text before the match (the loop itself runs
+    on to EOS or ``max_new_tokens``: the cut is made on the host). ``chat`` wraps string prompts in the
+    chat template; a prompt may also be a conversation, a list of ``{"role", "content"}`` messages
+    (or ``prompts`` one conversation); ``system`` puts a system message first.
     ``dtype``: the activations' and KV cache's float type (float32, bfloat16 or float16); None:
     bfloat16 on a GPU backend, float32 elsewhere (:func:`default_dtype`).
     ``kernels`` picks the Pallas GPU kernels or the jnp references (:mod:`qspec_jax.kernels`;
@@ -221,7 +236,8 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
         raise ValueError(f"method {method!r} needs a quantized checkpoint; this one holds float weights")
     execution = Execution.decode(kernels)
     sampling = Sampling(temperature, top_k, top_p)
-    ids = tokenize(model, prompts, chat)
+    stop = _stop_strings(model, stop)
+    ids = tokenize(model, prompts, chat, system)
     tokens, lengths = pad_prompts(ids, PROMPT_MULTIPLE)
     cfg = model.config
     if max_len is None:
@@ -263,11 +279,30 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
     toks, lens, finish, rounds, drafted, accepted = out
     gen = lens - lengths
     seqs = [toks[i, lengths[i]:lens[i]] for i in range(b)]
+    reasons = [FINISH_REASONS[int(f)] for f in finish]
     texts = None
     if model.tokenizer is not None:
         texts = [model.tokenizer.decode(s, skip_special_tokens=True) for s in seqs]
     stats = _stats((rounds, drafted, accepted, gen), wall, ar is None)
-    return GenerationResult(seqs, lengths, gen, [FINISH_REASONS[int(f)] for f in finish], texts, stats)
+    if stop:
+        from qspec_jax.tokenizer import cut_at_stop
+        for i, seq in enumerate(seqs):
+            if (cut := cut_at_stop(model.tokenizer, seq, stop)) is not None:
+                seqs[i], texts[i], reasons[i] = cut[0], cut[1], FINISH_REASONS[STOP]
+        gen = np.array([len(s) for s in seqs], gen.dtype)
+    return GenerationResult(seqs, lengths, gen, reasons, texts, stats)
+
+
+def _stop_strings(model: Model, stop) -> tuple[str, ...]:
+    """``generate``'s ``stop`` as a tuple of non-empty strings (a tokenizer needed to find them)."""
+    if stop is None:
+        return ()
+    stops = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, (list, tuple)) else None
+    if not stops or not all(isinstance(s, str) and s for s in stops):
+        raise ValueError(f"stop must be a non-empty string or a non-empty list of them, got {stop!r}")
+    if model.tokenizer is None:
+        raise ValueError("stop strings are found in the decoded text: this checkpoint has no tokenizer")
+    return stops
 
 
 def _eos_ids(model: Model, eos_token_id) -> tuple[int, ...]:

@@ -855,3 +855,68 @@ def test_replayed_auto_loop_follows_its_cost_model(tiny_model, rng):
     # 11 tokens after the prefill's first, one W4A16 step each
     np.testing.assert_array_equal(np.asarray(st.rounds), [11, 11, 11])
     np.testing.assert_array_equal(np.asarray(st.lengths - lengths), [12, 12, 12])
+
+
+def test_chat_conversations_and_system_prompt(smol, smollm2_tokenizer_json):
+    """A conversation (a list of messages) and ``system=`` go through the chat template as transformers'
+    own ``apply_chat_template`` renders them; a one-turn string equals its one-message conversation;
+    malformed conversations and misplaced system prompts are refused."""
+    from qspec_jax import api
+
+    tok = smol.tokenizer
+    convo = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4."},
+             {"role": "user", "content": "And 3 + 3?"}]
+    want = tok.encode(tok.apply_chat_template([{"role": "system", "content": "Be brief."}, *convo], tokenize=False,
+                                              add_generation_prompt=True), add_special_tokens=False)
+    assert api.tokenize(smol, convo, chat=True, system="Be brief.") == [want]  # one conversation
+    assert api.tokenize(smol, [convo, "And 3 + 3?"], chat=True) == [
+        chat_prompt(tok, convo), chat_prompt(tok, [{"role": "user", "content": "And 3 + 3?"}])]
+    res = generate(smol, [convo], max_new_tokens=3, chat=True, method="w4a16")
+    assert len(res.sequences) == 1 and res.prompt_lengths[0] == len(chat_prompt(tok, convo))
+    bad = [([{"role": "user"}], "message 0"), ([{"role": "bot", "content": "x"}], "role 'bot'"),
+           ([{"role": "user", "content": "x"}, {"role": "system", "content": "y"}], "'system' only first"),
+           ([{"role": "user", "content": 3}], "message 0")]
+    for convo_bad, match in bad:
+        with pytest.raises(ValueError, match=match):
+            generate(smol, [convo_bad], max_new_tokens=2, chat=True)
+    with pytest.raises(ValueError, match="needs chat=True"):
+        generate(smol, [convo], max_new_tokens=2)
+    with pytest.raises(ValueError, match="system= is a chat message"):
+        generate(smol, ["hi"], max_new_tokens=2, system="Be brief.")
+    with pytest.raises(ValueError, match="has a system message already"):
+        generate(smol, [[{"role": "system", "content": "a"}, *convo]], max_new_tokens=2, chat=True, system="b")
+
+
+def test_stop_strings_cut_after_the_completing_token(smol, rng):
+    """``cut_at_stop`` against a brute force over every prefix: the fewest tokens whose text contains a
+    stop string, and the text before its first occurrence; ``generate(stop=...)`` applies it to each
+    sequence (finish reason "stop") and leaves sequences without a match as they were."""
+    from qspec_jax.tokenizer import cut_at_stop
+
+    tok = smol.tokenizer
+    words = ["Answer", ":", " 12", "\n", "\n\n", "Question", " total", " is", " 7", ".", " ####", " 3 + 4"]
+    for _ in range(20):
+        text = "".join(rng.choice(words, int(rng.integers(3, 15))))
+        ids = tok.encode(text, add_special_tokens=False)
+        stops = list(rng.choice(["\n\n", "Question:", "####", " is 7", "zzz"], int(rng.integers(1, 3)), replace=False))
+        full = tok.decode(ids, skip_special_tokens=True)
+        found = [full.find(s) for s in stops if s in full]
+        got = cut_at_stop(tok, ids, stops)
+        if not found:
+            assert got is None
+            continue
+        n = next(n for n in range(1, len(ids) + 1)
+                 if any(s in tok.decode(ids[:n], skip_special_tokens=True) for s in stops))
+        assert list(got[0]) == ids[:n] and got[1] == full[:min(found)]
+    ref = generate(smol, ["Count from 1 to 20, one number per line."], max_new_tokens=24, chat=True, method="w4a16",
+                   eos_token_id=-1)
+    text = ref.texts[0]
+    stop = text[len(text) // 2: len(text) // 2 + 2]  # a string the output holds
+    got = generate(smol, ["Count from 1 to 20, one number per line.", "Say hi."], max_new_tokens=24, chat=True,
+                   method="qspec", gamma=2, eos_token_id=-1, stop=[stop, "no such text ~~~"])
+    cut = cut_at_stop(smol.tokenizer, ref.sequences[0], [stop])
+    assert got.finish_reasons[0] == "stop" and got.texts[0] == cut[1] == text[:text.find(stop)]
+    assert list(got.sequences[0]) == list(cut[0]) and got.lengths[0] == len(cut[0])
+    for bad in ("", [], ["ok", ""], 5, [None]):
+        with pytest.raises(ValueError, match="stop must be"):
+            generate(smol, ["hi"], max_new_tokens=2, stop=bad)
