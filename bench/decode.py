@@ -291,7 +291,7 @@ def fresh_state(cfg: LlamaConfig, batch: int, context: int, new: int, gamma: int
     zeros = lambda: jnp.zeros((batch,), jnp.int32)  # noqa: E731  (distinct buffers: the state is donated)
     lengths = lambda: jnp.full((batch,), context, jnp.int32)  # noqa: E731
     return DecodeState(tokens, lengths(), lengths(), zeros(), init_cache(cfg, batch, slots, jnp.bfloat16, shadow_bits),
-                       key, zeros(), zeros(), zeros())
+                       key, zeros(), zeros(), zeros(), jnp.zeros((batch, 0), jnp.float32))
 
 
 def fewshot_prompts(model, dev: Path, train: Path, batch: int, context: int) -> list[list[int]]:

@@ -86,6 +86,7 @@ class GenerationResult:
     finish_reasons: list[str]
     texts: list[str] | None
     stats: dict[str, float]
+    logprobs: list[np.ndarray] | None = None  # per generated token (return_logprobs=True)
 
 
 def _is_conversation(p) -> bool:
@@ -166,7 +167,8 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
              draft_head: int | None = None,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
              eos_token_id: int | Sequence[int] | None = None, stop: str | Sequence[str] | None = None,
-             chat: bool = False, system: str | None = None, max_len: int | None = None,
+             chat: bool = False, system: str | None = None, return_logprobs: bool = False,
+             max_len: int | None = None,
              dtype: Any = None, kernels: str = "auto") -> GenerationResult:
     """Generate continuations of ``prompts`` (strings or token-id sequences) with ``method``.
 
@@ -190,7 +192,9 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
     after the token that completes the first match and its text before the match (the loop itself runs
     on to EOS or ``max_new_tokens``: the cut is made on the host). ``chat`` wraps string prompts in the
     chat template; a prompt may also be a conversation, a list of ``{"role", "content"}`` messages
-    (or ``prompts`` one conversation); ``system`` puts a system message first.
+    (or ``prompts`` one conversation); ``system`` puts a system message first. ``return_logprobs``:
+    each generated token's log-probability (log-softmax of the raw logits, before temperature) under
+    the logits that chose it: for QSPEC the W4A16 verifier's (equal to W4A16 decoding's, greedy).
     ``dtype``: the activations' and KV cache's float type (float32, bfloat16 or float16); None:
     bfloat16 on a GPU backend, float32 elsewhere (:func:`default_dtype`).
     ``kernels`` picks the Pallas GPU kernels or the jnp references (:mod:`qspec_jax.kernels`;
@@ -237,6 +241,8 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
     execution = Execution.decode(kernels)
     sampling = Sampling(temperature, top_k, top_p)
     stop = _stop_strings(model, stop)
+    if not isinstance(return_logprobs, bool):
+        raise ValueError(f"return_logprobs must be True or False, got {return_logprobs!r}")
     ids = tokenize(model, prompts, chat, system)
     tokens, lengths = pad_prompts(ids, PROMPT_MULTIPLE)
     cfg = model.config
@@ -253,11 +259,12 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
     b = len(ids)
     if max_new_tokens == 0:
         return GenerationResult([np.zeros(0, np.int32)] * b, lengths, np.zeros(b, np.int32), ["length"] * b,
-                                [""] * b if model.tokenizer is not None else None, _stats(None, 0.0, ar is None))
+                                [""] * b if model.tokenizer is not None else None, _stats(None, 0.0, ar is None),
+                                [np.zeros(0, np.float32)] * b if return_logprobs else None)
 
     rt = Runtime(cfg, int(max_new_tokens), eos_ids, sampling, dtype,
                  model.checkpoint.online_rotation_seed, execution, draft_kv=draft_kv, draft_window=window,
-                 draft_head=draft_head is not None)
+                 draft_head=draft_head is not None, logprobs=return_logprobs)
     buffer_len = tokens.shape[1] + max_new_tokens + CACHE_SLACK
     cache_len = cache_slots(buffer_len)
     params = model.checkpoint.params
@@ -275,8 +282,9 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
         state = ar_loop(params, state, rt=rt, precision=ar)
     state = jax.block_until_ready(state)
     wall = time.perf_counter() - start
-    out = jax.device_get((state.tokens, state.lengths, state.finish, state.rounds, state.drafted, state.accepted))
-    toks, lens, finish, rounds, drafted, accepted = out
+    out = jax.device_get((state.tokens, state.lengths, state.finish, state.rounds, state.drafted, state.accepted,
+                          state.logprobs))
+    toks, lens, finish, rounds, drafted, accepted, lp = out
     gen = lens - lengths
     seqs = [toks[i, lengths[i]:lens[i]] for i in range(b)]
     reasons = [FINISH_REASONS[int(f)] for f in finish]
@@ -290,7 +298,8 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
             if (cut := cut_at_stop(model.tokenizer, seq, stop)) is not None:
                 seqs[i], texts[i], reasons[i] = cut[0], cut[1], FINISH_REASONS[STOP]
         gen = np.array([len(s) for s in seqs], gen.dtype)
-    return GenerationResult(seqs, lengths, gen, reasons, texts, stats)
+    logprobs = [lp[i, lengths[i]:lengths[i] + gen[i]] for i in range(b)] if return_logprobs else None
+    return GenerationResult(seqs, lengths, gen, reasons, texts, stats, logprobs)
 
 
 def _stop_strings(model: Model, stop) -> tuple[str, ...]:

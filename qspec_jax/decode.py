@@ -41,6 +41,9 @@ class DecodeState:
     rounds: jax.Array         # int32[B] loop iterations in which the sequence was running
     drafted: jax.Array        # int32[B] draft tokens proposed
     accepted: jax.Array       # int32[B] draft tokens accepted and committed
+    # float32[B, L]: the log-probability of each committed token under the logits that chose it (the
+    # verifier's for QSPEC); [B, 0] unless Runtime.logprobs
+    logprobs: jax.Array
 
     @property
     def done(self) -> jax.Array:
@@ -63,6 +66,7 @@ class Runtime:
     draft_kv: int | None = None  # 8 / 4: QSPEC's drafts read an INT8 / INT4 shadow of the KV cache
     draft_window: AttentionWindow | None = None  # QSPEC's drafts attend over sinks + a sliding window only
     draft_head: bool = False  # QSPEC's drafts read the params' draft head (model.with_draft_head), not the lm_head
+    logprobs: bool = False  # record each committed token's log-probability (DecodeState.logprobs)
 
     def run(self, params, tokens, positions, cache, precision: Precision, execution: Execution | None = None,
             draft: bool = False):
@@ -78,9 +82,19 @@ class Runtime:
         return logits, cache if read_shadow else sync_shadow(cache, positions)
 
 
-def commit(state: DecodeState, cand: jax.Array, n_new: jax.Array, rt: Runtime) -> tuple[DecodeState, jax.Array]:
-    """Append up to ``n_new[b]`` tokens of ``cand[b]`` to each running sequence, stopping after an
-    EOS and at ``max_new_tokens``. Returns the new state and the number committed per sequence."""
+def token_logprobs(logits: jax.Array, tokens: jax.Array, rt: Runtime) -> jax.Array | None:
+    """``float32[...]``: log-softmax of ``logits [..., V]`` at ``tokens [...]`` (None unless ``rt.logprobs``)."""
+    if not rt.logprobs:
+        return None
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
+
+
+def commit(state: DecodeState, cand: jax.Array, n_new: jax.Array, rt: Runtime,
+           cand_logprobs: jax.Array | None = None) -> tuple[DecodeState, jax.Array]:
+    """Append up to ``n_new[b]`` tokens of ``cand[b]`` (and, with ``rt.logprobs``, their
+    ``cand_logprobs``) to each running sequence, stopping after an EOS and at ``max_new_tokens``.
+    Returns the new state and the number committed per sequence."""
     b, w = cand.shape
     j = jnp.arange(w)[None, :]
     generated = state.lengths - state.prompt_lengths
@@ -91,11 +105,14 @@ def commit(state: DecodeState, cand: jax.Array, n_new: jax.Array, rt: Runtime) -
     count = jnp.where(state.done, 0, upto).astype(jnp.int32)
     cols = jnp.where(j < count[:, None], state.lengths[:, None] + j, state.tokens.shape[1])  # drop others
     tokens = state.tokens.at[jnp.arange(b)[:, None], cols].set(cand, mode="drop")
+    logprobs = state.logprobs
+    if rt.logprobs:
+        logprobs = logprobs.at[jnp.arange(b)[:, None], cols].set(cand_logprobs, mode="drop")
     lengths = state.lengths + count
     stopped = ~state.done & has_eos
     full = ~state.done & ~has_eos & (lengths - state.prompt_lengths >= rt.max_new_tokens)
     finish = jnp.where(stopped, STOP, jnp.where(full, LENGTH, state.finish))
-    return dataclasses.replace(state, tokens=tokens, lengths=lengths, finish=finish), count
+    return dataclasses.replace(state, tokens=tokens, lengths=lengths, finish=finish, logprobs=logprobs), count
 
 
 def prefill(params, prompts: jax.Array, prompt_lengths: jax.Array, key: jax.Array, rt: Runtime,
@@ -106,13 +123,15 @@ def prefill(params, prompts: jax.Array, prompt_lengths: jax.Array, key: jax.Arra
     logits, cache = rt.run(params, prompts, jnp.broadcast_to(jnp.arange(p), (b, p)), cache, precision,
                            execution=rt.execution.untiled())
     key, sub = jax.random.split(key)
-    first, _ = choose(logits[jnp.arange(b), prompt_lengths - 1], rt.sampling, sub)
+    last = logits[jnp.arange(b), prompt_lengths - 1]
+    first, _ = choose(last, rt.sampling, sub)
     zeros = jnp.zeros((b,), jnp.int32)
     state = DecodeState(
         tokens=jnp.zeros((b, buffer_len), jnp.int32).at[:, :p].set(prompts), lengths=prompt_lengths,
         prompt_lengths=prompt_lengths, finish=zeros, cache=cache, key=key, rounds=zeros, drafted=zeros,
-        accepted=zeros)
-    return commit(state, first[:, None], jnp.ones((b,), jnp.int32), rt)[0]
+        accepted=zeros, logprobs=jnp.zeros((b, buffer_len if rt.logprobs else 0), jnp.float32))
+    logp = token_logprobs(last[:, None], first[:, None], rt)
+    return commit(state, first[:, None], jnp.ones((b,), jnp.int32), rt, logp)[0]
 
 
 @functools.partial(jax.jit, static_argnames=("rt", "buffer_len", "cache_len", "precision"))
@@ -134,7 +153,7 @@ def ar_step(params, state: DecodeState, rt: Runtime, precision: Precision) -> De
     nxt, _ = choose(logits[:, 0], rt.sampling, sub)
     running = (~state.done).astype(jnp.int32)
     state = dataclasses.replace(state, cache=cache, key=key, rounds=state.rounds + running)
-    return commit(state, nxt[:, None], jnp.ones_like(state.lengths), rt)[0]
+    return commit(state, nxt[:, None], jnp.ones_like(state.lengths), rt, token_logprobs(logits, nxt[:, None], rt))[0]
 
 
 @functools.partial(jax.jit, static_argnames=("rt", "precision"), donate_argnames=("state",))

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.precision import W4A16, Precision
-from qspec_jax.decode import DecodeState, Runtime, ar_step, commit, last_tokens
+from qspec_jax.decode import DecodeState, Runtime, ar_step, commit, last_tokens, token_logprobs
 from qspec_jax.gamma import CostModel, choose_gamma
 from qspec_jax.sampling import accept_greedy, accept_stochastic, choose
 
@@ -76,7 +76,7 @@ def qspec_round(params, state: DecodeState, rt: Runtime, gamma: int, draft: Prec
     running = (~state.done).astype(jnp.int32)
     state = dataclasses.replace(state, cache=cache, key=key, rounds=state.rounds + running,
                                 drafted=state.drafted + gamma * running)
-    state, count = commit(state, cand, accepted + 1, rt)
+    state, count = commit(state, cand, accepted + 1, rt, token_logprobs(logits, cand, rt))
     return dataclasses.replace(state, accepted=state.accepted + jnp.minimum(accepted, count))
 
 

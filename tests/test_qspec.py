@@ -33,7 +33,7 @@ from tests.conftest import TINY, jit_forward, memory_model, random_source, tiny_
 # the modules themselves (the package re-exports a function named ``generate``)
 import qspec_jax.api as gen_mod
 import qspec_jax.qspec as qspec_mod
-from pallas_kernels.precision import W4A16, W4A4, W4A8
+from pallas_kernels.precision import W16A16, W4A16, W4A4, W4A8
 from qspec_jax.kernels import Execution
 
 GSM8K = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "gsm8k_test_dev.jsonl"
@@ -920,3 +920,31 @@ def test_stop_strings_cut_after_the_completing_token(smol, rng):
     for bad in ("", [], ["ok", ""], 5, [None]):
         with pytest.raises(ValueError, match="stop must be"):
             generate(smol, ["hi"], max_new_tokens=2, stop=bad)
+
+
+def test_logprobs_match_a_float64_recomputation(tiny_model, rng):
+    """``return_logprobs``: each generated token's log-probability equals log-softmax in float64 of the
+    logits one forward over prompt + output gives at its position (W4A16, float32 compute); QSPEC's
+    (the verifier's) equal W4A16 decoding's bitwise, greedy; W16A16 decoding reports its own model's."""
+    cfg, params = tiny_model.config, tiny_model.checkpoint.params
+    prompts = [rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in rng.integers(2, 9, 3)]
+    kw = dict(max_new_tokens=int(rng.integers(5, 12)), eos_token_id=-1, return_logprobs=True)
+    ar = generate(tiny_model, prompts, method="w4a16", **kw)
+    for gamma in (2, "auto"):
+        qs = generate(tiny_model, prompts, method="qspec", gamma=gamma, **kw)
+        for a, b in zip(ar.logprobs, qs.logprobs):
+            np.testing.assert_array_equal(a, b)
+    for method, precision in (("w4a16", W4A16), ("w16a16", W16A16)):  # prefill and steps in one precision
+        res = ar if method == "w4a16" else generate(tiny_model, prompts, method=method, **kw)
+        for p, seq, lp in zip(prompts, res.sequences, res.logprobs):
+            full = np.array(p + seq.tolist(), np.int32)
+            logits, _ = jit_forward(params, cfg, jnp.asarray(full[None, :-1]), jnp.arange(len(full) - 1)[None],
+                                    precision=precision)
+            x = np.asarray(logits[0, len(p) - 1:], np.float64)
+            x -= x.max(-1, keepdims=True)
+            want = x[np.arange(len(seq)), seq] - np.log(np.exp(x).sum(-1))
+            assert lp.shape == seq.shape and lp.dtype == np.float32
+            np.testing.assert_allclose(lp, want, rtol=1e-4, atol=1e-4)
+    assert generate(tiny_model, prompts, max_new_tokens=3).logprobs is None
+    with pytest.raises(ValueError, match="return_logprobs"):
+        generate(tiny_model, prompts, max_new_tokens=3, return_logprobs=1)
