@@ -1,11 +1,13 @@
-"""qspec-jax: `generate` (one prompt, any method) and `demo` (QSPEC next to W4A16 on the embedded
-SmolLM2, the README's main job). Converting a checkpoint is `qspec-convert`. It lives in ``convert``
+"""qspec-jax: `generate` (prompts from the command line, a file or stdin, any method; text or JSON
+lines out) and `demo` (QSPEC next to W4A16 on the embedded SmolLM2, the README's main job). Converting a checkpoint is `qspec-convert`. It lives in ``convert``
 (not ``qspec_jax``) because its default model is the embedded SmolLM2, converted on first use."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import jax
@@ -20,11 +22,49 @@ DEMO_PROMPTS = [
 ]
 
 
-def _print_stats(label: str, stats: dict) -> None:
+def _print_stats(label: str, stats: dict, file=None) -> None:
     rounds = (f"rounds {stats['rounds']}, acceptance {stats['acceptance_rate']:.3f}, "
               f"tokens/round {stats['tokens_per_round']:.2f}" if "rounds" in stats else f"steps {stats['steps']}")
     print(f"  [{label}] {stats['generated']} tokens in {stats['wall_time_s']:.2f} s "
-          f"({stats['tokens_per_s']:.1f} tok/s) | {rounds}")
+          f"({stats['tokens_per_s']:.1f} tok/s) | {rounds}", file=file)
+
+
+def _eos(text: str) -> int | list[int]:
+    """``--eos``: a token id, comma-separated ids, or -1 (never stop on a token)."""
+    try:
+        ids = [int(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected token ids separated by commas, or -1; got {text!r}") from None
+    return ids[0] if len(ids) == 1 else ids
+
+
+def read_prompts(args) -> list:
+    """The prompts: ``--prompt`` (repeatable), else ``--input`` (a file, ``-`` for stdin): one prompt per
+    line, or with ``--jsonl`` (default for a ``.jsonl`` file) one JSON object per line, ``{"prompt": str}``
+    or ``{"messages": [{"role", "content"}, ...]}``. Blank lines are skipped."""
+    if (args.prompt is None) == (args.input is None):
+        raise ValueError("give prompts with --prompt (repeatable) or --input FILE ('-': stdin), not both")
+    if args.prompt is not None:
+        return list(args.prompt)
+    text = sys.stdin.read() if str(args.input) == "-" else Path(args.input).expanduser().read_text()
+    jsonl = args.jsonl or Path(args.input).suffix == ".jsonl"
+    prompts = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        if not jsonl:
+            prompts.append(line)
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{args.input} line {n}: not JSON ({e})") from None
+        if not isinstance(row, dict) or len({"prompt", "messages"} & set(row)) != 1:
+            raise ValueError(f"{args.input} line {n}: expected an object with 'prompt' (a string) or 'messages'")
+        prompts.append(row.get("prompt", row.get("messages")))
+    if not prompts:
+        raise ValueError(f"{args.input}: no prompts")
+    return prompts
 
 
 def _gamma(text: str) -> int | str:
@@ -52,12 +92,32 @@ def cmd_generate(args) -> None:
         flags = ", ".join("--" + name.replace("_", "-") for name in qspec_only)
         raise ValueError(f"{flags} {'applies' if len(qspec_only) == 1 else 'apply'} to --method qspec only, "
                          f"not {args.method}")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.logprobs and not args.json:
+        raise ValueError("--logprobs goes with --json (the log-probabilities are printed in the JSON lines)")
+    prompts = read_prompts(args)
     model = load(_checkpoint(args))
-    res = generate(model, [args.prompt], max_new_tokens=args.max_new_tokens, method=args.method, **qspec_only,
-                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=args.chat)
-    print(res.texts[0] if res.texts else res.sequences[0].tolist())
-    print(f"finish: {res.finish_reasons[0]}")
-    _print_stats(args.method + ", first call: compilation included", res.stats)
+    for start in range(0, len(prompts), args.batch_size):
+        res = generate(model, prompts[start:start + args.batch_size], max_new_tokens=args.max_new_tokens,
+                       method=args.method, **qspec_only, temperature=args.temperature, top_k=args.top_k,
+                       top_p=args.top_p, seed=args.seed, chat=args.chat, system=args.system, stop=args.stop,
+                       eos_token_id=args.eos, max_len=args.max_len, dtype=args.dtype,
+                       return_logprobs=args.logprobs)
+        for i, seq in enumerate(res.sequences):
+            text = res.texts[i] if res.texts is not None else None
+            if args.json:
+                row = {"index": start + i, "text": text, "tokens": seq.tolist(),
+                       "finish_reason": res.finish_reasons[i]}
+                if res.logprobs is not None:
+                    row["logprobs"] = res.logprobs[i].tolist()
+                print(json.dumps(row), flush=True)
+            else:
+                print(text if text is not None else seq.tolist(), flush=True)
+                print(f"[finish: {res.finish_reasons[i]}]", file=sys.stderr)
+        first = " (compilation included)" if start == 0 else ""
+        _print_stats(f"{args.method}, prompts {start}-{start + len(res.sequences) - 1}{first}", res.stats,
+                     file=sys.stderr)
 
 
 def cmd_demo(args) -> None:
@@ -88,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
 
     fmt = argparse.ArgumentDefaultsHelpFormatter
     ap = argparse.ArgumentParser(prog="qspec-jax", description=__doc__, formatter_class=fmt)
+    ap.add_argument("--version", action="version", version=f"%(prog)s {metadata.version('qspec-jax')}")
     sub = ap.add_subparsers(dest="command", required=True)
     for name, text in (("generate", "decode one prompt"), ("demo", "QSPEC next to W4A16 on two chat prompts")):
         p = sub.add_parser(name, help=text, description=text, formatter_class=fmt)
@@ -96,8 +157,15 @@ def main(argv: list[str] | None = None) -> int:
     sub.choices["demo"].add_argument("--gamma", type=_gamma, default=DEFAULT_GAMMA,
                                      help="drafted tokens per round, or 'auto'")
     g = sub.choices["generate"]
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--method", choices=METHODS, default="qspec")
+    g.add_argument("--prompt", action="append", default=None, help="a prompt (repeat for a batch)")
+    g.add_argument("--input", default=None, help="a file of prompts, one per line ('-': stdin)")
+    g.add_argument("--jsonl", action="store_true",
+                   help="--input lines are JSON objects: {\"prompt\": str} or {\"messages\": [...]} "
+                        "(the default for a .jsonl file)")
+    g.add_argument("--batch-size", type=int, default=8, help="prompts decoded together")
+    g.add_argument("--json", action="store_true",
+                   help="print one JSON object per prompt (index, text, tokens, finish_reason[, logprobs])")
+    g.add_argument("--method", choices=METHODS, default="qspec", help="qspec, or an autoregressive baseline")
     g.add_argument("--gamma", type=_gamma, default=None,
                    help=f"qspec: drafted tokens per round, or 'auto' (none: {DEFAULT_GAMMA})")
     g.add_argument("--draft", choices=DRAFTS, default=None,
@@ -115,7 +183,15 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--top-k", type=int, default=None, help="with a temperature > 0")
     g.add_argument("--top-p", type=float, default=None, help="with a temperature > 0")
     g.add_argument("--seed", type=int, default=0, help="sampling key")
-    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    g.add_argument("--chat", action="store_true", help="wrap the prompts in the chat template")
+    g.add_argument("--system", default=None, help="with --chat: a system message first")
+    g.add_argument("--stop", action="append", default=None, help="a string that ends the text (repeatable)")
+    g.add_argument("--eos", type=_eos, default=None,
+                   help="token ids that end a sequence, comma-separated, or -1 for none (none: the model's)")
+    g.add_argument("--max-len", type=int, default=None, help="prompt + new tokens at most (none: the model's)")
+    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="activations and KV cache (none: bfloat16 on a GPU, float32 elsewhere)")
+    g.add_argument("--logprobs", action="store_true", help="with --json: each token's log-probability")
     args = ap.parse_args(argv)
     try:
         {"generate": cmd_generate, "demo": cmd_demo}[args.command](args)
