@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -87,6 +88,17 @@ class GenerationResult:
     texts: list[str] | None
     stats: dict[str, float]
     logprobs: list[np.ndarray] | None = None  # per generated token (return_logprobs=True)
+
+
+@dataclasses.dataclass
+class StreamUpdate:
+    """What :func:`stream_generate` yields: per prompt the tokens and text added since the last update,
+    whether it is finished; the last update also carries the whole :class:`GenerationResult`."""
+
+    tokens: list[np.ndarray]
+    texts: list[str] | None
+    finished: list[bool]
+    result: GenerationResult | None = None
 
 
 def _is_conversation(p) -> bool:
@@ -200,7 +212,35 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
     ``kernels`` picks the Pallas GPU kernels or the jnp references (:mod:`qspec_jax.kernels`;
     ``"auto"``: the kernels on a GPU). Prompts are padded to a multiple of :data:`PROMPT_MULTIPLE`
     tokens, so calls whose longest prompts fall in the same bucket reuse the compiled code.
+    Streamed: :func:`stream_generate`.
     """
+    options = {k: v for k, v in locals().items() if k not in ("model", "prompts")}  # every keyword above
+    *_, last = _generation(model, prompts, None, **options)
+    return last.result
+
+
+def stream_generate(model: Model, prompts, *, chunk_rounds: int = 8, **options: Any) -> Iterator[StreamUpdate]:
+    """:func:`generate` (same ``options``) yielding each sequence's new tokens and text every
+    ``chunk_rounds`` rounds of the compiled loop (a traced bound: no recompilation per chunk); the
+    last update's ``result`` is :func:`generate`'s result. A sequence whose text reaches a ``stop``
+    string stops decoding there; text that could begin a stop string is held back until it cannot."""
+    yield from _generation(model, prompts, chunk_rounds, **options)
+
+
+def _generation(model: Model, prompts, chunk_rounds: int | None, *,
+             max_new_tokens: int, method: str = "qspec", draft: str | None = None,
+             gamma: int | str | None = None,
+             draft_kv: int | None = None, draft_window: int | None = None, draft_sinks: int = DEFAULT_SINKS,
+             draft_head: int | None = None,
+             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+             eos_token_id: int | Sequence[int] | None = None, stop: str | Sequence[str] | None = None,
+             chat: bool = False, system: str | None = None, return_logprobs: bool = False,
+             max_len: int | None = None,
+             dtype: Any = None, kernels: str = "auto") -> Iterator[StreamUpdate]:
+    """:func:`generate` as updates: the loop runs ``chunk_rounds`` rounds at a time (None: to the end)
+    and each chunk's new tokens and text are yielded; the last update carries the result."""
+    if chunk_rounds is not None and (not is_integer(chunk_rounds) or chunk_rounds < 1):
+        raise ValueError(f"chunk_rounds must be an integer >= 1, got {chunk_rounds!r}")
     if not isinstance(model, Model):
         raise ValueError(f"model must be a qspec_jax.Model (from qspec_jax.load(path)), got {type(model).__name__}")
     ar = None if method == "qspec" else parse_precision(method, AR_PRECISIONS, "method", others=("qspec",))
@@ -238,6 +278,10 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
     max_new_tokens = int(max_new_tokens)  # NumPy integers would overflow the cache sizes
     if (ar is None or ar.quantized) and not model.checkpoint.quantized:
         raise ValueError(f"method {method!r} needs a quantized checkpoint; this one holds float weights")
+    if kernels == "pallas" and jax.default_backend() != "gpu":  # (lowering for CUDA from a CPU host stays possible)
+        raise ValueError(f"kernels='pallas' needs a GPU, and JAX runs on {jax.default_backend()!r} here: use "
+                         "'reference' (the jnp references), 'interpret' (the Pallas kernels, interpreted: slow) "
+                         "or 'auto'")
     execution = Execution.decode(kernels)
     sampling = Sampling(temperature, top_k, top_p)
     stop = _stop_strings(model, stop)
@@ -258,9 +302,12 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
     eos_ids = _eos_ids(model, eos_token_id)
     b = len(ids)
     if max_new_tokens == 0:
-        return GenerationResult([np.zeros(0, np.int32)] * b, lengths, np.zeros(b, np.int32), ["length"] * b,
-                                [""] * b if model.tokenizer is not None else None, _stats(None, 0.0, ar is None),
-                                [np.zeros(0, np.float32)] * b if return_logprobs else None)
+        yield StreamUpdate([np.zeros(0, np.int32)] * b, [""] * b if model.tokenizer is not None else None, [True] * b,
+                           GenerationResult([np.zeros(0, np.int32)] * b, lengths, np.zeros(b, np.int32),
+                                            ["length"] * b, [""] * b if model.tokenizer is not None else None,
+                                            _stats(None, 0.0, ar is None),
+                                            [np.zeros(0, np.float32)] * b if return_logprobs else None))
+        return
 
     rt = Runtime(cfg, int(max_new_tokens), eos_ids, sampling, dtype,
                  model.checkpoint.online_rotation_seed, execution, draft_kv=draft_kv, draft_window=window,
@@ -275,31 +322,53 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
                         buffer_len=buffer_len, cache_len=cache_len, precision=W16A16 if ar == W16A16 else W4A16)
     if ar is None and gamma == "auto":
         costs = cost_model(params, cfg, dtype, draft_kv, window)
-        state = qspec_auto_loop(params, state, rt=rt, gamma_max=AUTO_GAMMA_MAX, draft=draft, costs=costs)
+        loop = functools.partial(qspec_auto_loop, rt=rt, gamma_max=AUTO_GAMMA_MAX, draft=draft, costs=costs)
     elif ar is None:
-        state = qspec_loop(params, state, rt=rt, gamma=int(gamma), draft=draft)
+        loop = functools.partial(qspec_loop, rt=rt, gamma=int(gamma), draft=draft)
     else:
-        state = ar_loop(params, state, rt=rt, precision=ar)
-    state = jax.block_until_ready(state)
-    wall = time.perf_counter() - start
-    out = jax.device_get((state.tokens, state.lengths, state.finish, state.rounds, state.drafted, state.accepted,
-                          state.logprobs))
-    toks, lens, finish, rounds, drafted, accepted, lp = out
-    gen = lens - lengths
-    seqs = [toks[i, lengths[i]:lens[i]] for i in range(b)]
-    reasons = [FINISH_REASONS[int(f)] for f in finish]
-    texts = None
-    if model.tokenizer is not None:
-        texts = [model.tokenizer.decode(s, skip_special_tokens=True) for s in seqs]
-    stats = _stats((rounds, drafted, accepted, gen), wall, ar is None)
+        loop = functools.partial(ar_loop, rt=rt, precision=ar)
+    rounds = None if chunk_rounds is None else jnp.asarray(chunk_rounds, jnp.int32)
+    tok = model.tokenizer
     if stop:
         from qspec_jax.tokenizer import cut_at_stop
-        for i, seq in enumerate(seqs):
-            if (cut := cut_at_stop(model.tokenizer, seq, stop)) is not None:
-                seqs[i], texts[i], reasons[i] = cut[0], cut[1], FINISH_REASONS[STOP]
-        gen = np.array([len(s) for s in seqs], gen.dtype)
+    shown = [0] * b  # tokens and characters of text already yielded per sequence
+    shown_text = [0] * b
+    cuts: dict[int, tuple] = {}  # sequence -> (tokens, text) cut at a stop string
+    hold = max((len(x) for x in stop), default=1) - 1  # text that may begin a stop string is held back
+    while True:
+        if chunk_rounds is not None or not bool(jnp.all(state.done)):
+            state = loop(params, state, rounds)
+        done = np.asarray(jax.device_get(state.done))
+        toks, lens = jax.device_get((state.tokens, state.lengths))
+        seqs = [toks[i, lengths[i]:lens[i]] for i in range(b)]
+        for i in range(b):
+            if stop and i not in cuts and (cut := cut_at_stop(tok, seqs[i], stop)) is not None:
+                cuts[i] = cut
+        if cuts:  # a sequence cut at a stop string stops decoding
+            state = dataclasses.replace(state, finish=state.finish.at[jnp.asarray(list(cuts))].set(STOP))
+            done = done | np.isin(np.arange(b), list(cuts))
+        seqs = [cuts[i][0] if i in cuts else s for i, s in enumerate(seqs)]
+        texts = None
+        if tok is not None:
+            full = [cuts[i][1] if i in cuts else tok.decode(s, skip_special_tokens=True) for i, s in enumerate(seqs)]
+            ready = [len(t) if done[i] else max(shown_text[i], len(t) - hold - (t.endswith("\ufffd")))
+                     for i, t in enumerate(full)]
+            texts = [full[i][shown_text[i]:ready[i]] for i in range(b)]
+            shown_text = ready
+        update = StreamUpdate([s[shown[i]:] for i, s in enumerate(seqs)], texts, done.tolist())
+        shown = [len(s) for s in seqs]
+        if done.all():
+            break
+        yield update
+    wall = time.perf_counter() - start
+    out = jax.device_get((state.finish, state.rounds, state.drafted, state.accepted, state.logprobs))
+    finish, n_rounds, drafted, accepted, lp = out
+    gen = np.array([len(x) for x in seqs], np.int32)
+    reasons = [FINISH_REASONS[int(f)] for f in finish]
+    stats = _stats((n_rounds, drafted, accepted, lens - lengths), wall, ar is None)
     logprobs = [lp[i, lengths[i]:lengths[i] + gen[i]] for i in range(b)] if return_logprobs else None
-    return GenerationResult(seqs, lengths, gen, reasons, texts, stats, logprobs)
+    final = None if tok is None else full
+    yield dataclasses.replace(update, result=GenerationResult(seqs, lengths, gen, reasons, final, stats, logprobs))
 
 
 def _stop_strings(model: Model, stop) -> tuple[str, ...]:

@@ -156,10 +156,20 @@ def ar_step(params, state: DecodeState, rt: Runtime, precision: Precision) -> De
     return commit(state, nxt[:, None], jnp.ones_like(state.lengths), rt, token_logprobs(logits, nxt[:, None], rt))[0]
 
 
+def run_loop(body, state: DecodeState, rounds: jax.Array | None) -> DecodeState:
+    """``body`` repeated in one ``lax.while_loop`` until every sequence is done, or (``rounds``, a traced
+    int32) at most that many times: a run resumed from its result continues exactly where it stopped."""
+    if rounds is None:
+        return jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
+    return jax.lax.while_loop(lambda c: ~jnp.all(c[0].done) & (c[1] < rounds), lambda c: (body(c[0]), c[1] + 1),
+                              (state, jnp.zeros((), jnp.int32)))[0]
+
+
 @functools.partial(jax.jit, static_argnames=("rt", "precision"), donate_argnames=("state",))
-def ar_loop(params, state: DecodeState, *, rt: Runtime, precision: Precision) -> DecodeState:
-    """Autoregressive decoding in ``precision`` until every sequence is done: one ``lax.while_loop``."""
-    return jax.lax.while_loop(lambda s: ~jnp.all(s.done), lambda s: ar_step(params, s, rt, precision), state)
+def ar_loop(params, state: DecodeState, rounds: jax.Array | None = None, *, rt: Runtime,
+            precision: Precision) -> DecodeState:
+    """Autoregressive decoding in ``precision`` until every sequence is done (or for ``rounds`` steps)."""
+    return run_loop(lambda s: ar_step(params, s, rt, precision), state, rounds)
 
 
 def pad_prompts(prompts: list[list[int]], multiple: int = 1) -> tuple[np.ndarray, np.ndarray]:

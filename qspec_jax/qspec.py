@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.precision import W4A16, Precision
-from qspec_jax.decode import DecodeState, Runtime, ar_step, commit, last_tokens, token_logprobs
+from qspec_jax.decode import DecodeState, Runtime, ar_step, commit, last_tokens, run_loop, token_logprobs
 from qspec_jax.gamma import CostModel, choose_gamma
 from qspec_jax.sampling import accept_greedy, accept_stochastic, choose
 
@@ -81,10 +81,11 @@ def qspec_round(params, state: DecodeState, rt: Runtime, gamma: int, draft: Prec
 
 
 @functools.partial(jax.jit, static_argnames=("rt", "gamma", "draft"), donate_argnames=("state",))
-def qspec_loop(params, state: DecodeState, *, rt: Runtime, gamma: int, draft: Precision) -> DecodeState:
-    """QSPEC decoding until every sequence is done: one ``lax.while_loop``, one round per iteration."""
-    return jax.lax.while_loop(lambda s: ~jnp.all(s.done),
-                              lambda s: qspec_round(params, s, rt, gamma, draft), state)
+def qspec_loop(params, state: DecodeState, rounds: jax.Array | None = None, *, rt: Runtime, gamma: int,
+               draft: Precision) -> DecodeState:
+    """QSPEC decoding until every sequence is done (or for ``rounds`` rounds): one ``lax.while_loop``,
+    one round per iteration."""
+    return run_loop(lambda s: qspec_round(params, s, rt, gamma, draft), state, rounds)
 
 
 def auto_round(params, state: DecodeState, rt: Runtime, gamma_max: int, draft: Precision, costs: CostModel,
@@ -99,8 +100,7 @@ def auto_round(params, state: DecodeState, rt: Runtime, gamma_max: int, draft: P
 
 
 @functools.partial(jax.jit, static_argnames=("rt", "gamma_max", "draft", "costs"), donate_argnames=("state",))
-def qspec_auto_loop(params, state: DecodeState, *, rt: Runtime, gamma_max: int, draft: Precision,
-                    costs: CostModel) -> DecodeState:
+def qspec_auto_loop(params, state: DecodeState, rounds: jax.Array | None = None, *, rt: Runtime, gamma_max: int,
+                    draft: Precision, costs: CostModel) -> DecodeState:
     """QSPEC decoding with γ chosen every round: one ``lax.while_loop`` of :func:`auto_round`."""
-    return jax.lax.while_loop(lambda s: ~jnp.all(s.done),
-                              lambda s: auto_round(params, s, rt, gamma_max, draft, costs), state)
+    return run_loop(lambda s: auto_round(params, s, rt, gamma_max, draft, costs), state, rounds)

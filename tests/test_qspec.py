@@ -948,3 +948,50 @@ def test_logprobs_match_a_float64_recomputation(tiny_model, rng):
     assert generate(tiny_model, prompts, max_new_tokens=3).logprobs is None
     with pytest.raises(ValueError, match="return_logprobs"):
         generate(tiny_model, prompts, max_new_tokens=3, return_logprobs=1)
+
+
+@pytest.mark.parametrize("method,gamma", [("qspec", 2), ("qspec", "auto"), ("w4a16", None)])
+def test_stream_generate_yields_generate_s_tokens(tiny_model, rng, method, gamma):
+    """Chunks of 1 or 3 rounds: the tokens yielded, in order, are exactly generate()'s (bitwise), each
+    sequence reports finished once done, and the last update carries generate()'s result."""
+    from qspec_jax.api import stream_generate
+
+    prompts = [rng.integers(0, TINY.vocab_size, int(n)).tolist() for n in rng.integers(2, 9, 3)]
+    kw = dict(max_new_tokens=int(rng.integers(6, 14)), method=method, eos_token_id=int(rng.integers(0, TINY.vocab_size)),
+              **({} if gamma is None else {"gamma": gamma}))
+    want = generate(tiny_model, prompts, **kw)
+    for chunk in (1, 3):
+        updates = list(stream_generate(tiny_model, prompts, chunk_rounds=chunk, **kw))
+        assert len(updates) > 1 and updates[-1].result is not None
+        assert all(u.result is None for u in updates[:-1]) and all(updates[-1].finished)
+        for i, seq in enumerate(want.sequences):
+            got = np.concatenate([u.tokens[i] for u in updates])
+            np.testing.assert_array_equal(got, seq)
+            np.testing.assert_array_equal(updates[-1].result.sequences[i], seq)
+            flags = [u.finished[i] for u in updates]
+            assert flags == sorted(flags)  # once finished, it stays so
+        assert updates[-1].result.finish_reasons == want.finish_reasons
+    with pytest.raises(ValueError, match="chunk_rounds"):
+        next(stream_generate(tiny_model, prompts, chunk_rounds=0, **kw))
+
+
+def test_stream_generate_text_and_stop_strings(smol):
+    """Streamed text joins to generate()'s text; a stop string ends a sequence early (its text is never
+    yielded, even where it spans chunks) and the result equals generate(stop=...)'s."""
+    from qspec_jax.api import stream_generate
+
+    prompts = ["Count from 1 to 20, one number per line.", "Name three colors."]
+    kw = dict(max_new_tokens=20, chat=True, method="qspec", gamma=2, eos_token_id=-1)
+    ref = generate(smol, prompts, **kw)
+    updates = list(stream_generate(smol, prompts, chunk_rounds=2, **kw))
+    assert ["".join(u.texts[i] for u in updates) for i in range(2)] == ref.texts
+    stop = ref.texts[0][len(ref.texts[0]) // 2:len(ref.texts[0]) // 2 + 2]
+    want = generate(smol, prompts, stop=[stop], **kw)
+    updates = list(stream_generate(smol, prompts, chunk_rounds=1, stop=[stop], **kw))
+    got = updates[-1].result
+    assert got.texts == want.texts and got.finish_reasons[0] == "stop"
+    assert ["".join(u.texts[i] for u in updates) for i in range(2)] == want.texts
+    for i in range(2):
+        np.testing.assert_array_equal(np.concatenate([u.tokens[i] for u in updates]), want.sequences[i])
+    # the first sequence stopped early: fewer loop rounds than running it to max_new_tokens
+    assert got.stats["rounds"] <= ref.stats["rounds"]
