@@ -81,13 +81,13 @@ from convert.embedded import default_checkpoint  # noqa: E402
 from pallas_kernels.layout import QuantizedWeight, dequantize  # noqa: E402
 from pallas_kernels.precision import W4A16, parse_precision  # noqa: E402
 from pallas_kernels.reference import KV_BITS, AttentionWindow  # noqa: E402
-from qspec_jax.api import AUTO_GAMMA_MAX, DEFAULT_GAMMA, DEFAULT_SINKS, DRAFTS, METHODS, cache_slots, load  # noqa: E402
+from qspec_jax.api import DEFAULT_GAMMA, DEFAULT_SINKS, DRAFTS, METHODS, load  # noqa: E402
 from qspec_jax.config import LlamaConfig  # noqa: E402
 from qspec_jax.gamma import cost_model, expected_tokens  # noqa: E402
 from qspec_jax.kernels import KERNELS, Execution, resolve_kernels  # noqa: E402
-from qspec_jax.decode import DecodeState, Runtime, ar_loop, prefill_jit  # noqa: E402
+from qspec_jax.core import AUTO_GAMMA_MAX, Decoder, decode, init_state, prefill_jit  # noqa: E402
+from qspec_jax.decode import DecodeState, Runtime, cache_slots  # noqa: E402
 from qspec_jax.model import init_cache, sync_shadow  # noqa: E402
-from qspec_jax.qspec import qspec_auto_loop, qspec_loop  # noqa: E402
 from qspec_jax.sampling import Sampling  # noqa: E402
 
 GROUP = 128  # random weights: symmetric, group 128
@@ -290,8 +290,11 @@ def fresh_state(cfg: LlamaConfig, batch: int, context: int, new: int, gamma: int
     tokens = jax.random.randint(key, (batch, buffer_len), 0, cfg.vocab_size, jnp.int32)
     zeros = lambda: jnp.zeros((batch,), jnp.int32)  # noqa: E731  (distinct buffers: the state is donated)
     lengths = lambda: jnp.full((batch,), context, jnp.int32)  # noqa: E731
-    return DecodeState(tokens, lengths(), lengths(), zeros(), init_cache(cfg, batch, slots, jnp.bfloat16, shadow_bits),
-                       key, zeros(), zeros(), zeros(), jnp.zeros((batch, 0), jnp.float32))
+    return DecodeState(tokens=tokens, lengths=lengths(), prompt_lengths=lengths(), budget=jnp.full((batch,), new),
+                       sampling=Sampling(jnp.zeros((batch,)), zeros(), jnp.ones((batch,))), finish=zeros(),
+                       cache=init_cache(cfg, batch, slots, jnp.bfloat16, shadow_bits), key=key, rounds=zeros(),
+                       drafted=zeros(), accepted=zeros(), logprobs=jnp.zeros((batch, 0), jnp.float32),
+                       prompt_width=context)
 
 
 def fewshot_prompts(model, dev: Path, train: Path, batch: int, context: int) -> list[list[int]]:
@@ -324,9 +327,10 @@ def real_state_maker(model, rt: Runtime, prompts: list[list[int]], new: int, gam
     from qspec_jax.decode import pad_prompts
 
     tokens, lengths = pad_prompts(prompts)
+    dec = Decoder(rt, W4A16)
     buf = int(lengths.max()) + new + gamma + 1
-    return lambda: prefill_jit(model.checkpoint.params, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(0),
-                               rt=rt, buffer_len=buf, cache_len=cache_slots(buf), precision=W4A16)
+    return lambda: prefill_jit(model.checkpoint.params, dec, init_state(
+        dec, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(0), max_new_tokens=new, buffer_len=buf))
 
 
 # ------------------------------------------------------------------------------ timing
@@ -464,8 +468,8 @@ def plan_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None,
     res: dict = {"model": name, "batch": batch, "context": context, "new": args.new, "methods": {},
                  "acceptance": "replayed" if model is None else "measured", "kernels": resolve_kernels(args.kernels)}
     gmax = max([*args.gammas, *([AUTO_GAMMA_MAX] if args.auto else [])])
-    rt = Runtime(cfg, args.new, (), Sampling(), jnp.bfloat16,
-                 None if model is None else model.checkpoint.online_rotation_seed, Execution.decode(args.kernels))
+    rt = Runtime(cfg, dtype=jnp.bfloat16, online_rotation_seed=None if model is None else
+                 model.checkpoint.online_rotation_seed, execution=Execution.decode(args.kernels))
     if model is not None:
         prompts = fewshot_prompts(model, args.gsm8k, args.gsm8k_train, batch, context)
         res["prompt_tokens"] = float(np.mean([len(p) for p in prompts]))
@@ -490,8 +494,7 @@ def plan_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None,
         p = fparams if method == "w16a16" else params
         # the W16A16 baseline is plain XLA (bf16 dots, XLA attention), not row-count invariant
         rt_m = dataclasses.replace(rt, execution=Execution.prefill("reference")) if method == "w16a16" else rt
-        jobs["ar", method] = (jax.jit(lambda q, s, rt_m=rt_m, p=parse_precision(method): ar_loop(q, s, rt=rt_m,
-                                                                                               precision=p),
+        jobs["ar", method] = (jax.jit(lambda q, s, d=Decoder(rt_m, parse_precision(method)): decode(q, d, s),
                                       donate_argnums=1), (p, state))
     if args.drafts and ("ar", "w4a16") in jobs:
         jobs["fwd", "w4a16", 1, None, None] = (forward_loop(rt, "w4a16", args.phase_reps), (params, carry(1)))
@@ -508,7 +511,7 @@ def plan_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None,
         for g in args.gammas:
             replay = None if trace is None else jnp.asarray(draft_rounds(rows, draft)[str(g)], jnp.int32)
             jobs["qspec", draft, g] = (jax.jit(lambda q, s, g=g, p=parse_precision(mode), rt_d=rt_d, replay=replay: (
-                qspec_loop(q, s, rt=rt_d, gamma=g, draft=p) if replay is None
+                decode(q, Decoder(rt_d, None, p, g), s) if replay is None
                 else replay_loop(q, s, replay, rt=rt_d, gamma=g, draft=p)), donate_argnums=1), (params, state_d))
             # the verify on the draft's state: with a shadow, its re-quantization (sync_shadow) included
             jobs["fwd", "w4a16", g + 1, bits, None] = (forward_loop(rt_d, "w4a16", args.phase_reps),
@@ -518,7 +521,7 @@ def plan_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None,
             replay = None if trace is None else jnp.asarray(auto_rounds(draft_rounds(rows, draft)), jnp.int32)
             jobs["qspec", draft, "auto"] = (jax.jit(lambda q, s, p=parse_precision(mode), rt_d=rt_d, replay=replay,
                                                     costs=costs: (
-                qspec_auto_loop(q, s, rt=rt_d, gamma_max=AUTO_GAMMA_MAX, draft=p, costs=costs) if replay is None
+                decode(q, Decoder(rt_d, None, p, None, costs), s) if replay is None
                 else replay_auto_loop(q, s, replay, rt=rt_d, gamma_max=AUTO_GAMMA_MAX, draft=p, costs=costs)),
                 donate_argnums=1), (params, state_d))
     return Config(res, rt, makes, jobs, ahead)
@@ -705,8 +708,8 @@ def _record_drafts(model, ids: list[list[int]], args, table: dict, save: Callabl
     """Fills ``table[draft][str(gamma)]`` with the rounds of every ``--drafts`` x ``--gammas`` on the
     prompts ``ids``, prefilled once (W4A16, float32); a shadow is quantized from that prefill."""
     cfg = model.config
-    rt = Runtime(cfg, args.new, (), Sampling(), jnp.float32, model.checkpoint.online_rotation_seed,
-                 Execution.decode(args.kernels))
+    rt = Runtime(cfg, dtype=jnp.float32, online_rotation_seed=model.checkpoint.online_rotation_seed,
+                 execution=Execution.decode(args.kernels))
     prefilled = real_state_maker(model, rt, ids, args.new, max(args.gammas))()
     states = {None: prefilled}
     for draft in args.drafts:

@@ -34,7 +34,6 @@ from bench.shapes import MODELS
 from pallas_kernels.precision import PRECISIONS
 from qspec_jax.decode import Runtime
 from qspec_jax.kernels import Execution
-from qspec_jax.sampling import Sampling
 
 # (category, kernel-name prefix): Pallas kernels are named after their Python functions
 CATEGORIES = (("W4A16 matmul", "_w4a16_kernel"), ("W4A8/W4A4 matmul", "_w4ax_kernel"),
@@ -132,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
         runs.append((spec, draft, int(tokens)))
     cfg = MODELS[args.model]
     params = random_params(cfg, jax.random.key(1))
-    rt = Runtime(cfg, 64, (), Sampling(), jnp.bfloat16, None, Execution.decode())
+    rt = Runtime(cfg, dtype=jnp.bfloat16, execution=Execution.decode())
     out = {"command": command_line("bench.profile", argv),
            "device": jax.devices()[0].device_kind, "date": utc_now(), "commit": git_commit(),
            "model": args.model, "batch": args.batch,

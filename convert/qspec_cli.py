@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from importlib import metadata
 from pathlib import Path
 
@@ -99,11 +100,14 @@ def cmd_generate(args) -> None:
     prompts = read_prompts(args)
     model = load(_checkpoint(args))
     for start in range(0, len(prompts), args.batch_size):
-        res = generate(model, prompts[start:start + args.batch_size], max_new_tokens=args.max_new_tokens,
-                       method=args.method, **qspec_only, temperature=args.temperature, top_k=args.top_k,
-                       top_p=args.top_p, seed=args.seed, chat=args.chat, system=args.system, stop=args.stop,
-                       eos_token_id=args.eos, max_len=args.max_len, dtype=args.dtype,
-                       return_logprobs=args.logprobs)
+        batch = prompts[start:start + args.batch_size]
+        kw = dict(max_new_tokens=args.max_new_tokens, method=args.method, **qspec_only, temperature=args.temperature,
+                  top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=args.chat, system=args.system,
+                  stop=args.stop, eos_token_id=args.eos, max_len=args.max_len, dtype=args.dtype,
+                  return_logprobs=args.logprobs)
+        # one prompt in text mode: its text is printed as rounds commit it
+        live = not args.no_stream and not args.json and len(batch) == 1 and model.tokenizer is not None
+        res = generate(model, batch, **kw) if args.no_stream else _streamed(model, batch, kw, live)
         for i, seq in enumerate(res.sequences):
             text = res.texts[i] if res.texts is not None else None
             if args.json:
@@ -113,11 +117,28 @@ def cmd_generate(args) -> None:
                     row["logprobs"] = res.logprobs[i].tolist()
                 print(json.dumps(row), flush=True)
             else:
-                print(text if text is not None else seq.tolist(), flush=True)
+                print("" if live else text if text is not None else seq.tolist(), flush=True)
                 print(f"[finish: {res.finish_reasons[i]}]", file=sys.stderr)
         first = " (compilation included)" if start == 0 else ""
         _print_stats(f"{args.method}, prompts {start}-{start + len(res.sequences) - 1}{first}", res.stats,
                      file=sys.stderr)
+
+
+def _streamed(model, batch: list, kw: dict, live: bool):
+    """stream_generate's result; ``live``: the one prompt's text written to stdout as it arrives. On a
+    terminal, stderr shows the tokens so far and their rate."""
+    from qspec_jax.api import stream_generate
+
+    t0, n = time.perf_counter(), 0
+    for update in stream_generate(model, batch, **kw):
+        n += sum(len(t) for t in update.tokens)
+        if live:
+            print(update.texts[0], end="", flush=True)
+        if sys.stderr.isatty():
+            print(f"\r[{n} tokens, {n / (time.perf_counter() - t0):.1f} tok/s]", end="", file=sys.stderr, flush=True)
+    if sys.stderr.isatty():
+        print(file=sys.stderr)
+    return update.result
 
 
 def cmd_demo(args) -> None:
@@ -192,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="activations and KV cache (none: bfloat16 on a GPU, float32 elsewhere)")
     g.add_argument("--logprobs", action="store_true", help="with --json: each token's log-probability")
+    g.add_argument("--no-stream", action="store_true",
+                   help="run each batch to the end before printing (default: a single prompt's text is printed "
+                        "as it is generated; on a terminal, tokens/s is shown as it goes)")
     args = ap.parse_args(argv)
     try:
         {"generate": cmd_generate, "demo": cmd_demo}[args.command](args)

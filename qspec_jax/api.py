@@ -15,30 +15,23 @@ import numpy as np
 from pallas_kernels import reference
 from pallas_kernels.precision import DRAFT_PRECISIONS, W4A8, W4A16, W16A16, W4A4, parse_precision
 from qspec_jax.checkpoint import Checkpoint, load_checkpoint
-from qspec_jax.decode import FINISH_REASONS, STOP, Runtime, ar_loop, pad_prompts, prefill_jit
+from qspec_jax.core import AUTO_GAMMA_MAX, Decoder, decode_jit, init_state, prefill_jit
+from qspec_jax.decode import FINISH_REASONS, MAX_GAMMA, STOP, Runtime, buffer_length, pad_prompts
 from qspec_jax.kernels import Execution
 from qspec_jax.model import with_draft_head
 from qspec_jax.gamma import cost_model
-from qspec_jax.qspec import qspec_auto_loop, qspec_loop
-from qspec_jax.sampling import Sampling, check_token_ids, is_integer
+from qspec_jax.sampling import Sampling, check_token_ids, is_integer, per_row
 
 AR_PRECISIONS = (W4A16, W4A8, W4A4, W16A16)  # the autoregressive methods
 METHODS = ("qspec", *(p.name for p in AR_PRECISIONS))
 DRAFTS = tuple(p.name for p in DRAFT_PRECISIONS)
 DEFAULT_DRAFT, DEFAULT_GAMMA = W4A8.name, "auto"  # generate()'s, also the CLI's
-AUTO_GAMMA_MAX = 4  # gamma="auto" picks each round's gamma in 0..AUTO_GAMMA_MAX
 DEFAULT_SINKS = 64  # a draft window's first slots (one KV block of the attention kernel)
-# Drafts per round at most: the expected accepted run is a / (1 - a) at acceptance a (4 at 0.8, 32 at
-# 0.97), so more only adds rejected work, while every draft slot lengthens the cache and the verify
-MAX_GAMMA = 32
-CACHE_MULTIPLE = 64  # KV cache slots are allocated in multiples of this (the attention kernel's block)
-# Slots past prompt + new tokens, the same for every method and gamma: a QSPEC round drafts up to gamma
-# positions past the budget. The GPU attention kernel's split of the cache follows its length, so a
-# cache sized by gamma could make W4A16 and QSPEC sum a token's attention in different orders.
-CACHE_SLACK = MAX_GAMMA + 1
-# Prompts are padded to a multiple of this: calls whose longest prompts fall in one bucket share the
-# compiled prefill and decode loop (pad tokens sit after a sequence's last position: invisible to it)
+# Prompts are padded to a multiple of PROMPT_MULTIPLE and the room for new tokens rounded up to one of
+# NEW_TOKENS_MULTIPLE: calls in one bucket share the compiled prefill and decode loop (pad tokens sit
+# after a sequence's last position, unused slots past its budget: invisible to it)
 PROMPT_MULTIPLE = 64
+NEW_TOKENS_MULTIPLE = 64
 COMPUTE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -52,11 +45,6 @@ class Model:
     @property
     def config(self):
         return self.checkpoint.config
-
-
-def cache_slots(buffer_len: int) -> int:
-    """KV cache slots for ``buffer_len`` tokens: rounded up to whole :data:`CACHE_MULTIPLE` blocks."""
-    return -(-buffer_len // CACHE_MULTIPLE) * CACHE_MULTIPLE
 
 
 def load(path: str | Path) -> Model:
@@ -173,11 +161,12 @@ def _draft_window(method: str, size: int | None, sinks: int) -> reference.Attent
 
 
 def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]] | np.ndarray, *,
-             max_new_tokens: int, method: str = "qspec", draft: str | None = None,
+             max_new_tokens: int | Sequence[int], method: str = "qspec", draft: str | None = None,
              gamma: int | str | None = None,
              draft_kv: int | None = None, draft_window: int | None = None, draft_sinks: int = DEFAULT_SINKS,
              draft_head: int | None = None,
-             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+             temperature: float | Sequence[float] = 0.0, top_k: int | Sequence[int | None] | None = None,
+             top_p: float | Sequence[float | None] | None = None, seed: int = 0,
              eos_token_id: int | Sequence[int] | None = None, stop: str | Sequence[str] | None = None,
              chat: bool = False, system: str | None = None, return_logprobs: bool = False,
              max_len: int | None = None,
@@ -200,7 +189,10 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
     ``eos_token_id``: the token(s) that end a sequence, by default the tokenizer's EOS and the config's
     (all of them, where it lists several); ``-1`` never stops on a token.
     ``temperature`` 0 decodes greedily; above 0 tokens are sampled (key from ``seed``), ``top_k`` /
-    ``top_p`` restricting the distribution. ``stop``: strings that end a sequence's text; each is cut
+    ``top_p`` restricting the distribution. ``max_new_tokens``, ``temperature``, ``top_k`` and ``top_p``
+    may be lists with one value per prompt; they are arrays in the compiled loop, so new values reuse it
+    (while every sequence is greedy the loop skips the sampling work: going from all-greedy to sampling
+    compiles once more). ``stop``: strings that end a sequence's text; each is cut
     after the token that completes the first match and its text before the match (the loop itself runs
     on to EOS or ``max_new_tokens``: the cut is made on the host). ``chat`` wraps string prompts in the
     chat template; a prompt may also be a conversation, a list of ``{"role", "content"}`` messages
@@ -211,8 +203,9 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
     bfloat16 on a GPU backend, float32 elsewhere (:func:`default_dtype`).
     ``kernels`` picks the Pallas GPU kernels or the jnp references (:mod:`qspec_jax.kernels`;
     ``"auto"``: the kernels on a GPU). Prompts are padded to a multiple of :data:`PROMPT_MULTIPLE`
-    tokens, so calls whose longest prompts fall in the same bucket reuse the compiled code.
-    Streamed: :func:`stream_generate`.
+    tokens and the room for new tokens to one of :data:`NEW_TOKENS_MULTIPLE`, so calls in the same
+    buckets reuse the compiled code. Streamed: :func:`stream_generate`; the functional core beneath
+    both: :mod:`qspec_jax.core`.
     """
     options = {k: v for k, v in locals().items() if k not in ("model", "prompts")}  # every keyword above
     *_, last = _generation(model, prompts, None, **options)
@@ -228,11 +221,12 @@ def stream_generate(model: Model, prompts, *, chunk_rounds: int = 8, **options: 
 
 
 def _generation(model: Model, prompts, chunk_rounds: int | None, *,
-             max_new_tokens: int, method: str = "qspec", draft: str | None = None,
+             max_new_tokens: int | Sequence[int], method: str = "qspec", draft: str | None = None,
              gamma: int | str | None = None,
              draft_kv: int | None = None, draft_window: int | None = None, draft_sinks: int = DEFAULT_SINKS,
              draft_head: int | None = None,
-             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+             temperature: float | Sequence[float] = 0.0, top_k: int | Sequence[int | None] | None = None,
+             top_p: float | Sequence[float | None] | None = None, seed: int = 0,
              eos_token_id: int | Sequence[int] | None = None, stop: str | Sequence[str] | None = None,
              chat: bool = False, system: str | None = None, return_logprobs: bool = False,
              max_len: int | None = None,
@@ -262,8 +256,6 @@ def _generation(model: Model, prompts, chunk_rounds: int | None, *,
                              "qspec-convert --draft-vocab CALIBRATION.jsonl")
     if gamma != "auto" and (not is_integer(gamma) or not 1 <= gamma <= MAX_GAMMA):
         raise ValueError(f"gamma must be 'auto' or an integer in [1, {MAX_GAMMA}], got {gamma!r}")
-    if not is_integer(max_new_tokens) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     if not is_integer(seed) or not -2**63 <= seed < 2**63:
         raise ValueError(f"seed must be an integer in [-2**63, 2**63), got {seed!r}")
     if max_len is not None and (not is_integer(max_len) or max_len < 1):
@@ -275,7 +267,6 @@ def _generation(model: Model, prompts, chunk_rounds: int | None, *,
         known = False
     if not known:
         raise ValueError(f"dtype must be one of {[d.name for d in COMPUTE_DTYPES]}, got {dtype!r}")
-    max_new_tokens = int(max_new_tokens)  # NumPy integers would overflow the cache sizes
     if (ar is None or ar.quantized) and not model.checkpoint.quantized:
         raise ValueError(f"method {method!r} needs a quantized checkpoint; this one holds float weights")
     if kernels == "pallas" and jax.default_backend() != "gpu":  # (lowering for CUDA from a CPU host stays possible)
@@ -283,24 +274,38 @@ def _generation(model: Model, prompts, chunk_rounds: int | None, *,
                          "'reference' (the jnp references), 'interpret' (the Pallas kernels, interpreted: slow) "
                          "or 'auto'")
     execution = Execution.decode(kernels)
-    sampling = Sampling(temperature, top_k, top_p)
     stop = _stop_strings(model, stop)
     if not isinstance(return_logprobs, bool):
         raise ValueError(f"return_logprobs must be True or False, got {return_logprobs!r}")
+    # settings checked before the prompts; a list's length against the prompts after them
+    lists = {n: len(v) for n, v in (("max_new_tokens", max_new_tokens), ("temperature", temperature),
+                                    ("top_k", top_k), ("top_p", top_p)) if isinstance(v, (list, tuple, np.ndarray))}
+    budgets = per_row(max_new_tokens, lists.get("max_new_tokens"), "max_new_tokens")
+    if not budgets or not all(is_integer(n) and n >= 0 for n in budgets):
+        raise ValueError(f"max_new_tokens must be an integer >= 0 (or a list of them, one per prompt), "
+                         f"got {max_new_tokens!r}")
+    rows = max((v for n, v in lists.items() if n != "max_new_tokens"), default=None)
+    sampling = Sampling.of(temperature, top_k, top_p, rows)
     ids = tokenize(model, prompts, chat, system)
     tokens, lengths = pad_prompts(ids, PROMPT_MULTIPLE)
+    b = len(ids)
+    for name, n in lists.items():
+        if n != b:
+            raise ValueError(f"{name} as a list gives one value per prompt: {b} expected, got {n}")
+    budgets = np.asarray([int(n) for n in budgets] * (1 if lists.get("max_new_tokens") else b), object)
+    max_new_tokens = int(budgets.max())  # (checked against max_len before any cast)
     cfg = model.config
     if max_len is None:
         max_len = cfg.max_position_embeddings
     elif max_len > cfg.max_position_embeddings:
         raise ValueError(f"max_len={max_len} exceeds the model's max_position_embeddings "
                          f"{cfg.max_position_embeddings} (the positions it was trained for)")
-    if lengths.max() + max_new_tokens > max_len:
-        raise ValueError(f"a prompt of {lengths.max()} token{'s' if lengths.max() != 1 else ''} plus "
-                         f"max_new_tokens={max_new_tokens} exceeds the "
-                         f"cache length max_len={max_len}")
+    if np.any(over := lengths + budgets > max_len):
+        i = int(np.argmax(over))
+        raise ValueError(f"a prompt of {lengths[i]} token{'s' if lengths[i] != 1 else ''} plus "
+                         f"max_new_tokens={budgets[i]} exceeds the cache length max_len={max_len}")
+    budgets = budgets.astype(np.int32)
     eos_ids = _eos_ids(model, eos_token_id)
-    b = len(ids)
     if max_new_tokens == 0:
         yield StreamUpdate([np.zeros(0, np.int32)] * b, [""] * b if model.tokenizer is not None else None, [True] * b,
                            GenerationResult([np.zeros(0, np.int32)] * b, lengths, np.zeros(b, np.int32),
@@ -309,24 +314,24 @@ def _generation(model: Model, prompts, chunk_rounds: int | None, *,
                                             [np.zeros(0, np.float32)] * b if return_logprobs else None))
         return
 
-    rt = Runtime(cfg, int(max_new_tokens), eos_ids, sampling, dtype,
-                 model.checkpoint.online_rotation_seed, execution, draft_kv=draft_kv, draft_window=window,
-                 draft_head=draft_head is not None, logprobs=return_logprobs)
-    buffer_len = tokens.shape[1] + max_new_tokens + CACHE_SLACK
-    cache_len = cache_slots(buffer_len)
+    rt = Runtime(cfg, eos_ids, not sampling.greedy, dtype, model.checkpoint.online_rotation_seed, execution,
+                 draft_kv=draft_kv, draft_window=window, draft_head=draft_head is not None, logprobs=return_logprobs)
     params = model.checkpoint.params
     if draft_head is not None:
         params = with_draft_head(params, cfg, model.checkpoint.draft_vocab, int(draft_head))
-    start = time.perf_counter()
-    state = prefill_jit(params, jnp.asarray(tokens), jnp.asarray(lengths), seed_key(int(seed)), rt=rt,
-                        buffer_len=buffer_len, cache_len=cache_len, precision=W16A16 if ar == W16A16 else W4A16)
-    if ar is None and gamma == "auto":
-        costs = cost_model(params, cfg, dtype, draft_kv, window)
-        loop = functools.partial(qspec_auto_loop, rt=rt, gamma_max=AUTO_GAMMA_MAX, draft=draft, costs=costs)
-    elif ar is None:
-        loop = functools.partial(qspec_loop, rt=rt, gamma=int(gamma), draft=draft)
+    if ar is not None:
+        decoder = Decoder(rt, ar)
+    elif gamma == "auto":
+        decoder = Decoder(rt, None, draft, None, cost_model(params, cfg, dtype, draft_kv, window))
     else:
-        loop = functools.partial(ar_loop, rt=rt, precision=ar)
+        decoder = Decoder(rt, None, draft, int(gamma))
+    room = -(-max_new_tokens // NEW_TOKENS_MULTIPLE) * NEW_TOKENS_MULTIPLE
+    start = time.perf_counter()
+    state = init_state(decoder, jnp.asarray(tokens), jnp.asarray(lengths), seed_key(int(seed)),
+                       max_new_tokens=jnp.asarray(budgets), buffer_len=buffer_length(tokens.shape[1], room),
+                       temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+    state = prefill_jit(params, decoder, state)
+    loop = functools.partial(decode_jit, params, decoder)
     rounds = None if chunk_rounds is None else jnp.asarray(chunk_rounds, jnp.int32)
     tok = model.tokenizer
     if stop:
@@ -337,7 +342,7 @@ def _generation(model: Model, prompts, chunk_rounds: int | None, *,
     hold = max((len(x) for x in stop), default=1) - 1  # text that may begin a stop string is held back
     while True:
         if chunk_rounds is not None or not bool(jnp.all(state.done)):
-            state = loop(params, state, rounds)
+            state = loop(state, rounds)
         done = np.asarray(jax.device_get(state.done))
         toks, lens = jax.device_get((state.tokens, state.lengths))
         seqs = [toks[i, lengths[i]:lens[i]] for i in range(b)]

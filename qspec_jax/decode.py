@@ -9,7 +9,6 @@ Slots beyond are stale; attention masks them by position.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
@@ -19,22 +18,33 @@ import numpy as np
 from pallas_kernels.precision import Precision
 from pallas_kernels.reference import AttentionWindow
 from qspec_jax.config import LlamaConfig
-from qspec_jax.kernels import ROW_TILE, Execution  # noqa: F401  (ROW_TILE: the decode-time row tile)
+from qspec_jax.kernels import Execution
 from qspec_jax.model import KVCache, forward, init_cache, sync_shadow
 from qspec_jax.sampling import Sampling, choose
 
 RUNNING, STOP, LENGTH = 0, 1, 2
 FINISH_REASONS = {STOP: "stop", LENGTH: "length"}
+# Drafts per round at most: the expected accepted run is a / (1 - a) at acceptance a (4 at 0.8, 32 at
+# 0.97), so more only adds rejected work, while every draft slot lengthens the cache and the verify
+MAX_GAMMA = 32
+CACHE_MULTIPLE = 64  # KV cache slots are allocated in multiples of this (the attention kernel's block)
+# Slots past prompt + new tokens, the same for every method and gamma: a QSPEC round drafts up to gamma
+# positions past the budget. The GPU attention kernel's split of the cache follows its length, so a
+# cache sized by gamma could make W4A16 and QSPEC sum a token's attention in different orders.
+CACHE_SLACK = MAX_GAMMA + 1
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DecodeState:
-    """Everything a decode loop carries; shapes are static for a given batch and budget."""
+    """Everything a decode loop carries: a pytree of arrays whose shapes are fixed by the batch, the
+    prompt width and the buffer length, so new settings and budgets reuse the compiled loop."""
 
     tokens: jax.Array         # int32[B, L] prompt + committed tokens (slots past lengths are scratch)
     lengths: jax.Array        # int32[B] committed tokens (prompt included)
     prompt_lengths: jax.Array  # int32[B]
+    budget: jax.Array         # int32[B] new tokens each sequence may commit (its max_new_tokens)
+    sampling: Sampling        # per-sequence temperature / top-k / top-p
     finish: jax.Array         # int32[B] RUNNING / STOP / LENGTH
     cache: KVCache            # k, v [L, B, S, KV, hd], and the draft's KV shadow if Runtime.draft_kv
     key: jax.Array            # PRNG key
@@ -44,6 +54,7 @@ class DecodeState:
     # float32[B, L]: the log-probability of each committed token under the logits that chose it (the
     # verifier's for QSPEC); [B, 0] unless Runtime.logprobs
     logprobs: jax.Array
+    prompt_width: int = dataclasses.field(metadata=dict(static=True))  # tokens[:, :prompt_width]: the prefill's input
 
     @property
     def done(self) -> jax.Array:
@@ -55,9 +66,8 @@ class Runtime:
     """Static settings of a decode loop (hashable: part of the jit cache key)."""
 
     config: LlamaConfig
-    max_new_tokens: int
-    eos_ids: tuple[int, ...]  # a sequence stops after any of these (none: only at max_new_tokens)
-    sampling: Sampling
+    eos_ids: tuple[int, ...] = ()  # a sequence stops after any of these (none: only at its budget)
+    stochastic: bool = False  # sample (DecodeState.sampling); False: every sequence greedy, no sampling work
     dtype: Any = jnp.float32
     online_rotation_seed: int | None = None
     # how decode-time forwards run (the prefill drops the row tile); one without a row tile makes the
@@ -93,12 +103,12 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, rt: Runtime) -> jax.Arr
 def commit(state: DecodeState, cand: jax.Array, n_new: jax.Array, rt: Runtime,
            cand_logprobs: jax.Array | None = None) -> tuple[DecodeState, jax.Array]:
     """Append up to ``n_new[b]`` tokens of ``cand[b]`` (and, with ``rt.logprobs``, their
-    ``cand_logprobs``) to each running sequence, stopping after an EOS and at ``max_new_tokens``.
+    ``cand_logprobs``) to each running sequence, stopping after an EOS and at its budget.
     Returns the new state and the number committed per sequence."""
     b, w = cand.shape
     j = jnp.arange(w)[None, :]
     generated = state.lengths - state.prompt_lengths
-    room = jnp.minimum(n_new, rt.max_new_tokens - generated)
+    room = jnp.minimum(n_new, state.budget - generated)
     is_eos = jnp.isin(cand, jnp.asarray(rt.eos_ids, cand.dtype)) & (j < room[:, None])
     has_eos = jnp.any(is_eos, axis=-1)
     upto = jnp.where(has_eos, jnp.argmax(is_eos, axis=-1) + 1, room)
@@ -110,35 +120,53 @@ def commit(state: DecodeState, cand: jax.Array, n_new: jax.Array, rt: Runtime,
         logprobs = logprobs.at[jnp.arange(b)[:, None], cols].set(cand_logprobs, mode="drop")
     lengths = state.lengths + count
     stopped = ~state.done & has_eos
-    full = ~state.done & ~has_eos & (lengths - state.prompt_lengths >= rt.max_new_tokens)
+    full = ~state.done & ~has_eos & (lengths - state.prompt_lengths >= state.budget)
     finish = jnp.where(stopped, STOP, jnp.where(full, LENGTH, state.finish))
     return dataclasses.replace(state, tokens=tokens, lengths=lengths, finish=finish, logprobs=logprobs), count
 
 
-def prefill(params, prompts: jax.Array, prompt_lengths: jax.Array, key: jax.Array, rt: Runtime,
-            buffer_len: int, cache_len: int, precision: Precision) -> DecodeState:
-    """Run the prompts through the model in ``precision`` (filling the KV cache) and commit the first token."""
+def buffer_length(prompt_width: int, max_new_tokens: int) -> int:
+    """Token slots for prompts ``prompt_width`` wide and up to ``max_new_tokens`` new tokens, with room
+    for a QSPEC round of up to :data:`MAX_GAMMA` drafts past the budget."""
+    return prompt_width + max_new_tokens + CACHE_SLACK
+
+
+def cache_slots(buffer_len: int) -> int:
+    """KV cache slots for ``buffer_len`` tokens: rounded up to whole :data:`CACHE_MULTIPLE` blocks."""
+    return -(-buffer_len // CACHE_MULTIPLE) * CACHE_MULTIPLE
+
+
+def init_state(rt: Runtime, prompts: jax.Array, prompt_lengths: jax.Array, key: jax.Array, budget: jax.Array,
+               sampling: Sampling, buffer_len: int, cache_len: int | None = None) -> DecodeState:
+    """A state holding right-padded ``prompts [B, P]`` of ``prompt_lengths`` tokens, an empty KV cache
+    of ``cache_len`` slots (None: :func:`cache_slots` of ``buffer_len``), nothing committed yet, and
+    each sequence's ``budget`` (int32, [B] or scalar) and ``sampling``."""
     b, p = prompts.shape
-    cache = init_cache(rt.config, b, cache_len, rt.dtype, rt.draft_kv)
-    logits, cache = rt.run(params, prompts, jnp.broadcast_to(jnp.arange(p), (b, p)), cache, precision,
-                           execution=rt.execution.untiled())
-    key, sub = jax.random.split(key)
-    last = logits[jnp.arange(b), prompt_lengths - 1]
-    first, _ = choose(last, rt.sampling, sub)
-    zeros = jnp.zeros((b,), jnp.int32)
-    state = DecodeState(
-        tokens=jnp.zeros((b, buffer_len), jnp.int32).at[:, :p].set(prompts), lengths=prompt_lengths,
-        prompt_lengths=prompt_lengths, finish=zeros, cache=cache, key=key, rounds=zeros, drafted=zeros,
-        accepted=zeros, logprobs=jnp.zeros((b, buffer_len if rt.logprobs else 0), jnp.float32))
+    cache_len = cache_slots(buffer_len) if cache_len is None else cache_len
+    zeros = lambda: jnp.zeros((b,), jnp.int32)  # noqa: E731  (distinct buffers: the state is donated)
+    return DecodeState(
+        tokens=jnp.zeros((b, buffer_len), jnp.int32).at[:, :p].set(prompts),
+        lengths=jnp.array(prompt_lengths, jnp.int32), prompt_lengths=jnp.array(prompt_lengths, jnp.int32),
+        budget=jnp.array(jnp.broadcast_to(budget, (b,)), jnp.int32),
+        sampling=Sampling(*(jnp.array(jnp.broadcast_to(a, (b,)), dt) for a, dt in (
+            (sampling.temperature, jnp.float32), (sampling.top_k, jnp.int32), (sampling.top_p, jnp.float32)))),
+        finish=zeros(), cache=init_cache(rt.config, b, cache_len, rt.dtype, rt.draft_kv), key=key,
+        rounds=zeros(), drafted=zeros(), accepted=zeros(),
+        logprobs=jnp.zeros((b, buffer_len if rt.logprobs else 0), jnp.float32), prompt_width=p)
+
+
+def prefill(params, state: DecodeState, rt: Runtime, precision: Precision) -> DecodeState:
+    """Run the prompts of a fresh :func:`init_state` through the model in ``precision`` (filling the KV
+    cache) and commit each sequence's first token."""
+    b, p = state.tokens.shape[0], state.prompt_width
+    logits, cache = rt.run(params, state.tokens[:, :p], jnp.broadcast_to(jnp.arange(p), (b, p)), state.cache,
+                           precision, execution=rt.execution.untiled())
+    key, sub = jax.random.split(state.key)
+    last = logits[jnp.arange(b), state.prompt_lengths - 1]
+    first, _ = choose(last, state.sampling, sub, rt.stochastic)
+    state = dataclasses.replace(state, cache=cache, key=key)
     logp = token_logprobs(last[:, None], first[:, None], rt)
     return commit(state, first[:, None], jnp.ones((b,), jnp.int32), rt, logp)[0]
-
-
-@functools.partial(jax.jit, static_argnames=("rt", "buffer_len", "cache_len", "precision"))
-def prefill_jit(params, prompts, lengths, key, *, rt: Runtime, buffer_len: int, cache_len: int,
-                precision: Precision) -> DecodeState:
-    """:func:`prefill` compiled (once per runtime, sizes and precision)."""
-    return prefill(params, prompts, lengths, key, rt, buffer_len, cache_len, precision)
 
 
 def last_tokens(state: DecodeState) -> jax.Array:
@@ -150,7 +178,7 @@ def ar_step(params, state: DecodeState, rt: Runtime, precision: Precision) -> De
     """One autoregressive step: feed the last token, choose the next, commit it."""
     logits, cache = rt.run(params, last_tokens(state), (state.lengths - 1)[:, None], state.cache, precision)
     key, sub = jax.random.split(state.key)
-    nxt, _ = choose(logits[:, 0], rt.sampling, sub)
+    nxt, _ = choose(logits[:, 0], state.sampling, sub, rt.stochastic)
     running = (~state.done).astype(jnp.int32)
     state = dataclasses.replace(state, cache=cache, key=key, rounds=state.rounds + running)
     return commit(state, nxt[:, None], jnp.ones_like(state.lengths), rt, token_logprobs(logits, nxt[:, None], rt))[0]
@@ -165,9 +193,7 @@ def run_loop(body, state: DecodeState, rounds: jax.Array | None) -> DecodeState:
                               (state, jnp.zeros((), jnp.int32)))[0]
 
 
-@functools.partial(jax.jit, static_argnames=("rt", "precision"), donate_argnames=("state",))
-def ar_loop(params, state: DecodeState, rounds: jax.Array | None = None, *, rt: Runtime,
-            precision: Precision) -> DecodeState:
+def ar_loop(params, state: DecodeState, rounds: jax.Array | None, rt: Runtime, precision: Precision) -> DecodeState:
     """Autoregressive decoding in ``precision`` until every sequence is done (or for ``rounds`` steps)."""
     return run_loop(lambda s: ar_step(params, s, rt, precision), state, rounds)
 

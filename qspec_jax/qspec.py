@@ -34,7 +34,7 @@ Accept = Callable[[jax.Array, jax.Array | None, jax.Array, DecodeState, jax.Arra
 def draft_tokens(params, state: DecodeState, rt: Runtime, gamma: int, precision: Precision, key: jax.Array):
     """``gamma`` draft steps: ``(drafts int32[B, gamma], draft probs [B, gamma, V] or None, cache)``."""
     b = state.lengths.shape[0]
-    stochastic = not rt.sampling.greedy
+    stochastic = rt.stochastic
     v = rt.config.vocab_size
     init = (last_tokens(state)[:, 0], state.cache, jnp.zeros((b, gamma), jnp.int32),
             jnp.zeros((b, gamma, v) if stochastic else (0,), jnp.float32))
@@ -42,7 +42,7 @@ def draft_tokens(params, state: DecodeState, rt: Runtime, gamma: int, precision:
     def step(i, carry):
         tok, cache, drafts, qs = carry
         logits, cache = rt.run(params, tok[:, None], (state.lengths - 1 + i)[:, None], cache, precision, draft=True)
-        nxt, q = choose(logits[:, 0], rt.sampling, jax.random.fold_in(key, i))
+        nxt, q = choose(logits[:, 0], state.sampling, jax.random.fold_in(key, i), stochastic)
         drafts = drafts.at[:, i].set(nxt)
         if stochastic:
             qs = qs.at[:, i].set(q)
@@ -53,10 +53,11 @@ def draft_tokens(params, state: DecodeState, rt: Runtime, gamma: int, precision:
 
 
 def accept_rule(rt: Runtime) -> Accept:
-    """The acceptance of ``rt.sampling``: the longest agreeing prefix (greedy), else speculative sampling."""
-    if rt.sampling.greedy:
+    """The longest agreeing prefix (greedy), else (``rt.stochastic``) speculative sampling, which for a
+    sequence at temperature 0 accepts exactly the drafts equal to the target's argmax."""
+    if not rt.stochastic:
         return lambda drafts, qs, logits, state, key: accept_greedy(drafts, logits)
-    return lambda drafts, qs, logits, state, key: accept_stochastic(drafts, qs, logits, rt.sampling, key)
+    return lambda drafts, qs, logits, state, key: accept_stochastic(drafts, qs, logits, state.sampling, key)
 
 
 def qspec_round(params, state: DecodeState, rt: Runtime, gamma: int, draft: Precision,
@@ -80,8 +81,7 @@ def qspec_round(params, state: DecodeState, rt: Runtime, gamma: int, draft: Prec
     return dataclasses.replace(state, accepted=state.accepted + jnp.minimum(accepted, count))
 
 
-@functools.partial(jax.jit, static_argnames=("rt", "gamma", "draft"), donate_argnames=("state",))
-def qspec_loop(params, state: DecodeState, rounds: jax.Array | None = None, *, rt: Runtime, gamma: int,
+def qspec_loop(params, state: DecodeState, rounds: jax.Array | None, rt: Runtime, gamma: int,
                draft: Precision) -> DecodeState:
     """QSPEC decoding until every sequence is done (or for ``rounds`` rounds): one ``lax.while_loop``,
     one round per iteration."""
@@ -99,8 +99,7 @@ def auto_round(params, state: DecodeState, rt: Runtime, gamma_max: int, draft: P
     return jax.lax.switch(g, branches, state)
 
 
-@functools.partial(jax.jit, static_argnames=("rt", "gamma_max", "draft", "costs"), donate_argnames=("state",))
-def qspec_auto_loop(params, state: DecodeState, rounds: jax.Array | None = None, *, rt: Runtime, gamma_max: int,
+def qspec_auto_loop(params, state: DecodeState, rounds: jax.Array | None, rt: Runtime, gamma_max: int,
                     draft: Precision, costs: CostModel) -> DecodeState:
     """QSPEC decoding with γ chosen every round: one ``lax.while_loop`` of :func:`auto_round`."""
     return run_loop(lambda s: auto_round(params, s, rt, gamma_max, draft, costs), state, rounds)

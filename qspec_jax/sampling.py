@@ -15,32 +15,50 @@ import jax.numpy as jnp
 import numpy as np
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-    """How tokens are chosen: greedy when ``temperature == 0``."""
+    """How each sequence's tokens are chosen, as arrays (traced: new values reuse the compiled loop).
+    ``temperature`` 0 chooses greedily; ``top_k`` 0 and ``top_p`` 1 restrict nothing."""
 
-    temperature: float = 0.0
-    top_k: int | None = None
-    top_p: float | None = None
+    temperature: jax.Array  # float32[B] (or a scalar for every row)
+    top_k: jax.Array        # int32[B]
+    top_p: jax.Array        # float32[B]
 
-    def __post_init__(self):
-        if not is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if self.top_k is not None and (not is_integer(self.top_k) or self.top_k < 1):
-            raise ValueError(f"top_k must be an integer >= 1 or None, got {self.top_k!r}")
-        if self.top_p is not None and (not is_real(self.top_p) or not 0 < self.top_p <= 1):
-            raise ValueError(f"top_p must be a number in (0, 1] or None, got {self.top_p!r}")
-        if self.temperature == 0 and (self.top_k is not None or self.top_p is not None):
-            raise ValueError("top_k / top_p shape the sampled distribution, and temperature=0 decodes greedily: "
-                             "give a temperature > 0 or leave them out")
-        # plain Python numbers: the runtime is a static (hashed) argument of the jitted loops
-        object.__setattr__(self, "temperature", float(self.temperature))
-        object.__setattr__(self, "top_k", None if self.top_k is None else int(self.top_k))
-        object.__setattr__(self, "top_p", None if self.top_p is None else float(self.top_p))
+    @classmethod
+    def of(cls, temperature=0.0, top_k=None, top_p=None, batch: int | None = None) -> "Sampling":
+        """Checked settings from Python numbers or per-sequence lists of them (``batch`` long; None:
+        scalars); ``top_k`` / ``top_p`` None restrict nothing."""
+        t, k, p = (per_row(v, batch, name) for v, name in
+                   ((temperature, "temperature"), (top_k, "top_k"), (top_p, "top_p")))
+        for ti, ki, pi in zip(t, k, p):
+            if not is_real(ti) or not math.isfinite(ti) or ti < 0:
+                raise ValueError(f"temperature must be a finite number >= 0, got {ti!r}")
+            if ki is not None and (not is_integer(ki) or ki < 1):
+                raise ValueError(f"top_k must be an integer >= 1 or None, got {ki!r}")
+            if pi is not None and (not is_real(pi) or not 0 < pi <= 1):
+                raise ValueError(f"top_p must be a number in (0, 1] or None, got {pi!r}")
+            if ti == 0 and (ki is not None or pi is not None):
+                raise ValueError("top_k / top_p shape the sampled distribution, and temperature=0 decodes "
+                                 "greedily: give a temperature > 0 or leave them out")
+        shape = () if batch is None else (batch,)
+        return cls(np.asarray(t, np.float32).reshape(shape),
+                   np.asarray([0 if ki is None else min(int(ki), 2**31 - 1) for ki in k], np.int32).reshape(shape),
+                   np.asarray([1.0 if pi is None else pi for pi in p], np.float32).reshape(shape))
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Every sequence greedy (host values only): the loop then skips the sampling work."""
+        return not np.any(np.asarray(self.temperature))
+
+
+def per_row(v, batch: int | None, name: str) -> list:
+    """``v`` as a list of ``batch`` values (one value repeated; a list checked for its length)."""
+    if isinstance(v, (list, tuple, np.ndarray)):
+        if batch is None or len(v) != batch:
+            raise ValueError(f"{name} as a list gives one value per prompt: {batch or 1} expected, got {len(v)}")
+        return [x.item() if isinstance(x, np.generic) else x for x in v]
+    return [v] * (batch or 1)
 
 
 def is_real(v) -> bool:
@@ -62,33 +80,43 @@ def check_token_ids(ids: np.ndarray, vocab: int, hint: str = "") -> None:
         raise ValueError(f"token ids must lie in [0, {vocab}), got values from {ids.min()} to {ids.max()}{hint}")
 
 
+def _rows(a: jax.Array, x: jax.Array) -> jax.Array:
+    """A per-row setting ``[B]`` (or scalar) shaped to broadcast against ``x [B, ..., V]``."""
+    a = jnp.asarray(a)
+    return a.reshape(a.shape + (1,) * (x.ndim - a.ndim)) if a.ndim else a
+
+
 def probabilities(logits: jax.Array, s: Sampling) -> jax.Array:
-    """The processed distribution ``[..., V]`` (float32): temperature, then top-k, then top-p. The
-    logits are shifted to a maximum of 0 before the division, and the temperature is at least
-    float32's smallest normal number, so that a tiny temperature tends to greedy instead of NaN.
-    Top-k keeps every token tied with the k-th largest value (more than k where there are ties)."""
+    """The processed distribution ``[..., V]`` (float32): temperature, then top-k, then top-p, per row.
+    The logits are shifted to a maximum of 0 before the division, and the temperature is at least
+    float32's smallest normal number, so that a tiny (or zero) temperature tends to greedy instead of
+    NaN. Top-k keeps every token tied with the k-th largest value (more than k where there are ties).
+    One sort serves both cuts (the settings are traced, so neither can be skipped at compile time)."""
     x = logits.astype(jnp.float32)
-    x = (x - jnp.max(x, axis=-1, keepdims=True)) / max(s.temperature, float(jnp.finfo(jnp.float32).tiny))
-    if s.top_k is not None and s.top_k < x.shape[-1]:
-        kth = jax.lax.top_k(x, s.top_k)[0][..., -1:]
-        x = jnp.where(x < kth, -jnp.inf, x)
+    v = x.shape[-1]
+    t, k, p = _rows(s.temperature, x), _rows(s.top_k, x), _rows(s.top_p, x)
+    x = (x - jnp.max(x, axis=-1, keepdims=True)) / jnp.maximum(t, jnp.finfo(jnp.float32).tiny)
+    desc = jnp.sort(x, axis=-1)[..., ::-1]
+    k = jnp.broadcast_to(jnp.where(k > 0, jnp.minimum(k, v), v), x.shape[:-1] + (1,))
+    kth = jnp.take_along_axis(desc, k - 1, axis=-1)
+    x = jnp.where(x < kth, -jnp.inf, x)
     e = jnp.exp(x)  # the maximum is already 0 (top-k keeps it): softmax without a second max
-    probs = e / jnp.sum(e, axis=-1, keepdims=True)
-    if s.top_p is not None and s.top_p < 1:
-        sorted_p = jnp.sort(probs, axis=-1)[..., ::-1]
-        before = jnp.cumsum(sorted_p, axis=-1) - sorted_p  # mass strictly above each sorted entry
-        # keep the smallest prefix whose mass reaches top_p: entries whose preceding mass < top_p, and
-        # always the most probable one (a top_p below float32's smallest normal would keep nothing)
-        keep = (before < s.top_p) | (jnp.arange(sorted_p.shape[-1]) == 0)
-        cutoff = jnp.min(jnp.where(keep, sorted_p, jnp.inf), axis=-1, keepdims=True)
-        probs = jnp.where(probs >= cutoff, probs, 0.0)
-        probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
-    return probs
+    total = jnp.sum(e, axis=-1, keepdims=True)
+    probs = e / total
+    sorted_p = jnp.exp(jnp.where(desc < kth, -jnp.inf, desc)) / total  # probs in descending order
+    before = jnp.cumsum(sorted_p, axis=-1) - sorted_p  # mass strictly above each sorted entry
+    # keep the smallest prefix whose mass reaches top_p: entries whose preceding mass < top_p, and
+    # always the most probable one (a top_p below float32's smallest normal would keep nothing)
+    keep = (before < p) | (jnp.arange(v) == 0)
+    cutoff = jnp.min(jnp.where(keep, sorted_p, jnp.inf), axis=-1, keepdims=True)
+    nucleus = jnp.where(probs >= cutoff, probs, 0.0)
+    return jnp.where(p < 1, nucleus / jnp.sum(nucleus, axis=-1, keepdims=True), probs)
 
 
-def choose(logits: jax.Array, s: Sampling, key: jax.Array) -> tuple[jax.Array, jax.Array | None]:
-    """``(tokens [...], processed probs or None when greedy)`` from ``logits [..., V]``."""
-    if s.greedy:
+def choose(logits: jax.Array, s: Sampling, key: jax.Array, stochastic: bool) -> tuple[jax.Array, jax.Array | None]:
+    """``(tokens [...], processed probs or None)`` from ``logits [..., V]``: the argmax unless
+    ``stochastic`` (static), else a draw from :func:`probabilities` (rows at temperature 0: the argmax)."""
+    if not stochastic:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
     probs = probabilities(logits, s)
     return sample(probs, key), probs

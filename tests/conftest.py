@@ -9,6 +9,7 @@ import dataclasses
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -17,12 +18,25 @@ from convert.quantize import QuantScheme
 from convert.sources import LINEARS, SourceModel, expected_shapes, read_source
 from qspec_jax.config import LlamaConfig
 from convert.embedded import embedded_gguf
+from qspec_jax.core import Decoder, init_state, prefill_jit
+from qspec_jax.decode import Runtime
 from qspec_jax.model import forward
+from pallas_kernels.precision import W4A16
 
 # forward under jit, for tests that call the model directly: calls of one shape share a compile
 # (called eagerly, each call compiled its layer scan again)
 jit_forward = jax.jit(forward, static_argnames=("config", "precision", "dtype", "online_rotation_seed", "execution",
                                                 "read_shadow"))
+
+
+
+def prefilled(params, rt: Runtime, prompts, lengths, new: int, buffer_len: int, cache_len: int | None = None):
+    """A W4A16-prefilled decode state of ``prompts [B, P]`` with a budget of ``new`` tokens, greedy."""
+    dec = Decoder(rt, W4A16)
+    return prefill_jit(params, dec, init_state(dec, jnp.asarray(prompts, jnp.int32), jnp.asarray(lengths, jnp.int32),
+                                               jax.random.key(0), max_new_tokens=new, buffer_len=buffer_len,
+                                               cache_len=cache_len))
+
 
 GOLDEN = Path(__file__).parent / "golden"
 SMOLLM2_TOKENIZER = None  # filled lazily by smollm2_tokenizer_json

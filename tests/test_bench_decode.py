@@ -654,8 +654,8 @@ def test_record_trace_per_context_on_the_real_model(tmp_path):
 
     model = decode.load(decode.default_checkpoint())
     ids = decode.fewshot_prompts(model, dev, train, 2, 96)
-    rt = decode.Runtime(model.config, 6, (), decode.Sampling(), decode.jnp.float32,
-                        model.checkpoint.online_rotation_seed, decode.Execution.decode("reference"))
+    rt = decode.Runtime(model.config, dtype=decode.jnp.float32, online_rotation_seed=model.checkpoint.online_rotation_seed,
+                        execution=decode.Execution.decode("reference"))
     plain = decode.real_state_maker(model, rt, ids, 6, 2)()
     shadowed = decode.real_state_maker(model, decode.dataclasses.replace(rt, draft_kv=8), ids, 6, 2)()
     quantized = decode.with_shadow(plain, model.config, 8, max(len(p) for p in ids))

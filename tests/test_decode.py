@@ -92,22 +92,22 @@ def test_prompt_lengths_in_one_bucket_share_the_compiled_loop(rng):
     runs the same compiled prefill and loop (and the same tokens come out for the short one); 70
     tokens is the next bucket. (Evaluation over many prompts would otherwise compile per batch.)"""
     from qspec_jax.api import PROMPT_MULTIPLE
-    from qspec_jax.decode import ar_loop, prefill_jit as _prefill
+    from qspec_jax.core import decode_jit, prefill_jit
 
     assert PROMPT_MULTIPLE == 64
     params, cfg, _ = convert_model(random_source(TINY, rng), QuantScheme(16, True), None)
     model = memory_model(params, cfg, quantized=True)
     short = rng.integers(0, cfg.vocab_size, 3).tolist()
     first = generate(model, [short], max_new_tokens=4, method="w4a16", eos_token_id=-1, max_len=200)
-    sizes = ar_loop._cache_size(), _prefill._cache_size()
+    sizes = decode_jit._cache_size(), prefill_jit._cache_size()
     generate(model, [rng.integers(0, cfg.vocab_size, 40).tolist()], max_new_tokens=4, method="w4a16",
              eos_token_id=-1, max_len=200)
-    assert (ar_loop._cache_size(), _prefill._cache_size()) == sizes
+    assert (decode_jit._cache_size(), prefill_jit._cache_size()) == sizes
     again = generate(model, [short], max_new_tokens=4, method="w4a16", eos_token_id=-1, max_len=200)
     np.testing.assert_array_equal(again.sequences[0], first.sequences[0])
     generate(model, [rng.integers(0, cfg.vocab_size, 70).tolist()], max_new_tokens=4, method="w4a16",
              eos_token_id=-1, max_len=200)
-    assert ar_loop._cache_size() == sizes[0] + 1
+    assert decode_jit._cache_size() == sizes[0] + 1
 
 
 def test_default_dtype_follows_the_backend(monkeypatch):

@@ -14,7 +14,7 @@ import pytest
 from convert.pipeline import convert_model
 from convert.quantize import QuantScheme, quantize_rtn
 from qspec_jax.api import generate
-from qspec_jax.decode import ROW_TILE
+from qspec_jax.kernels import ROW_TILE
 from qspec_jax.kernels import (Execution, Layer, PendingAttention, PendingNorm, PendingSwiGLU, attention, linear,
                                resolve_kernels, rms_norm, swiglu)
 from qspec_jax.model import init_cache

@@ -13,11 +13,10 @@ from convert.pipeline import convert_model
 from convert.quantize import QuantScheme
 from pallas_kernels.precision import W4A8, W4A16
 from qspec_jax import gamma as gm
-from qspec_jax.api import AUTO_GAMMA_MAX, generate
-from qspec_jax.decode import Runtime, ar_loop, prefill_jit
-from qspec_jax.qspec import qspec_auto_loop
-from qspec_jax.sampling import Sampling
-from tests.conftest import TINY, memory_model, random_source
+from qspec_jax.api import generate
+from qspec_jax.core import AUTO_GAMMA_MAX, Decoder, decode_jit
+from qspec_jax.decode import Runtime
+from tests.conftest import TINY, memory_model, prefilled, random_source
 
 
 def _choice64(c: gm.CostModel, gmax: int, accepted, drafted, lengths, running) -> int:
@@ -71,23 +70,22 @@ def test_auto_loop_switches_on_the_cost_model(rng):
     """Drafts that cost nothing: every round drafts ``gamma_max``; drafts that cost far more than a
     step: no round drafts (all W4A16 steps). Either way the greedy tokens are W4A16's."""
     params, cfg, _ = convert_model(random_source(TINY, rng), QuantScheme(16, True), None)
-    rt = Runtime(cfg, 20, (), Sampling())
+    rt = Runtime(cfg)
     lengths = rng.choice(np.arange(3, 9), 2, replace=False).astype(np.int32)
     prompts = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 8)), jnp.int32)
 
     def state():
-        return prefill_jit(params, prompts, jnp.asarray(lengths), jax.random.key(0), rt=rt, buffer_len=40, cache_len=48,
-                           precision=W4A16)
+        return prefilled(params, rt, prompts, lengths, 20, 40, 48)
 
-    ref = ar_loop(params, state(), rt=rt, precision=W4A16)
+    ref = decode_jit(params, Decoder(rt, W4A16), state())
     base = gm.CostModel(1e6, 1e5, 1e5, 1e3, 1e3)
     free = dataclasses.replace(base, draft_head_bytes=0.0, draft_kv_bytes=0.0)
     for costs, drafts in ((free, True), (dataclasses.replace(base, draft_head_bytes=1e12), False)):
         if drafts:  # a draft step then costs only its weights: make those vanish too
             costs = dataclasses.replace(costs, weight_bytes=1e-3)
-        out = qspec_auto_loop(params, state(), rt=rt, gamma_max=3, draft=W4A8, costs=costs)
+        out = decode_jit(params, Decoder(rt, None, W4A8, None, costs), state())
         d, r = np.asarray(out.drafted), np.asarray(out.rounds)
-        assert (d == 3 * r).all() if drafts else (d == 0).all(), (d, r)
+        assert (d == AUTO_GAMMA_MAX * r).all() if drafts else (d == 0).all(), (d, r)
         for i in range(2):
             n = int(ref.lengths[i])
             assert int(out.lengths[i]) == n

@@ -20,15 +20,16 @@ from scipy.stats import chi2
 from convert.pipeline import convert_model
 from convert.quantize import QuantScheme
 from pallas_kernels.reference import AttentionWindow, quantize_kv as ref_quantize_kv
-from qspec_jax.decode import Runtime, prefill
-from qspec_jax.api import MAX_GAMMA, generate, load
+from qspec_jax.core import Decoder, decode_jit, init_state
+from qspec_jax.decode import MAX_GAMMA, Runtime, prefill
+from qspec_jax.api import generate, load
 from qspec_jax.gamma import CostModel
 from qspec_jax.model import KVCache, forward, init_cache, with_draft_head
 from bench import hooks
-from qspec_jax.qspec import qspec_loop, qspec_round
+from qspec_jax.qspec import qspec_round
 from qspec_jax.sampling import Sampling, probabilities, sample
 from qspec_jax.tokenizer import chat_prompt
-from tests.conftest import TINY, jit_forward, memory_model, random_source, tiny_variant
+from tests.conftest import TINY, jit_forward, memory_model, prefilled, random_source, tiny_variant
 
 # the modules themselves (the package re-exports a function named ``generate``)
 import qspec_jax.api as gen_mod
@@ -295,10 +296,10 @@ def test_wrong_acceptance_rule_is_rejected(dist_setup, monkeypatch):
     try:
         with monkeypatch.context() as m:
             m.setattr(qspec_mod, "accept_stochastic", _accept_resample_from_p)
-            qspec_loop.clear_cache()  # qspec_loop must be traced again with the patched rule
+            decode_jit.clear_cache()  # the loop must be traced again with the patched rule
             draws = _draw(dist_setup, 2)
     finally:
-        qspec_loop.clear_cache()  # no compiled wrong rule survives this test
+        decode_jit.clear_cache()  # no compiled wrong rule survives this test
     assert _accept_resample_from_p.traced > 0
     p12, _ = _pvalues(dist_setup, draws)
     assert p12 < ALPHA, (p12, dist_setup["lam"])
@@ -320,7 +321,6 @@ def test_top_k_1_sampling_equals_greedy_w4a16(rng):
 # 4. the KV invariant after some rounds
 # ---------------------------------------------------------------------------------------------
 
-_prefill_jit = jax.jit(prefill, static_argnames=("rt", "buffer_len", "cache_len", "precision"))
 _round_jit = jax.jit(qspec_round, static_argnames=("rt", "gamma", "draft"))
 
 
@@ -331,10 +331,9 @@ def test_committed_kv_slots_hold_w4a16_values(rng):
     prompts = np.zeros((3, lengths.max()), np.int32)
     for i, n in enumerate(lengths):
         prompts[i, :n] = rng.integers(0, cfg.vocab_size, n)
-    rt = Runtime(cfg, new, (), Sampling())
+    rt = Runtime(cfg)
     buf = int(lengths.max()) + new + gamma + 1
-    state = _prefill_jit(params, prompts, lengths, jax.random.key(0), rt=rt, buffer_len=buf, cache_len=buf,
-                         precision=W4A16)
+    state = prefilled(params, rt, prompts, lengths, new, buf, buf)
     for _ in range(rounds):
         state = _round_jit(params, state, rt=rt, gamma=gamma, draft=W4A4)
     toks, lens = np.asarray(state.tokens), np.asarray(state.lengths)
@@ -372,10 +371,9 @@ def test_kv_shadow_follows_the_cache_and_alone_feeds_the_drafts(rng, bits):
     gamma, new = 2, 16
     lengths = rng.choice(np.arange(2, 9), 2, replace=False).astype(np.int32)
     prompts = rng.integers(0, cfg.vocab_size, (2, int(lengths.max()))).astype(np.int32)
-    rt = Runtime(cfg, new, (), Sampling(), draft_kv=bits)
+    rt = Runtime(cfg, draft_kv=bits)
     buf = int(lengths.max()) + new + gamma + 1
-    state = _prefill_jit(params, prompts, lengths, jax.random.key(0), rt=rt, buffer_len=buf, cache_len=buf,
-                         precision=W4A16)
+    state = prefilled(params, rt, prompts, lengths, new, buf, buf)
     for _ in range(3):
         state = _round_jit(params, state, rt=rt, gamma=gamma, draft=W4A8)
     k, v, shadow = state.cache.k, state.cache.v, state.cache.draft.arrays
@@ -412,11 +410,12 @@ def test_draft_window_limits_what_a_draft_sees(rng, bits):
     full view's bitwise; the verifier's forward ignores the window."""
     params, cfg, _ = convert_model(random_source(TINY, rng), QuantScheme(16, True), None)
     p, sinks, size = 24, 2, 5
-    rt = Runtime(cfg, 4, (), Sampling(), draft_kv=bits)
+    rt = Runtime(cfg, draft_kv=bits)
     windowed = dataclasses.replace(rt, draft_window=AttentionWindow(sinks, size))
     prompts = rng.integers(0, cfg.vocab_size, (2, p)).astype(np.int32)
-    state = prefill(params, jnp.asarray(prompts), jnp.full((2,), p, jnp.int32), jax.random.key(0), rt,
-                    p + 8, p + 8, W4A16)
+    state = prefill(params, init_state(Decoder(rt, W4A16), jnp.asarray(prompts), jnp.full((2,), p, jnp.int32),
+                                       jax.random.key(0), max_new_tokens=4, buffer_len=p + 8, cache_len=p + 8),
+                    rt, W4A16)
     tok, pos = jnp.asarray(prompts[:, -1:]), jnp.full((2, 1), p - 1, jnp.int32)
 
     def run(r, cache, draft=True):
@@ -600,8 +599,8 @@ def test_cache_length_does_not_depend_on_method_or_gamma(tiny_model, monkeypatch
     class Sized(Exception):
         pass
 
-    def spy(*a, **kw):  # records the sizes generate() chose, then stops it before anything compiles
-        seen.append((kw["buffer_len"], kw["cache_len"]))
+    def spy(params, decoder, state):  # records the sizes generate() chose, then stops it before anything compiles
+        seen.append((state.tokens.shape[1], state.cache.k.shape[2]))
         raise Sized
 
     monkeypatch.setattr(gen_mod, "prefill_jit", spy)
@@ -629,7 +628,7 @@ def test_tiny_temperature_tends_to_greedy(rng):
     the argmax (numpy's), not NaN."""
     logits = rng.standard_normal((3, 50)).astype(np.float32) * 10
     for t in (1e-38, 1e-30):
-        probs = np.asarray(probabilities(jnp.asarray(logits), Sampling(t)))
+        probs = np.asarray(probabilities(jnp.asarray(logits), Sampling.of(t)))
         np.testing.assert_array_equal(probs, np.eye(50, dtype=np.float32)[np.argmax(logits, axis=-1)])
 
 
@@ -651,17 +650,21 @@ def _processed64(logits: np.ndarray, temperature: float, top_k: int | None, top_
 
 
 def test_processed_distribution_matches_float64(rng):
-    """``probabilities`` against a float64 computation, on fresh logits, temperatures, top-k and top-p (ties
-    are improbable in continuous random logits, so the kept sets agree)."""
+    """``probabilities`` against a float64 computation, on fresh logits, temperatures, top-k and top-p, all
+    settings at once and then one setting per row (ties are improbable in continuous random logits, so
+    the kept sets agree)."""
     v = 300
-    logits = (rng.standard_normal((6, v)) * rng.uniform(0.5, 8)).astype(np.float32)
-    for top_k, top_p in ((None, None), (int(rng.integers(1, v)), None), (None, float(rng.uniform(0.05, 0.99))),
-                         (int(rng.integers(2, v)), float(rng.uniform(0.05, 0.99))),
-                         (None, 1e-39)):  # below float32's smallest normal: still the most probable token
-        t = float(rng.uniform(0.2, 3))
-        got = np.asarray(probabilities(jnp.asarray(logits), Sampling(t, top_k, top_p)))
+    logits = (rng.standard_normal((5, v)) * rng.uniform(0.5, 8)).astype(np.float32)
+    combos = [(None, None), (int(rng.integers(1, v)), None), (None, float(rng.uniform(0.05, 0.99))),
+              (int(rng.integers(2, v)), float(rng.uniform(0.05, 0.99))),
+              (None, 1e-39)]  # below float32's smallest normal: still the most probable token
+    temps = [float(rng.uniform(0.2, 3)) for _ in combos]
+    runs = [([t] * 5, [k] * 5, [p] * 5) for t, (k, p) in zip(temps, combos)]
+    runs.append((temps, [k for k, _ in combos], [p for _, p in combos]))  # row i: combination i
+    for ts, ks, ps in runs:
+        got = np.asarray(probabilities(jnp.asarray(logits), Sampling.of(ts, ks, ps, batch=5)))
         for row in range(logits.shape[0]):
-            want = _processed64(logits[row], t, top_k, top_p)
+            want = _processed64(logits[row], ts[row], ks[row], ps[row])
             # a kept token's float32 probability may underflow to 0; a dropped one must be exactly 0
             assert not np.any((got[row] > 0) & (want == 0))
             np.testing.assert_array_equal(got[row][want > 1e-30] > 0, True)
@@ -781,26 +784,26 @@ def test_sequences_finish_in_different_rounds_smollm2(smol, smol_batches):
 def test_qspec_loop_is_one_while_loop_and_compiles_once(tiny_model, rng):
     cfg, params = tiny_model.config, tiny_model.checkpoint.params
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (4, 7)]
-    rt = Runtime(cfg, 7, (), Sampling())
+    rt = Runtime(cfg)
+    dec = Decoder(rt, None, W4A4, 4)
     tokens = np.zeros((2, 7), np.int32)
     tokens[0, :4], tokens[1] = prompts[0], prompts[1]
-    state = _prefill_jit(params, tokens, np.array([4, 7], np.int32), jax.random.key(0), rt=rt, buffer_len=19,
-                         cache_len=19, precision=W4A16)
-    text = qspec_loop.lower(params, state, rt=rt, gamma=4, draft=W4A4).as_text()
+    state = prefilled(params, rt, tokens, np.array([4, 7], np.int32), 7, 19, 19)
+    text = decode_jit.lower(params, dec, state).as_text()
     assert "stablehlo.while" in text
     # the jitted function is exactly one while loop: nothing (no round, no step) runs outside it
-    outer = jax.make_jaxpr(functools.partial(qspec_loop, rt=rt, gamma=4, draft=W4A4))(params, state)
+    outer = jax.make_jaxpr(lambda p, s: decode_jit(p, dec, s))(params, state)
     assert [e.primitive.name for e in outer.jaxpr.eqns] == ["jit"]
     assert [e.primitive.name for e in outer.jaxpr.eqns[0].params["jaxpr"].jaxpr.eqns] == ["while"]
 
     # a shape / static combination used nowhere else in this file: max_new_tokens=7, gamma=4, batch 2
     kw = dict(max_new_tokens=7, method="qspec", draft="w4a4", gamma=4, eos_token_id=-1)
-    before = qspec_loop._cache_size()
+    before = decode_jit._cache_size()
     a = generate(tiny_model, prompts, **kw)
-    after_first = qspec_loop._cache_size()
+    after_first = decode_jit._cache_size()
     b = generate(tiny_model, [p[::-1] for p in prompts], **kw)  # same shapes, other tokens
     assert after_first == before + 1
-    assert qspec_loop._cache_size() == after_first
+    assert decode_jit._cache_size() == after_first
     assert [len(s) for s in a.sequences] == [len(s) for s in b.sequences] == [7, 7]
 
 
@@ -808,16 +811,15 @@ def test_replayed_acceptance_trace(tiny_model, rng):
     """A trace recorded round by round, replayed in the loop, reproduces the greedy run exactly; a
     made-up trace drives the counters (every round accepts what the trace says)."""
     cfg, params = tiny_model.config, tiny_model.checkpoint.params
-    rt = Runtime(cfg, 12, (), Sampling())
+    rt = Runtime(cfg)
     tokens = rng.integers(0, cfg.vocab_size, (3, 6)).astype(np.int32)
     lengths = np.array([6, 4, 5], np.int32)
 
     def fresh():
-        return _prefill_jit(params, tokens, lengths, jax.random.key(0), rt=rt, buffer_len=22, cache_len=22,
-                            precision=W4A16)
+        return prefilled(params, rt, tokens, lengths, 12, 22, 22)
 
     trace = hooks.acceptance_trace(params, fresh(), rt=rt, gamma=3, draft=W4A4)
-    greedy = qspec_loop(params, fresh(), rt=rt, gamma=3, draft=W4A4)
+    greedy = decode_jit(params, Decoder(rt, None, W4A4, 3), fresh())
     replayed = hooks.replay_loop(params, fresh(), jnp.asarray(trace), rt=rt, gamma=3, draft=W4A4)
     for a, b in zip((greedy.tokens, greedy.lengths, greedy.rounds, greedy.accepted),
                     (replayed.tokens, replayed.lengths, replayed.rounds, replayed.accepted)):
@@ -835,13 +837,12 @@ def test_replayed_auto_loop_follows_its_cost_model(tiny_model, rng):
     so the run equals the γ = 4 replay of the same trace (clipped per round); drafts that cost as much
     as a W4A16 step never pay off, so every round is a W4A16 step and nothing is drafted."""
     cfg, params = tiny_model.config, tiny_model.checkpoint.params
-    rt = Runtime(cfg, 12, (), Sampling())
+    rt = Runtime(cfg)
     tokens = rng.integers(0, cfg.vocab_size, (3, 6)).astype(np.int32)
     lengths = np.array([6, 4, 5], np.int32)
 
     def fresh():
-        return _prefill_jit(params, tokens, lengths, jax.random.key(0), rt=rt, buffer_len=22, cache_len=22,
-                            precision=W4A16)
+        return prefilled(params, rt, tokens, lengths, 12, 22, 22)
 
     trace = jnp.asarray(rng.integers(0, 6, (int(rng.integers(2, 6)), 3)), jnp.int32)  # recorded at γ 5
     # no weight bytes: a draft step costs its head and KV reads only, nothing here
