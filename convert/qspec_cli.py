@@ -106,7 +106,7 @@ def cmd_generate(args) -> None:
                   stop=args.stop, eos_token_id=args.eos, max_len=args.max_len, dtype=args.dtype,
                   return_logprobs=args.logprobs)
         # one prompt in text mode: its text is printed as rounds commit it
-        live = not args.no_stream and not args.json and len(batch) == 1 and model.tokenizer is not None
+        live = not args.no_stream and not args.json and len(batch) == 1
         res = generate(model, batch, **kw) if args.no_stream else _streamed(model, batch, kw, live)
         for i, seq in enumerate(res.sequences):
             text = res.texts[i] if res.texts is not None else None
@@ -117,7 +117,7 @@ def cmd_generate(args) -> None:
                     row["logprobs"] = res.logprobs[i].tolist()
                 print(json.dumps(row), flush=True)
             else:
-                print("" if live else text if text is not None else seq.tolist(), flush=True)
+                print("" if live and text is not None else text if text is not None else seq.tolist(), flush=True)
                 print(f"[finish: {res.finish_reasons[i]}]", file=sys.stderr)
         first = " (compilation included)" if start == 0 else ""
         _print_stats(f"{args.method}, prompts {start}-{start + len(res.sequences) - 1}{first}", res.stats,
@@ -132,7 +132,7 @@ def _streamed(model, batch: list, kw: dict, live: bool):
     t0, n = time.perf_counter(), 0
     for update in stream_generate(model, batch, **kw):
         n += sum(len(t) for t in update.tokens)
-        if live:
+        if live and update.texts is not None:  # (a checkpoint without a tokenizer: its ids at the end)
             print(update.texts[0], end="", flush=True)
         if sys.stderr.isatty():
             print(f"\r[{n} tokens, {n / (time.perf_counter() - t0):.1f} tok/s]", end="", file=sys.stderr, flush=True)
@@ -214,8 +214,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="activations and KV cache (none: bfloat16 on a GPU, float32 elsewhere)")
     g.add_argument("--logprobs", action="store_true", help="with --json: each token's log-probability")
     g.add_argument("--no-stream", action="store_true",
-                   help="run each batch to the end before printing (default: a single prompt's text is printed "
-                        "as it is generated; on a terminal, tokens/s is shown as it goes)")
+                   help="print each batch once it is done (without it, a single prompt's text is printed as "
+                        "it is generated, and on a terminal stderr shows the tokens/s as it goes)")
     args = ap.parse_args(argv)
     try:
         {"generate": cmd_generate, "demo": cmd_demo}[args.command](args)

@@ -13,6 +13,14 @@ from convert import qspec_cli as cli
 from tests.conftest import TINY, memory_model, random_source
 
 
+def _streaming(fake_generate):
+    """A stream_generate made of ``fake_generate``: one update carrying its result."""
+    def stream(model, prompts, chunk_rounds=8, **kw):
+        res = fake_generate(model, prompts, **kw)
+        yield api.StreamUpdate(res.sequences, res.texts, [True] * len(res.sequences), res)
+    return stream
+
+
 def test_generate_flags_reach_generate(monkeypatch, capsys, rng):
     calls = []
     seed = int(rng.integers(1, 2**31))
@@ -25,6 +33,7 @@ def test_generate_flags_reach_generate(monkeypatch, capsys, rng):
     monkeypatch.setattr(api, "load", lambda path: ("model at", path))
     monkeypatch.setattr(cli, "default_checkpoint", lambda: "embedded")
     monkeypatch.setattr(api, "generate", fake_generate)
+    monkeypatch.setattr(api, "stream_generate", _streaming(fake_generate))
     argv = ["generate", "--prompt", "hi", "--checkpoint", "ck", "--temperature", "0.5", "--top-k", "3",
             "--seed", str(seed), "--draft-kv", "8", "--chat"]
     assert cli.main(argv) == 0
@@ -83,6 +92,7 @@ def test_generate_reads_prompts_and_writes_json_lines(monkeypatch, capsys, tmp_p
     monkeypatch.setattr(api, "load", lambda path: "model")
     monkeypatch.setattr(cli, "default_checkpoint", lambda: "embedded")
     monkeypatch.setattr(api, "generate", fake_generate)
+    monkeypatch.setattr(api, "stream_generate", _streaming(fake_generate))
     lines = tmp_path / "prompts.txt"
     lines.write_text("first\n\nsecond\nthird\n")
     argv = ["generate", "--input", str(lines), "--batch-size", "2", "--json", "--logprobs", "--stop", "\n\n",
