@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from convert.quantize import QuantScheme
 from convert.sources import SourceModel, as_float
+from qspec_jax.config import LlamaConfig
 from qspec_jax.model import apply_rope, rope_frequencies, rope_tables
 from qspec_jax.rotation import apply_transform, random_hadamard, transform_matrix
 from pallas_kernels import reference
@@ -117,12 +118,12 @@ def _norm(x: jax.Array, eps: float) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
 
 
-def rotated_logits(weights: dict[str, Any], r: jax.Array | None, tokens: jax.Array, src_config, seed: int,
+def rotated_logits(weights: dict[str, Any], r: jax.Array | None, tokens: jax.Array, config: LlamaConfig, seed: int,
                    scheme: QuantScheme | None, act_bits: tuple[int | None, ...]) -> list[jax.Array]:
     """Logits ``[B, T, V]`` of the model rotated by ``r`` (None: unrotated), one per entry of ``act_bits``
     (activation bits of the decoder linears, None = float); ``scheme``: weights fake-quantized (None: float).
     The streams share each layer's rotated weights."""
-    c = src_config
+    c = config
     b, t = tokens.shape
     hq, hk, d = c.num_heads, c.num_kv_heads, c.head_dim
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
