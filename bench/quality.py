@@ -4,6 +4,11 @@ draft/verifier agreement on GSM8K (the paper's Figure 2), with simulated tokens 
     python -m bench.quality --wikitext ../shared/data/wikitext2_test.raw \
         --gsm8k ../shared/data/gsm8k_test_dev.jsonl --calibration ../shared/data/gsm8k_train.jsonl
 
+Checkpoints: each ``--methods`` entry (RTN, GPTQ) times each ``--rotations`` entry (none, a randomized
+Hadamard, a learned R1). The learned R1 is trained once (on the calibration data, with the
+``--rotation-*`` options) and folded into every learned checkpoint; a checkpoint's conversion time
+includes that training.
+
 Perplexity windowing: the raw file (CRLF -> LF) is tokenized as one string; the first
 ``--ppl-tokens`` tokens are cut into non-overlapping windows of ``--window`` tokens, each scored
 from its own start (no context carried across windows). Agreement: W4A16 answers the first
@@ -18,11 +23,14 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import os
+import platform
 import time
 from pathlib import Path
 
 import numpy as np
 
+from convert.learn_rotation import LearnedRotation, LearnOptions
 from convert.pipeline import convert
 from convert.quantize import QuantScheme
 from pallas_kernels.precision import W16A16, parse_precision
@@ -32,11 +40,12 @@ from qspec_jax.api import Model, generate
 from convert.embedded import cache_dir, embedded_gguf
 from qspec_jax.evaluate import perplexity, token_scores, simulate_rounds
 from qspec_jax.tokenizer import chat_prompt, load_tokenizer
-from bench.args import command_line
+from bench.args import command_line, git_commit, utc_now
 
 GAMMAS = range(1, 7)
 CAVEAT = ("Notes: the W4A4 draft is unusable without rotation (alpha 0.11: per-token INT4 activations cannot hold SmolLM2's outlier channels); rotation makes it usable but forces re-rounding the GGUF's 4-bit weights, which costs the verifier (RTN +49% W4A16 perplexity, GPTQ +10%). GPTQ without rotation reproduces the Q4_1 codes exactly (the weights already lie on that grid), so that row is the passthrough checkpoint again. Alpha is measured along each checkpoint's own W4A16 answers, so a weaker verifier (rtn-rot) is scored on its own, more repetitive, text, which flatters its alpha.")
 DRAFTS = ("w4a4", "w4a8")
+ROTATIONS = {"none": "norot", "hadamard": "hadamard", "learned": "learned"}  # --rotations entry: name suffix
 
 
 def wikitext_ids(path: Path, tokenizer, n_tokens: int) -> np.ndarray:
@@ -132,35 +141,73 @@ def converter_code() -> str:
 
 
 def converted(work: Path, name: str, src: Path, scheme: QuantScheme | None, rotation_seed: int | None,
-              args: argparse.Namespace) -> Path:
-    """The checkpoint ``name`` converted from ``src``, cached under ``work`` in a directory per distinct
-    conversion (converter code, source file, scheme, rotation, GPTQ calibration): a run with other
-    settings or code converts anew."""
+              args: argparse.Namespace, learned: LearnOptions | LearnedRotation | None = None) -> tuple[Path, float]:
+    """``(directory, conversion seconds)`` of checkpoint ``name`` converted from ``src``, cached under
+    ``work`` in a directory per distinct conversion (converter code, source file, scheme, rotation, GPTQ
+    calibration, learned-rotation options): a run with other settings or code converts anew. A reused
+    learned R1's training time counts in the seconds."""
     gptq = scheme is not None and scheme.method == "gptq"
+    options = learned if isinstance(learned, LearnOptions) or learned is None else LearnOptions(
+        **{k: learned.record[k] for k in ("steps", "lr", "n_samples", "seq_len", "batch")})
     conversion = {"code": converter_code(), "source": file_identity(src),
                   "scheme": None if scheme is None else dataclasses.asdict(scheme), "rotation_seed": rotation_seed,
                   "calibration": [file_identity(args.calibration), args.n_samples, args.seq_len] if gptq else None}
+    if options is not None:
+        conversion["learned"] = [dataclasses.asdict(options), file_identity(args.calibration)]
     out = work / f"{name}-{hashlib.sha256(json.dumps(conversion, sort_keys=True).encode()).hexdigest()[:12]}"
-    if not (out / "manifest.json").is_file():
+    timing = out.with_name(out.name + ".seconds")
+    if not (out / "manifest.json").is_file() or not timing.is_file():
         print(f"converting {name} into {out}", flush=True)
-        convert(src, out, scheme, rotation_seed, args.calibration, args.n_samples, args.seq_len)
-    return out
+        start = time.time()
+        convert(src, out, scheme, rotation_seed, args.calibration, args.n_samples, args.seq_len, learned=learned)
+        reused = learned.record["seconds"] if isinstance(learned, LearnedRotation) else 0.0
+        timing.write_text(f"{time.time() - start + reused:.1f}\n")
+    return out, float(timing.read_text())
+
+
+def loss_curve(loss: list[float], chunks: int = 10) -> str:
+    """The mean training loss over ``chunks`` equal runs of steps: ``"1.234 (steps 1-10), ..."``."""
+    edges = np.linspace(0, len(loss), min(chunks, len(loss)) + 1).astype(int)
+    return ", ".join(f"{np.mean(loss[a:b]):.3f} (steps {a + 1}-{b})" for a, b in zip(edges[:-1], edges[1:]))
+
+
+def machine() -> str:
+    """The device a run computes on: the accelerator's name, or the CPU's model and core count."""
+    import jax
+
+    dev = jax.devices()[0]
+    if dev.platform != "cpu":
+        return dev.device_kind
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [ln.split(":", 1)[1].strip() for ln in (cpuinfo.read_text().splitlines() if cpuinfo.is_file() else [])
+             if ln.startswith("model name")]
+    return f"CPU: {names[0] if names else platform.processor() or 'unknown'}, {os.cpu_count()} cores"
 
 
 def write_report(path: Path, results: dict, float_ppl: float, args: argparse.Namespace, settings: dict,
                  command: str) -> None:
+    run = {"command": command, "device": machine(), "date": utc_now()[:10], "commit": git_commit()}
     lines = ["# SmolLM2-135M-Instruct: weight schemes, perplexity and draft agreement", "",
-             f"Made by `{command}` (CPU).", "",
+             f"Made by `{command}` on {run['device']}, {run['date']}, at commit {run['commit']}.", "",
              f"WikiText-2 test, first {args.ppl_tokens} tokens, non-overlapping windows of {args.window} "
              "tokens each scored from its own start. Checkpoints converted from the GGUF (Q4_1) by "
              f"`qspec-convert`; group size {args.group_size or 'per-channel'}, "
              f"{'symmetric' if args.symmetric else 'asymmetric'}; GPTQ calibrated on "
              f"{args.n_samples} x {args.seq_len} tokens of GSM8K train.", ""]
     lines += [f"W16A16 (the GGUF's weights dequantized to float32, no rotation): **ppl {float_ppl:.3f}**", "",
-              "| checkpoint | W4A16 ppl | W4A8 ppl | W4A4 ppl |", "|---|---|---|---|"]
+              "| checkpoint | W4A16 ppl | W4A8 ppl | W4A4 ppl | conversion s |", "|---|---|---|---|---|"]
     for name, r in results.items():
         same = f" (weights bitwise identical to {r['same_weights_as']})" if "same_weights_as" in r else ""
-        lines.append(f"| {name}{same} | " + " | ".join(f"{r['ppl'][m]:.3f}" for m in ("w4a16", "w4a8", "w4a4")) + " |")
+        lines.append(f"| {name}{same} | " + " | ".join(f"{r['ppl'][m]:.3f}" for m in ("w4a16", "w4a8", "w4a4"))
+                     + f" | {r['conversion_s']:.0f} |")
+    for name, r in results.items():
+        if "learned" in r:
+            rec = r["learned"]
+            lines += ["", f"Learned R1 (in `{name}`): {rec['steps']} steps of SGD with momentum on the normalized gradient (lr {rec['lr']}, cosine decay) on "
+                      f"{rec['n_samples']} x {rec['seq_len']} calibration tokens, {rec['batch']} sequences a step, "
+                      f"seed {rec['seed']}, {rec['seconds']:.0f} s; training loss KL(W16A16 || W4A4) + "
+                      f"KL(W16A16 || W4A16), mean over runs of steps: {loss_curve(rec['loss'])}."]
+            break
     if any("agreement" in r for r in results.values()):
         lines += ["", f"Teacher-forced top-1 agreement with W4A16 (alpha) along {args.answers} GSM8K-dev answers "
                   "generated greedily by W4A16 (from each answer's second token: the first is the prefill's), and "
@@ -175,8 +222,8 @@ def write_report(path: Path, results: dict, float_ppl: float, args: argparse.Nam
         lines += ["", CAVEAT, "", f"**Recommended default for the embedded model: `{name}` with a {draft} draft.** {why}"]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
-    path.with_suffix(".json").write_text(json.dumps({"settings": settings, "float_ppl": float_ppl, "results": results},
-                                                    indent=1))
+    path.with_suffix(".json").write_text(json.dumps({"settings": settings, "float_ppl": float_ppl, "results": results,
+                                                     **run}, indent=1))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -195,9 +242,25 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--n-samples", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--methods", default="rtn,gptq")
+    ap.add_argument("--rotations", default=",".join(ROTATIONS), help=f"among {', '.join(ROTATIONS)}")
+    defaults = LearnOptions()
+    ap.add_argument("--rotation-steps", type=int, default=defaults.steps, help="learned R1: optimizer steps")
+    ap.add_argument("--rotation-lr", type=float, default=defaults.lr, help="learned R1: learning rate")
+    ap.add_argument("--rotation-samples", type=int, default=defaults.n_samples, help="learned R1: sequences")
+    ap.add_argument("--rotation-seq-len", type=int, default=defaults.seq_len, help="learned R1: tokens each")
+    ap.add_argument("--rotation-batch", type=int, default=defaults.batch, help="learned R1: sequences a step")
     ap.add_argument("--out", type=Path, default=Path("bench/results/quality.md"))
     ap.add_argument("--resume", action="store_true", help="reuse results already in the --out JSON")
     args = ap.parse_args(argv)
+    rotations = args.rotations.split(",")
+    if unknown := set(rotations) - set(ROTATIONS):
+        ap.error(f"--rotations: unknown {sorted(unknown)}; expected among {', '.join(ROTATIONS)}")
+    try:
+        learn: LearnOptions | LearnedRotation = LearnOptions(args.rotation_steps, args.rotation_lr,
+                                                             args.rotation_samples, args.rotation_seq_len,
+                                                             args.rotation_batch)
+    except ValueError as e:
+        ap.error(str(e))
 
     src = args.gguf or embedded_gguf()
     work = args.workdir or cache_dir() / "bench"
@@ -220,7 +283,7 @@ def main(argv: list[str] | None = None) -> None:
     results: dict = {}
     by_weights: dict[str, str] = {}  # sha256 of model.safetensors -> checkpoint evaluated with it
     if float_ppl is None:
-        float_dir = converted(work, "float-norot", src, None, None, args)
+        float_dir, _ = converted(work, "float-norot", src, None, None, args)
         fl = load_checkpoint(float_dir)
         float_ppl = perplexity(fl.params, fl.config, wikitext_ids(args.wikitext, load_tokenizer(float_dir),
                                                                    args.ppl_tokens),
@@ -229,11 +292,14 @@ def main(argv: list[str] | None = None) -> None:
     print(f"W16A16 float: ppl {float_ppl:.3f}", flush=True)
     scheme_tag = f"{'sym' if args.symmetric else 'asym'}-g{args.group_size or 'ch'}"
     for method in args.methods.split(","):
-        for rotate in (False, True):
-            name = f"{method}-{scheme_tag}-{'rot' if rotate else 'norot'}"
-            out = converted(work, name, src, QuantScheme(args.group_size or None, args.symmetric, method),
-                            0 if rotate else None, args)
+        for rotation in rotations:
+            name = f"{method}-{scheme_tag}-{ROTATIONS[rotation]}"
+            out, seconds = converted(work, name, src, QuantScheme(args.group_size or None, args.symmetric, method),
+                                     None if rotation == "none" else 0, args,
+                                     learn if rotation == "learned" else None)
             ck = load_checkpoint(out)
+            if rotation == "learned" and isinstance(learn, LearnOptions):  # trained once, folded into the rest
+                learn = LearnedRotation(ck.rotation_matrix, ck.manifest["rotation"]["learned"])
             digest = ck.manifest["files"]["model.safetensors"] + str(ck.online_rotation_seed)
             if digest in by_weights:  # bitwise the same weights: the same numbers
                 print(f"{name}: weights identical to {by_weights[digest]}", flush=True)
@@ -248,6 +314,9 @@ def main(argv: list[str] | None = None) -> None:
                 results[name] = evaluate_checkpoint(ck, tok, wiki, args.window, questions, args.max_answer_tokens,
                                                     ("w4a16", "w4a8", "w4a4"))
                 results[name]["digest"] = digest
+            results[name]["conversion_s"] = seconds  # its own, also where the numbers are another's
+            if rotation == "learned":
+                results[name]["learned"] = ck.manifest["rotation"]["learned"]
             by_weights.setdefault(digest, name)
             write_report(args.out, results, float_ppl, args, settings, command_line("bench.quality", argv))
     print(args.out.read_text())

@@ -245,13 +245,13 @@ def render_quality(data: dict) -> str:
         return "*No quality run recorded yet.*"
     s = data.get("settings", {})
     lines = [file_caption(data, "quality.json"),
-             "", f"SmolLM2-135M-Instruct converted from its GGUF (Q4_1) by `qspec-convert`: RTN or GPTQ, with or "
-             f"without rotation. Perplexity: WikiText-2, {s.get('ppl_tokens', '?')} tokens in windows of "
+             "", f"SmolLM2-135M-Instruct converted from its GGUF (Q4_1) by `qspec-convert`: RTN or GPTQ, without "
+             f"rotation, with a randomized Hadamard or with a learned rotation. Perplexity: WikiText-2, {s.get('ppl_tokens', '?')} tokens in windows of "
              f"{s.get('window', '?')} (float weights: {data.get('float_ppl', float('nan')):.2f}). α: teacher-forced "
              f"top-1 agreement of the draft with W4A16 along {s.get('answers', '?')} GSM8K-dev answers; "
-             "tokens/round simulated from it at γ = 3.", "",
+             "tokens/round simulated from it at γ = 3; conversion time on the machine of the run.", "",
              "| checkpoint | W4A16 ppl | W4A8 ppl | W4A4 ppl | α W4A8 | α W4A4 | tokens/round W4A8 (γ 3) | "
-             "tokens/round W4A4 (γ 3) |", "|---|---|---|---|---|---|---|---|"]
+             "tokens/round W4A4 (γ 3) | conversion s |", "|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         ppl, agr = r.get("ppl", {}), r.get("agreement", {})
 
@@ -265,8 +265,9 @@ def render_quality(data: dict) -> str:
             per_gamma = agr.get(m, {}).get("tokens_per_round", {})
             return f"{per_gamma['3']:.2f}" if "3" in per_gamma else "–"
         same = f" (= {r['same_weights_as']})" if r.get("same_weights_as") else ""
+        secs = f"{r['conversion_s']:.0f}" if "conversion_s" in r else "–"
         lines.append(f"| {name}{same} | {p('w4a16')} | {p('w4a8')} | {p('w4a4')} | {a('w4a8')} | {a('w4a4')} | "
-                     f"{t('w4a8')} | {t('w4a4')} |")
+                     f"{t('w4a8')} | {t('w4a4')} | {secs} |")
     return "\n".join(lines)
 
 

@@ -6,9 +6,13 @@ import argparse
 import sys
 from pathlib import Path
 
+from convert.learn_rotation import LearnOptions
 from convert.quantize import METHODS, QuantScheme
 
 
+ROTATIONS = ("hadamard", "learned")
+LEARN_FLAGS = {"steps": "--rotation-steps", "lr": "--rotation-lr", "n_samples": "--rotation-samples",
+               "seq_len": "--rotation-seq-len", "batch": "--rotation-batch"}
 GROUP_DEFAULT = object()  # --group-size not given (told apart from an explicit 32)
 
 
@@ -32,9 +36,20 @@ def parser() -> argparse.ArgumentParser:
     sym.add_argument("--symmetric", dest="symmetric", action="store_true", help="s*q, q in [-8, 7]")
     sym.add_argument("--asymmetric", dest="symmetric", action="store_false", help="s*u + m (GGUF Q4_1), the default")
     ap.set_defaults(symmetric=None)
-    ap.add_argument("--rotate", action="store_true", help="fold a QuaRot-style rotation into the weights")
+    ap.add_argument("--rotate", nargs="?", const="hadamard", choices=ROTATIONS,
+                    help="fold a QuaRot-style rotation into the weights: a randomized Hadamard (the default), or one "
+                         "learned from it on --calibration data")
     ap.add_argument("--seed", type=int, help="rotation seed (default 0; with --rotate)")
-    ap.add_argument("--calibration", type=Path, help="GSM8K-style JSONL for GPTQ (e.g. ../shared/data/gsm8k_train.jsonl)")
+    ap.add_argument("--calibration", type=Path,
+                    help="GSM8K-style JSONL for GPTQ and --rotate learned (e.g. ../shared/data/gsm8k_train.jsonl)")
+    defaults = LearnOptions()
+    learn = ap.add_argument_group("learned rotation (with --rotate learned)")
+    learn.add_argument("--rotation-steps", type=int, help=f"optimizer steps (default {defaults.steps})")
+    learn.add_argument("--rotation-lr", type=float, help=f"learning rate: a step's length before momentum (default {defaults.lr})")
+    learn.add_argument("--rotation-samples", type=int,
+                       help=f"calibration sequences (default {defaults.n_samples})")
+    learn.add_argument("--rotation-seq-len", type=int, help=f"tokens per sequence (default {defaults.seq_len})")
+    learn.add_argument("--rotation-batch", type=int, help=f"sequences per step (default {defaults.batch})")
     ap.add_argument("--n-samples", type=int, help="GPTQ calibration sequences (default 64)")
     ap.add_argument("--seq-len", type=int, help="GPTQ calibration sequence length (default 512)")
     ap.add_argument("--draft-vocab", type=Path, metavar="JSONL",
@@ -51,15 +66,22 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--group-size / --symmetric / --asymmetric set how weights are quantized: not with --quant none")
     if args.seed is not None and not args.rotate:
         ap.error("--seed seeds the rotation: it needs --rotate")
+    learned = args.rotate == "learned"
     gptq = {k: v for k, v in (("calibration", args.calibration), ("n_samples", args.n_samples),
                               ("seq_len", args.seq_len)) if v is not None}
-    if gptq and args.quant != "gptq":
-        ap.error("--calibration / --n-samples / --seq-len calibrate GPTQ: they need --quant gptq")
+    if (args.n_samples, args.seq_len) != (None, None) and args.quant != "gptq":
+        ap.error("--n-samples / --seq-len calibrate GPTQ: they need --quant gptq")
+    if args.calibration is not None and args.quant != "gptq" and not learned:
+        ap.error("--calibration feeds GPTQ and learned rotations, which need --quant gptq or --rotate learned")
+    options = {k: getattr(args, flag[2:].replace("-", "_")) for k, flag in LEARN_FLAGS.items()}
+    if not learned and any(v is not None for v in options.values()):
+        ap.error(f"{' / '.join(LEARN_FLAGS.values())} set how a rotation is learned: they need --rotate learned")
     try:
         group = 32 if args.group_size is GROUP_DEFAULT else args.group_size
         scheme = None if args.quant == "none" else QuantScheme(group, bool(args.symmetric), args.quant)
+        learn = LearnOptions(**{k: v for k, v in options.items() if v is not None}) if learned else None
         out = convert(args.src, args.out, scheme, (args.seed or 0) if args.rotate else None, **gptq,
-                      draft_vocab=args.draft_vocab)
+                      draft_vocab=args.draft_vocab, learned=learn)
     except (ValueError, FileNotFoundError) as e:
         print(f"qspec-convert: error: {e}", file=sys.stderr)
         return 2

@@ -13,6 +13,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from convert.gptq import gptq_quantize
+from convert.learn_rotation import LearnedRotation, LearnOptions, learn_rotation
 from convert.quantize import QuantScheme, asymmetric_form, quantize_rtn
 from convert.rotate import rotate
 from convert.sources import SourceModel, Tensor, as_float, read_source
@@ -163,12 +164,20 @@ def _stack(trees: list[dict]) -> dict:
 
 def convert_model(src: SourceModel, scheme: QuantScheme | None, rotation_seed: int | None,
                   calibration: Path | None = None, n_samples: int = 64, seq_len: int = 512,
+                  learned: LearnedRotation | None = None,
                   ) -> tuple[dict[str, Any], LlamaConfig, dict[str, Any]]:
-    """``(params, config, manifest fields)`` of a converted model; ``scheme=None`` keeps float weights."""
+    """``(params, config, manifest fields)`` of a converted model; ``scheme=None`` keeps float weights.
+    ``learned``: an R1 (:func:`train_rotation`) folded in place of ``rotation_seed``'s Hadamard; the
+    online transforms still come from ``rotation_seed``."""
     manifest: dict[str, Any] = {"rotation": None, "quantization": None}
+    if learned is not None and rotation_seed is None:
+        raise ValueError("a learned rotation needs a rotation seed (its online transforms)")
     if rotation_seed is not None:
-        src = rotate(src, rotation_seed)
+        src = rotate(src, rotation_seed, None if learned is None else learned.matrix)
         manifest["rotation"] = {"seed": rotation_seed, "online": True, "kind": "randomized-hadamard"}
+        if learned is not None:
+            manifest["rotation"] = {"seed": rotation_seed, "online": True, "kind": "learned",
+                                    "learned": learned.record}
     layers = [layer_tree(layer) for layer in src.layers]
     if scheme is None:
         layers = [_map_linears(t, lambda _p, w: as_float(w)) for t in layers]
@@ -193,11 +202,25 @@ def convert_model(src: SourceModel, scheme: QuantScheme | None, rotation_seed: i
     return params, src.config, manifest
 
 
+def train_rotation(src: SourceModel, scheme: QuantScheme | None, seed: int, calibration: Path | None,
+                   options: LearnOptions) -> LearnedRotation:
+    """R1 learned from the Hadamard of ``seed`` on windows of the ``calibration`` JSONL, for weights in
+    ``scheme`` (the default scheme where the checkpoint keeps float weights)."""
+    if calibration is None:
+        raise ValueError("a learned rotation needs calibration data (--calibration PATH to a GSM8K-style JSONL)")
+    tokens = calibration_tokens(calibration, src.tokenizer_files["tokenizer.json"], options.n_samples,
+                                options.seq_len, seed)
+    learned = learn_rotation(src, tokens, scheme or QuantScheme(), seed, options)
+    return LearnedRotation(learned.matrix, {**learned.record, "calibration": str(Path(calibration).resolve())})
+
+
 def convert(source: str | Path, out: str | Path, scheme: QuantScheme | None, rotation_seed: int | None,
             calibration: Path | None = None, n_samples: int = 64, seq_len: int = 512,
-            draft_vocab: Path | None = None) -> Path:
+            draft_vocab: Path | None = None, learned: LearnOptions | LearnedRotation | None = None) -> Path:
     """Read ``source`` (HF directory or GGUF), convert, and write a checkpoint directory at ``out``;
-    ``draft_vocab``: a calibration JSONL whose token frequencies rank the rows draft heads keep."""
+    ``draft_vocab``: a calibration JSONL whose token frequencies rank the rows draft heads keep;
+    ``learned``: options to train R1 on ``calibration`` (:func:`train_rotation`), or an R1 trained before;
+    the matrix is saved with the checkpoint."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"output {out} exists and is not a directory")
@@ -209,10 +232,15 @@ def convert(source: str | Path, out: str | Path, scheme: QuantScheme | None, rot
     if rotation_seed is not None and rotation_seed < 0:
         raise ValueError(f"the rotation seed must be an integer >= 0, got {rotation_seed}")
     src = read_source(source)
-    params, config, manifest = convert_model(src, scheme, rotation_seed, calibration, n_samples, seq_len)
+    if isinstance(learned, LearnOptions):
+        if rotation_seed is None:
+            raise ValueError("a learned rotation needs a rotation seed (its Hadamard starting point)")
+        learned = train_rotation(src, scheme, rotation_seed, calibration, learned)
+    params, config, manifest = convert_model(src, scheme, rotation_seed, calibration, n_samples, seq_len, learned)
     manifest["source"] = {"path": str(Path(source).resolve()), "kind": src.kind}
     ranking = None
     if draft_vocab is not None:
         ranking, counted = token_ranking(draft_vocab, src.tokenizer_files["tokenizer.json"], config.vocab_size)
         manifest["draft_vocab"] = {"calibration": str(Path(draft_vocab).resolve()), "tokens_counted": counted}
-    return save_checkpoint(out, params, config, src.tokenizer_files, ranking=ranking, **manifest)
+    return save_checkpoint(out, params, config, src.tokenizer_files, ranking=ranking,
+                           rotation_matrix=None if learned is None else learned.matrix, **manifest)

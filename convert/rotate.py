@@ -1,7 +1,7 @@
 """QuaRot-style rotation folded into the weights (in float64, stored as float32).
 
 RMSNorm scales are folded into the linears that read the normalized stream; the residual stream
-is rotated by an orthogonal ``Q`` (a randomized Hadamard where one exists): ``E <- E Q`` for the
+is rotated by an orthogonal ``Q`` (a randomized Hadamard where one exists, or a learned one): ``E <- E Q`` for the
 embeddings, ``W <- W diag(g) Q`` for q/k/v/gate/up and the lm_head, ``W <- Q^T W`` for o/down.
 The online transforms ``T`` on the o_proj input (per head) and the down_proj input are folded as
 ``W <- W T``; the model applies ``T`` to the activations (``online_rotation_seed``).
@@ -14,6 +14,7 @@ import dataclasses
 import numpy as np
 
 from convert.sources import SourceModel, as_float
+from qspec_jax.checkpoint import check_rotation_matrix
 from qspec_jax.rotation import random_hadamard, transform_matrix
 
 
@@ -21,10 +22,15 @@ def _f32(x: np.ndarray) -> np.ndarray:
     return np.asarray(x, np.float32)
 
 
-def rotate(src: SourceModel, seed: int) -> SourceModel:
-    """The rotated model (float weights, norm scales all ones); its logits equal the source's."""
+def rotate(src: SourceModel, seed: int, q: np.ndarray | None = None) -> SourceModel:
+    """The rotated model (float weights, norm scales all ones); its logits equal the source's.
+    ``q``: the residual-stream rotation (default: the randomized Hadamard of ``seed``); ``seed``
+    also picks the online transforms."""
     c = src.config
-    q = random_hadamard(c.hidden_size, seed)
+    if q is None:
+        q = random_hadamard(c.hidden_size, seed)
+    else:
+        check_rotation_matrix(q, c.hidden_size, "the rotation")
     t_o = np.kron(np.eye(c.num_heads), transform_matrix(c.head_dim, seed))
     t_d = transform_matrix(c.intermediate_size, seed)
     layers = []

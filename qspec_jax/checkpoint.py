@@ -7,6 +7,8 @@ Layout of a checkpoint directory::
     model.safetensors    params, flattened with '.'-joined paths; a packed weight ``p`` is stored
                          as ``p.packed``, ``p.scales`` and (asymmetric) ``p.mins``; optionally
                          ``draft_vocab``: token ids by falling calibration frequency (a draft head's rows);
+                         ``learned_rotation``: a learned residual-stream rotation (float64, already
+                         folded into the weights; kept to reuse and inspect);
                          its metadata holds the sha256 of the manifest's fields (all but the checksums),
                          so the manifest cannot be edited without the weights' checksum failing
     tokenizer.json, tokenizer_config.json, ...   loadable without torch
@@ -40,6 +42,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 EXTRA_TEMPLATES = "additional_chat_templates"
 DRAFT_VOCAB = "draft_vocab"  # the tensor (and manifest entry) of the token ranking draft heads take rows from
 MANIFEST_DIGEST = "qspec_jax.manifest_sha256"  # the weights file's metadata key of manifest_digest()
+LEARNED_ROTATION = "learned_rotation"  # the tensor of a learned rotation (manifest: rotation kind "learned")
+ROTATION_KINDS = ("randomized-hadamard", "learned")
+ORTHOGONAL_TOL = 1e-6  # a stored learned rotation (float64) must satisfy max |R^T R - I| <= this
+# How a learned rotation was trained, as the manifest records it: each field's type and least value
+LEARNED_FIELDS = {"steps": (int, 1), "lr": (float, 0.0), "seed": (int, 0), "n_samples": (int, 1),
+                  "seq_len": (int, 2), "batch": (int, 1)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +59,7 @@ class Checkpoint:
     params: dict[str, Any]
     manifest: dict[str, Any]
     draft_vocab: np.ndarray | None = None  # int32[V]: every token id, the most frequent in calibration text first
+    rotation_matrix: np.ndarray | None = None  # float64[hidden, hidden]: a learned rotation, folded into params
 
     @property
     def online_rotation_seed(self) -> int | None:
@@ -140,10 +149,11 @@ def manifest_digest(manifest: dict[str, Any]) -> str:
 
 def save_checkpoint(out: str | Path, params: dict[str, Any], config: LlamaConfig,
                     tokenizer_files: dict[str, str], ranking: np.ndarray | None = None,
-                    **manifest_fields: Any) -> Path:
+                    rotation_matrix: np.ndarray | None = None, **manifest_fields: Any) -> Path:
     """Write a checkpoint directory; ``manifest_fields`` (quantization, rotation, source, how
-    the token ``ranking`` was counted, as ``draft_vocab``) go in the manifest. Tokenizer files an earlier checkpoint left in
-    ``out`` that this one lacks are removed."""
+    the token ``ranking`` was counted, as ``draft_vocab``) go in the manifest; ``rotation_matrix``: the
+    learned rotation folded into ``params`` (its manifest rotation of kind "learned"). Tokenizer files an
+    earlier checkpoint left in ``out`` that this one lacks are removed."""
     from safetensors.numpy import save_file
 
     out = Path(out)
@@ -153,6 +163,9 @@ def save_checkpoint(out: str | Path, params: dict[str, Any], config: LlamaConfig
     if ranking is not None:
         check_draft_vocab(ranking, config.vocab_size, "the token ranking")
         tensors[DRAFT_VOCAB] = np.asarray(ranking, np.int32)
+    if rotation_matrix is not None:
+        check_rotation_matrix(rotation_matrix, config.hidden_size, "the learned rotation")
+        tensors[LEARNED_ROTATION] = np.asarray(rotation_matrix, np.float64)
     out.mkdir(parents=True, exist_ok=True)
     for name in set(TOKENIZER_FILES) - set(tokenizer_files):
         (out / name).unlink(missing_ok=True)
@@ -271,6 +284,12 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
                          "or in neither")
     if draft_vocab is not None:
         check_draft_vocab(draft_vocab, config.vocab_size, f"{path / WEIGHTS}: {DRAFT_VOCAB!r}")
+    rotation_matrix = tensors.pop(LEARNED_ROTATION, None)
+    if (rotation_matrix is None) != ((manifest.get("rotation") or {}).get("kind") != "learned"):
+        raise ValueError(f"{mpath} is corrupt: a rotation of kind 'learned' in the manifest and the tensor "
+                         f"{LEARNED_ROTATION!r} in {WEIGHTS} come together or not at all")
+    if rotation_matrix is not None:
+        check_rotation_matrix(rotation_matrix, config.hidden_size, f"{path / WEIGHTS}: {LEARNED_ROTATION!r}")
     params = unflatten_params(tensors, manifest["packed_weights"])
     check_params(params, config, manifest.get("quantization") is not None)
     with safe_open(str(path / WEIGHTS), framework="np") as f:
@@ -279,7 +298,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         raise ValueError(f"{mpath} does not match {path / WEIGHTS}: its fields differ from those the checkpoint was "
                          "converted with (edited by hand, or copied from another checkpoint); convert the model "
                          "again rather than editing the manifest")
-    return Checkpoint(path, config, jax.device_put(params), manifest, draft_vocab)
+    return Checkpoint(path, config, jax.device_put(params), manifest, draft_vocab, rotation_matrix)
 
 
 def check_draft_vocab(ranking: np.ndarray, vocab_size: int, what: str) -> None:
@@ -291,14 +310,47 @@ def check_draft_vocab(ranking: np.ndarray, vocab_size: int, what: str) -> None:
                          f"{ranking.dtype} of shape {ranking.shape}")
 
 
-def _check_manifest_schemes(manifest: dict[str, Any], mpath: Path) -> None:
-    """The manifest's ``rotation`` and ``quantization`` entries (None or well-formed objects) and the
-    packed weights' group sizes."""
-    rot, quant = manifest.get("rotation"), manifest.get("quantization")
-    if rot is not None and not (isinstance(rot, dict) and isinstance(rot.get("online"), bool) and (
+def check_rotation_matrix(r: np.ndarray, hidden: int, what: str) -> None:
+    """A learned rotation is a float64 orthogonal ``hidden x hidden`` matrix (to :data:`ORTHOGONAL_TOL`)."""
+    r = np.asarray(r)
+    if r.shape != (hidden, hidden) or r.dtype != np.float64:
+        raise ValueError(f"{what} must be a float64 {hidden} x {hidden} matrix, got {r.dtype} of shape {r.shape}")
+    if not np.isfinite(r).all() or np.abs(r.T @ r - np.eye(hidden)).max() > ORTHOGONAL_TOL:
+        raise ValueError(f"{what} is not orthogonal (max |R^T R - I| above {ORTHOGONAL_TOL})")
+
+
+def _check_rotation(rot: Any, mpath: Path) -> None:
+    """``rotation``: null, or an object with ``online`` (true/false), an integer ``seed`` >= 0 when online,
+    an optional ``kind`` of :data:`ROTATION_KINDS`, and for a learned one its training record."""
+    if rot is None:
+        return
+    if not (isinstance(rot, dict) and isinstance(rot.get("online"), bool) and (
             not rot["online"] or (type(rot.get("seed")) is int and rot["seed"] >= 0))):
         raise ValueError(f"{mpath} is corrupt: 'rotation' must be null or an object with 'online' (true/false) "
                          f"and, when online, an integer 'seed' >= 0; got {rot!r}")
+    if rot.get("kind", ROTATION_KINDS[0]) not in ROTATION_KINDS:
+        raise ValueError(f"{mpath} is corrupt: rotation 'kind' must be one of {ROTATION_KINDS}, got {rot['kind']!r}")
+    if rot.get("kind") != "learned":
+        if "learned" in rot:
+            raise ValueError(f"{mpath} is corrupt: a training record 'learned' in a rotation of kind "
+                             f"{rot.get('kind', ROTATION_KINDS[0])!r}")
+        return
+    record = rot.get("learned")
+    if not isinstance(record, dict):
+        raise ValueError(f"{mpath} is corrupt: a learned rotation needs its training record 'learned' (an object)")
+    for name, (kind, least) in LEARNED_FIELDS.items():
+        value = record.get(name)
+        ok = (type(value) is int if kind is int else type(value) in (int, float)) and value >= least
+        if not ok or (kind is float and not value > least):
+            raise ValueError(f"{mpath} is corrupt: the learned rotation's {name!r} must be a {kind.__name__} "
+                             f"{'>' if kind is float else '>='} {least}, got {value!r}")
+
+
+def _check_manifest_schemes(manifest: dict[str, Any], mpath: Path) -> None:
+    """The manifest's ``rotation`` and ``quantization`` entries (None or well-formed objects) and the
+    packed weights' group sizes."""
+    _check_rotation(manifest.get("rotation"), mpath)
+    quant = manifest.get("quantization")
     if quant is not None and not (isinstance(quant, dict) and isinstance(quant.get("symmetric"), bool)):
         raise ValueError(f"{mpath} is corrupt: 'quantization' must be null or an object with 'symmetric' "
                          f"(true/false), got {quant!r}")

@@ -3,6 +3,7 @@ resumed result is reused only for the same source, scheme, calibration and evalu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 from bench import quality
+from convert.learn_rotation import LearnOptions
 
 
 @pytest.fixture
@@ -18,16 +20,23 @@ def stubbed(tmp_path, monkeypatch):
     and an evaluation whose perplexity encodes the checkpoint evaluated and the window."""
     calls = []
 
-    def convert(src, out, scheme, rotation_seed, calibration=None, n_samples=64, seq_len=512):
-        calls.append((Path(src).name, "float" if scheme is None else scheme.method, n_samples))
+    def convert(src, out, scheme, rotation_seed, calibration=None, n_samples=64, seq_len=512, learned=None):
+        trained = isinstance(learned, LearnOptions)
+        calls.append((Path(src).name, "float" if scheme is None else scheme.method, n_samples,
+                      "trained" if trained else "reused" if learned else None))
         out.mkdir(parents=True)
-        weights = f"{Path(src).name}/{scheme}/{rotation_seed}/{n_samples if scheme and scheme.method == 'gptq' else ''}"
-        (out / "manifest.json").write_text(json.dumps({"files": {"model.safetensors": weights}, "rot": rotation_seed}))
+        weights = (f"{Path(src).name}/{scheme}/{rotation_seed}/{n_samples if scheme and scheme.method == 'gptq' else ''}"
+                   f"/{learned is not None}")
+        record = None if learned is None else learned.record if not trained else {
+            **dataclasses.asdict(learned), "seed": rotation_seed, "loss": [2.0, 1.0], "seconds": 7.0}
+        (out / "manifest.json").write_text(json.dumps({"files": {"model.safetensors": weights}, "rot": rotation_seed,
+                                                       "rotation": {"learned": record}}))
 
     class Checkpoint:
         def __init__(self, d):
             self.manifest = json.loads((Path(d) / "manifest.json").read_text())
             self.online_rotation_seed, self.params, self.config = self.manifest["rot"], None, None
+            self.rotation_matrix = np.eye(3) if self.manifest["rotation"]["learned"] else None
 
     def evaluate(ck, tok, wiki, window, questions, max_answer_tokens, modes):
         return {"ppl": {m: float(len(ck.manifest["files"]["model.safetensors"]) + window) for m in modes}}
@@ -46,22 +55,51 @@ def stubbed(tmp_path, monkeypatch):
     return base, calls, tmp_path
 
 
+def _plain(src, n):
+    """The conversions of a run without learned rotations: float, then GPTQ without and with a Hadamard."""
+    return [(src, "float", n, None), (src, "gptq", n, None), (src, "gptq", n, None)]
+
+
 def test_quality_converts_again_for_other_settings(stubbed):
     base, calls, tmp = stubbed
-    quality.main(base)
-    assert sorted(calls) == [("a.gguf", "float", 64), ("a.gguf", "gptq", 64), ("a.gguf", "gptq", 64)]
+    quality.main([*base, "--rotations", "none,hadamard"])
+    assert sorted(calls, key=str) == _plain("a.gguf", 64)
     calls.clear()
-    quality.main(base)  # the same settings: every checkpoint reused
+    quality.main([*base, "--rotations", "none,hadamard"])  # the same settings: every checkpoint reused
     assert calls == []
-    quality.main([*base[:-1], str(tmp / "b.gguf"), "--n-samples", "256"])
-    assert sorted(calls) == [("b.gguf", "float", 256), ("b.gguf", "gptq", 256), ("b.gguf", "gptq", 256)]
+    quality.main([*base[:-1], str(tmp / "b.gguf"), "--n-samples", "256", "--rotations", "none,hadamard"])
+    assert sorted(calls, key=str) == _plain("b.gguf", 256)
     calls.clear()
-    quality.main([*base, "--n-samples", "128"])  # another calibration: GPTQ again, the float one reused
-    assert sorted(calls) == [("a.gguf", "gptq", 128), ("a.gguf", "gptq", 128)]
+    quality.main([*base, "--n-samples", "128", "--rotations", "none,hadamard"])  # GPTQ again, the float one reused
+    assert sorted(calls, key=str) == [("a.gguf", "gptq", 128, None)] * 2
+
+
+def test_quality_trains_the_learned_rotation_once(stubbed):
+    """--methods rtn,gptq with a learned rotation: trained in the first learned conversion, its matrix
+    folded into the second, whose conversion time includes the training's; other options train anew."""
+    base, calls, tmp = stubbed
+    args = [*base[:base.index("--methods")], "--methods", "rtn,gptq", *base[base.index("--methods") + 2:],
+            "--rotations", "learned", "--rotation-steps", "5"]
+    quality.main(args)
+    assert [c[1:] for c in calls[1:]] == [("rtn", 64, "trained"), ("gptq", 64, "reused")]
+    res = json.loads((tmp / "q.json").read_text())["results"]
+    assert set(res) == {"rtn-asym-g32-learned", "gptq-asym-g32-learned"}
+    assert res["gptq-asym-g32-learned"]["learned"]["steps"] == 5
+    assert res["gptq-asym-g32-learned"]["conversion_s"] >= 7.0
+    calls.clear()
+    quality.main(args)
+    assert calls == []
+    quality.main([*args, "--rotation-lr", "0.002"])
+    assert [c[1:] for c in calls] == [("rtn", 64, "trained"), ("gptq", 64, "reused")]
+    with pytest.raises(SystemExit):
+        quality.main([*args, "--rotations", "spin"])
+    with pytest.raises(SystemExit):
+        quality.main([*args, "--rotation-steps", "0"])
 
 
 def test_quality_resume_only_with_the_same_settings(stubbed):
     base, calls, tmp = stubbed
+    base = [*base, "--rotations", "none,hadamard"]
     quality.main(base)
     first = json.loads((tmp / "q.json").read_text())
     quality.main([*base, "--resume"])
@@ -75,11 +113,12 @@ def test_quality_resume_only_with_the_same_settings(stubbed):
 
 def test_quality_converts_again_after_a_converter_change(stubbed, monkeypatch):
     base, calls, tmp = stubbed
+    base = [*base, "--rotations", "none,hadamard"]
     quality.main(base)
     calls.clear()
     monkeypatch.setattr(quality, "converter_code", lambda: "another-version")
     quality.main(base)
-    assert sorted(calls) == [("a.gguf", "float", 64), ("a.gguf", "gptq", 64), ("a.gguf", "gptq", 64)]
+    assert sorted(calls, key=str) == _plain("a.gguf", 64)
 
 
 def test_converter_code_digest_follows_the_converters_source(tmp_path, monkeypatch):
