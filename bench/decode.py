@@ -86,9 +86,8 @@ from qspec_jax.config import LlamaConfig  # noqa: E402
 from qspec_jax.gamma import cost_model, expected_tokens  # noqa: E402
 from qspec_jax.kernels import KERNELS, Execution, resolve_kernels  # noqa: E402
 from qspec_jax.core import AUTO_GAMMA_MAX, Decoder, decode, init_state, prefill_jit  # noqa: E402
-from qspec_jax.decode import DecodeState, Runtime, cache_slots  # noqa: E402
+from qspec_jax.decode import DecodeState, Runtime  # noqa: E402
 from qspec_jax.model import init_cache, sync_shadow  # noqa: E402
-from qspec_jax.sampling import Sampling  # noqa: E402
 
 GROUP = 128  # random weights: symmetric, group 128
 REAL_MODEL = "smollm2"  # the embedded model (or --checkpoint) with real prompts and real acceptance
@@ -284,17 +283,11 @@ def fresh_state(cfg: LlamaConfig, batch: int, context: int, new: int, gamma: int
                 shadow_bits: int | None = None) -> DecodeState:
     """``context`` committed tokens per sequence (random), a zeroed bf16 KV cache (and its
     ``shadow_bits`` shadow) sized for ``new`` more tokens plus a QSPEC round."""
-    buffer_len = context + new + gamma + 1
-    slots = cache_slots(buffer_len)
     key = jax.random.key(seed)
-    tokens = jax.random.randint(key, (batch, buffer_len), 0, cfg.vocab_size, jnp.int32)
-    zeros = lambda: jnp.zeros((batch,), jnp.int32)  # noqa: E731  (distinct buffers: the state is donated)
-    lengths = lambda: jnp.full((batch,), context, jnp.int32)  # noqa: E731
-    return DecodeState(tokens=tokens, lengths=lengths(), prompt_lengths=lengths(), budget=jnp.full((batch,), new),
-                       sampling=Sampling(jnp.zeros((batch,)), zeros(), jnp.ones((batch,))), finish=zeros(),
-                       cache=init_cache(cfg, batch, slots, jnp.bfloat16, shadow_bits), key=key, rounds=zeros(),
-                       drafted=zeros(), accepted=zeros(), logprobs=jnp.zeros((batch, 0), jnp.float32),
-                       prompt_width=context)
+    rt = Runtime(cfg, dtype=jnp.bfloat16, draft_kv=shadow_bits)
+    prompts = jax.random.randint(key, (batch, context), 0, cfg.vocab_size, jnp.int32)
+    return init_state(Decoder(rt, W4A16), prompts, jnp.full((batch,), context), key, max_new_tokens=new,
+                      buffer_len=context + new + gamma + 1)
 
 
 def fewshot_prompts(model, dev: Path, train: Path, batch: int, context: int) -> list[list[int]]:

@@ -807,16 +807,20 @@ def test_qspec_loop_is_one_while_loop_and_compiles_once(tiny_model, rng):
     assert [len(s) for s in a.sequences] == [len(s) for s in b.sequences] == [7, 7]
 
 
-def test_replayed_acceptance_trace(tiny_model, rng):
-    """A trace recorded round by round, replayed in the loop, reproduces the greedy run exactly; a
-    made-up trace drives the counters (every round accepts what the trace says)."""
+@pytest.fixture
+def replay_setup(tiny_model, rng):
+    """(params, runtime, prompt lengths, a function making a fresh W4A16-prefilled state of 3 random prompts)."""
     cfg, params = tiny_model.config, tiny_model.checkpoint.params
     rt = Runtime(cfg)
     tokens = rng.integers(0, cfg.vocab_size, (3, 6)).astype(np.int32)
     lengths = np.array([6, 4, 5], np.int32)
+    return params, rt, lengths, lambda: prefilled(params, rt, tokens, lengths, 12, 22, 22)
 
-    def fresh():
-        return prefilled(params, rt, tokens, lengths, 12, 22, 22)
+
+def test_replayed_acceptance_trace(replay_setup):
+    """A trace recorded round by round, replayed in the loop, reproduces the greedy run exactly; a
+    made-up trace drives the counters (every round accepts what the trace says)."""
+    params, rt, lengths, fresh = replay_setup
 
     trace = hooks.acceptance_trace(params, fresh(), rt=rt, gamma=3, draft=W4A4)
     greedy = decode_jit(params, Decoder(rt, None, W4A4, 3), fresh())
@@ -832,17 +836,11 @@ def test_replayed_acceptance_trace(tiny_model, rng):
     np.testing.assert_array_equal(np.asarray(st.lengths - lengths), [12, 12, 12])
 
 
-def test_replayed_auto_loop_follows_its_cost_model(tiny_model, rng):
+def test_replayed_auto_loop_follows_its_cost_model(replay_setup, rng):
     """gamma="auto" with replayed acceptance: drafts that cost nothing pick the largest γ every round,
     so the run equals the γ = 4 replay of the same trace (clipped per round); drafts that cost as much
     as a W4A16 step never pay off, so every round is a W4A16 step and nothing is drafted."""
-    cfg, params = tiny_model.config, tiny_model.checkpoint.params
-    rt = Runtime(cfg)
-    tokens = rng.integers(0, cfg.vocab_size, (3, 6)).astype(np.int32)
-    lengths = np.array([6, 4, 5], np.int32)
-
-    def fresh():
-        return prefilled(params, rt, tokens, lengths, 12, 22, 22)
+    params, rt, lengths, fresh = replay_setup
 
     trace = jnp.asarray(rng.integers(0, 6, (int(rng.integers(2, 6)), 3)), jnp.int32)  # recorded at γ 5
     # no weight bytes: a draft step costs its head and KV reads only, nothing here
