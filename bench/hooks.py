@@ -13,7 +13,7 @@ import numpy as np
 from pallas_kernels.precision import Precision
 from qspec_jax.decode import DecodeState, Runtime
 from qspec_jax.gamma import CostModel
-from qspec_jax.qspec import Accept, auto_round, qspec_round
+from qspec_jax.qspec import Accept, qspec_auto_loop, qspec_loop, qspec_round
 
 
 def replay_accept(trace: jax.Array) -> Accept:
@@ -35,9 +35,7 @@ def replay_accept(trace: jax.Array) -> Accept:
 def replay_loop(params, state: DecodeState, trace: jax.Array, *, rt: Runtime, gamma: int,
                 draft: Precision) -> DecodeState:
     """:func:`qspec_jax.qspec.qspec_loop` with :func:`replay_accept`'s decisions (``trace`` traced)."""
-    accept = replay_accept(trace)
-    return jax.lax.while_loop(lambda s: ~jnp.all(s.done),
-                              lambda s: qspec_round(params, s, rt, gamma, draft, accept), state)
+    return qspec_loop(params, state, None, rt, gamma, draft, replay_accept(trace))
 
 
 @functools.partial(jax.jit, static_argnames=("rt", "gamma_max", "draft", "costs"), donate_argnames=("state",))
@@ -46,9 +44,7 @@ def replay_auto_loop(params, state: DecodeState, trace: jax.Array, *, rt: Runtim
     """:func:`qspec_jax.qspec.qspec_auto_loop` with :func:`replay_accept`'s decisions: ``trace`` recorded
     at a gamma >= ``gamma_max``, clipped to each round's gamma (greedy drafts do not depend on gamma,
     so a round of gamma g keeps min(accepted, g) of the same drafts)."""
-    accept = replay_accept(trace)
-    return jax.lax.while_loop(lambda s: ~jnp.all(s.done),
-                              lambda s: auto_round(params, s, rt, gamma_max, draft, costs, accept), state)
+    return qspec_auto_loop(params, state, None, rt, gamma_max, draft, costs, replay_accept(trace))
 
 
 def acceptance_trace(params, state: DecodeState, *, rt: Runtime, gamma: int, draft: Precision) -> np.ndarray:

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.precision import W4A16, Precision
-from qspec_jax.decode import DecodeState, Runtime, ar_step, commit, last_tokens, run_loop, token_logprobs
+from qspec_jax.decode import DecodeState, Runtime, ar_loop, ar_step, commit, last_tokens, run_loop, token_logprobs
 from qspec_jax.gamma import CostModel, choose_gamma
 from qspec_jax.sampling import accept_greedy, accept_stochastic, choose
 
@@ -82,10 +82,10 @@ def qspec_round(params, state: DecodeState, rt: Runtime, gamma: int, draft: Prec
 
 
 def qspec_loop(params, state: DecodeState, rounds: jax.Array | None, rt: Runtime, gamma: int,
-               draft: Precision) -> DecodeState:
+               draft: Precision, accept: Accept | None = None) -> DecodeState:
     """QSPEC decoding until every sequence is done (or for ``rounds`` rounds): one ``lax.while_loop``,
-    one round per iteration."""
-    return run_loop(lambda s: qspec_round(params, s, rt, gamma, draft), state, rounds)
+    one round per iteration (``accept`` as in :func:`qspec_round`)."""
+    return run_loop(lambda s: qspec_round(params, s, rt, gamma, draft, accept), state, rounds)
 
 
 def auto_round(params, state: DecodeState, rt: Runtime, gamma_max: int, draft: Precision, costs: CostModel,
@@ -100,6 +100,10 @@ def auto_round(params, state: DecodeState, rt: Runtime, gamma_max: int, draft: P
 
 
 def qspec_auto_loop(params, state: DecodeState, rounds: jax.Array | None, rt: Runtime, gamma_max: int,
-                    draft: Precision, costs: CostModel) -> DecodeState:
-    """QSPEC decoding with γ chosen every round: one ``lax.while_loop`` of :func:`auto_round`."""
-    return run_loop(lambda s: auto_round(params, s, rt, gamma_max, draft, costs), state, rounds)
+                    draft: Precision, costs: CostModel, accept: Accept | None = None) -> DecodeState:
+    """QSPEC decoding with γ chosen every round: one ``lax.while_loop`` of :func:`auto_round`. Drafts
+    that read as many bytes as a W4A16 step never win, so then it is the W4A16 loop itself (the same
+    choices, without a switch and a cost evaluation per step)."""
+    if not costs.drafts_read_less:
+        return ar_loop(params, state, rounds, rt, TARGET)
+    return run_loop(lambda s: auto_round(params, s, rt, gamma_max, draft, costs, accept), state, rounds)

@@ -67,8 +67,9 @@ def test_choice_matches_float64_and_follows_acceptance(rng):
 
 
 def test_auto_loop_switches_on_the_cost_model(rng):
-    """Drafts that cost nothing: every round drafts ``gamma_max``; drafts that cost far more than a
-    step: no round drafts (all W4A16 steps). Either way the greedy tokens are W4A16's."""
+    """Drafts that cost nothing: every round drafts ``gamma_max``; drafts that save a few bytes but whose
+    verify re-reads far more weights: no round drafts (the switch's W4A16 step every round). Either way
+    the greedy tokens are W4A16's."""
     params, cfg, _ = convert_model(random_source(TINY, rng), QuantScheme(16, True), None)
     rt = Runtime(cfg)
     lengths = rng.choice(np.arange(3, 9), 2, replace=False).astype(np.int32)
@@ -80,7 +81,8 @@ def test_auto_loop_switches_on_the_cost_model(rng):
     ref = decode_jit(params, Decoder(rt, W4A16), state())
     base = gm.CostModel(1e6, 1e5, 1e5, 1e3, 1e3)
     free = dataclasses.replace(base, draft_head_bytes=0.0, draft_kv_bytes=0.0)
-    for costs, drafts in ((free, True), (dataclasses.replace(base, draft_head_bytes=1e12), False)):
+    for costs, drafts in ((free, True), (dataclasses.replace(base, draft_head_bytes=0.999e5), False)):
+        assert costs.drafts_read_less  # both run the switch over round bodies
         if drafts:  # a draft step then costs only its weights: make those vanish too
             costs = dataclasses.replace(costs, weight_bytes=1e-3)
         out = decode_jit(params, Decoder(rt, None, W4A8, None, costs), state())
@@ -90,6 +92,35 @@ def test_auto_loop_switches_on_the_cost_model(rng):
             n = int(ref.lengths[i])
             assert int(out.lengths[i]) == n
             np.testing.assert_array_equal(np.asarray(out.tokens[i, :n]), np.asarray(ref.tokens[i, :n]))
+
+
+def test_drafts_that_save_no_bytes_never_draft(rng):
+    """Cost models whose drafts read no fewer bytes than a W4A16 step: the float64 brute force picks
+    γ = 0 for every acceptance, batch and context, and the auto loop is then the W4A16 loop itself (the
+    same program, no switch); one byte less in the draft's head brings the switch back."""
+    for _ in range(20):
+        head, kv = float(rng.uniform(1e7, 1e9)), float(rng.uniform(1e4, 1e6))
+        c = gm.CostModel(weight_bytes=float(rng.uniform(1e8, 1e10)), head_bytes=head,
+                         draft_head_bytes=head * float(rng.uniform(1, 2)), kv_bytes=kv,
+                         draft_kv_bytes=kv * float(rng.uniform(1, 2)))
+        assert not c.drafts_read_less
+        b = int(rng.integers(1, 33))
+        drafted = rng.integers(0, 400, b).astype(np.float64)
+        accepted = drafted if rng.random() < 0.5 else np.floor(drafted * rng.uniform(0, 1, b))
+        assert _choice64(c, 5, accepted, drafted, rng.integers(16, 8192, b), np.ones(b, bool)) == 0
+    params, cfg, _ = convert_model(random_source(TINY, rng), QuantScheme(16, True), None)
+    rt = Runtime(cfg)
+    state = prefilled(params, rt, jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 8)), jnp.int32),
+                      jnp.asarray([5, 8], jnp.int32), 20, 40, 48)
+    same = gm.CostModel(1e6, 1e5, 1e5, 1e3, 1e3)
+
+    def program(decoder):
+        return str(jax.make_jaxpr(lambda s: decode_jit.__wrapped__(params, decoder, s))(state))
+
+    ar = program(Decoder(rt, W4A16))
+    assert program(Decoder(rt, None, W4A8, None, same)) == ar
+    cheaper = program(Decoder(rt, None, W4A8, None, dataclasses.replace(same, draft_head_bytes=1e5 - 1)))
+    assert cheaper != ar and "cond[" in cheaper
 
 
 def test_generate_auto_gamma_equals_w4a16(rng):
