@@ -34,7 +34,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from bench.args import command_line, at_least, positive_int, read_gsm8k
+from bench.args import at_least, command_line, git_commit, positive_int, read_gsm8k, utc_now
 from bench.decode import DraftSpec, parse_draft
 from bench.quality import wikitext_ids
 from convert.embedded import default_checkpoint
@@ -141,7 +141,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{len(rows)} problems on {device}", flush=True)
 
     methods = [(m, m, None) for m in AR_METHODS] + [(f"qspec-{d}", "qspec", spec) for d, spec in drafts]
-    out: dict = {"command": command_line("bench.fidelity", argv), "problems": len(rows), "device": device, "gamma": args.gamma, "methods": {}}
+    out: dict = {"command": command_line("bench.fidelity", argv), "date": utc_now(), "commit": git_commit(),
+                 "problems": len(rows), "device": device, "gamma": args.gamma, "methods": {}}
     outputs = {}
     for name, method, draft in methods:
         t = time.time()
@@ -179,7 +180,8 @@ def main(argv: list[str] | None = None) -> None:
 def write(out: dict, args) -> None:
     n = out["problems"]
     lines = ["# Fidelity on SmolLM2-135M-Instruct: GSM8K-dev and WikiText-2", "",
-             f"Made by `{out['command']}` on {out['device']}.", "",
+             f"Made by `{out['command']}` on {out['device']}, {out.get('date', 'date not recorded')}, "
+             f"commit {out.get('commit', 'not recorded')}.", "",
              f"{n} GSM8K-dev problems, zero-shot chat template, greedy, up to {args.max_new_tokens} new tokens; "
              f"QSPEC with gamma = {out['gamma']}. Accuracy by lm-evaluation-harness-style extraction "
              "(strict: the number after `####`; flexible: the last number). Agreement and identity are "

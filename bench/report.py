@@ -13,6 +13,7 @@ One table per benchmark:
 | ``decode-views`` | ``decode_views.json`` | ``bench/decode.py`` at long context, draft views of the cache |
 | ``kernels`` | ``kernels.json`` | ``bench/kernels.py`` |
 | ``fidelity`` | ``fidelity.json`` | ``bench/fidelity.py`` |
+| ``fidelity-window`` | ``fidelity_window.json`` | ``bench/fidelity.py`` with window drafts |
 | ``quality`` | ``quality.json`` | ``bench/quality.py`` |
 | ``hf`` | ``hf_baseline.json`` | ``bench/hf_baseline.py`` |
 
@@ -68,7 +69,8 @@ def first_call(command: str) -> str:
     calls = [c.strip() for c in command.split("; then ") if c.strip()]
     if len(calls) <= 1:
         return f"`{command.strip()}`"
-    return f"`{calls[0]}` and {len(calls) - 1} further calls"
+    n = len(calls) - 1
+    return f"`{calls[0]}` and {n} further call{'s' if n > 1 else ''}"
 
 
 def caption(device: Any, date: Any, commit: Any, command: Any, source: str) -> str:
@@ -181,7 +183,25 @@ def render_decode(run: dict, source: str = "decode.json") -> str:
                     ratio = f"{_x(e['tokens_per_s'] / base)}, " if base else ""
                     cells.append(f"{e['tokens_per_s']:.0f} ({ratio}mean γ {e['mean_gamma']:.1f})")
             lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    left = _left_out(run)
+    return "\n".join(lines + (["", f"Not shown (see [{Path(source).stem}.md](bench/results/{Path(source).stem}.md)): "
+                                 + "; ".join(left) + "."] if left else []))
+
+
+def _left_out(run: dict) -> list[str]:
+    """The run's configurations that have no row: too large for the card, or timed while disturbed."""
+    why: dict[tuple[str, int, str], list[int]] = {}
+    for r in run.get("results", []):
+        if r.get("skipped"):
+            reason = "more memory than the card has" if "more than" in str(r["skipped"]) \
+                else str(r["skipped"])
+        elif r.get("disturbed"):
+            reason = "its timing was disturbed (a round came out shorter than its phases timed alone)"
+        else:
+            continue
+        why.setdefault((r["model"], r["context"], reason), []).append(r["batch"])
+    return [f"{model_name(m)} batch {', '.join(map(str, sorted(b)))} at context {c}: {reason}"
+            for (m, c, reason), b in why.items()]
 
 
 # ----------------------------------------------------------------------------------------- kernels
@@ -215,12 +235,12 @@ def render_kernels(data: dict) -> str:
 
 # ---------------------------------------------------------------------------------------- fidelity
 
-def render_fidelity(data: dict) -> str:
+def render_fidelity(data: dict, source: str = "fidelity.json") -> str:
     methods = data.get("methods", {})
     if not methods:
         return "*No fidelity run recorded yet.*"
     n = data.get("problems")
-    lines = [file_caption(data, "fidelity.json"),
+    lines = [file_caption(data, source),
              "", f"SmolLM2-135M-Instruct, {n} GSM8K-dev problems, greedy, up to 256 new tokens, QSPEC at "
              f"γ = {data.get('gamma', '?')}. Identity and token agreement are against W4A16's outputs; "
              "perplexity on WikiText-2 (QSPEC's is W4A16's: it commits W4A16's tokens).", "",
@@ -312,6 +332,7 @@ def tables(results: Path = RESULTS) -> dict[str, str]:
         "decode-views": ("decode_views.json", lambda d: render_decode(d, "decode_views.json")),
         "kernels": ("kernels.json", render_kernels),
         "fidelity": ("fidelity.json", render_fidelity),
+        "fidelity-window": ("fidelity_window.json", lambda d: render_fidelity(d, "fidelity_window.json")),
         "quality": ("quality.json", render_quality),
         "hf": ("hf_baseline.json", lambda d: render_hf(d, decode)),
     }

@@ -11,7 +11,7 @@ import pytest
 from bench import report
 
 ROOT = Path(__file__).resolve().parent.parent
-MARKERS = ("decode", "decode-views", "kernels", "fidelity", "quality", "hf")
+MARKERS = ("decode", "decode-views", "kernels", "fidelity", "fidelity-window", "quality", "hf")
 
 
 def test_readme_tables_match_the_committed_results():
@@ -104,6 +104,23 @@ def test_decode_auto_gamma_column(results: Path):
     text = report.tables(results)["decode"]
     assert "| batch | W4A16 AR | QSPEC, W4A8 draft | QSPEC, W4A8 draft, γ auto |" in text
     assert "| 8 | 2000 | 1800 (0.90×, γ=1) | 2100 (1.05×, mean γ 0.2) |" in text and "γ auto:" in text
+
+
+def test_decode_sections_without_a_row_are_named(results: Path):
+    """A configuration skipped for memory or timed while disturbed gets no row, and the table says so;
+    a run of two calls is captioned as one further call."""
+    measured = {"model": "llama3-8b", "batch": 8, "context": 512, "new": 512,
+                "methods": {"w4a16": {"tokens_per_s": 2000.0, "ms_per_step": 4.0}}}
+    runs = [{**measured, "batch": 32, "context": 4096, "skipped": "needs ~121 GB, more than the 70 GB it may use"},
+            {**measured, "batch": 16, "disturbed": "a QSPEC round came out 7% shorter than its phases"},
+            {**measured, "batch": 1, "disturbed": "a QSPEC round came out 5% shorter than its phases"}]
+    (results / "decode.json").write_text(json.dumps({"device": "NVIDIA H100", "command": "a; then b",
+                                                      "results": [measured, *runs]}))
+    text = report.tables(results)["decode"]
+    assert "| 8 | 2000 |" in text and "| 16 |" not in text and "| 1 |" not in text
+    assert ("Llama-3-8B batch 1, 16 at context 512: its timing was disturbed" in text
+            and "Llama-3-8B batch 32 at context 4096: more memory than the card has" in text)
+    assert "`a` and 1 further call." in text
 
 
 def test_marker_without_its_end_is_refused():
