@@ -6,8 +6,8 @@ lengths, budgets and sampling settings, checking that nothing drifts over a long
 
 Batches cycle through sizes (``--batch-sizes``), 0-2 GSM8K-train shots before the question (three
 prompt-length buckets) and budgets (``--budgets``, one per prompt). Two of every three batches are
-greedy: QSPEC (γ auto) and W4A16 both run and must be identical token for token; the third samples,
-each prompt with its own temperature and top-p. Recorded: the compiled prefill / decode functions'
+greedy: QSPEC (``--gamma`` drafts per round, W4A8) and W4A16 both run and must be identical token for
+token; the third samples (QSPEC, the same γ), each prompt with its own temperature and top-p. Recorded: the compiled prefill / decode functions'
 cache sizes against the number of distinct (method, sampling, batch, prompt bucket, budget bucket)
 buckets seen — equal when no setting value forces a compilation — and the process's resident memory
 every ``--report-every`` prompts (flat after warm-up when nothing leaks). JSON + markdown out.
@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--limit", type=positive_int, default=None, help="the first N problems (none: all)")
     ap.add_argument("--batch-sizes", default="8", help="batch sizes, cycled (each a shape: compiled apart)")
     ap.add_argument("--budgets", default="16,24,40", help="max_new_tokens values, cycled over the prompts")
+    ap.add_argument("--gamma", type=positive_int, default=3, help="QSPEC's drafts per round")
     ap.add_argument("--report-every", type=positive_int, default=100, help="prompts between memory readings")
     ap.add_argument("--out", type=Path, default=Path("bench/results/soak.json"))
     args = ap.parse_args(argv)
@@ -69,6 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     buckets: set = set()
     memory, mismatches, start, done, batch_no, t0 = [], [], 0, 0, 0, time.perf_counter()
+    drafted = accepted = 0  # greedy QSPEC's drafts, over the run
     base = (decode_jit._cache_size(), prefill_jit._cache_size())
     next_report = 0
     while start < len(questions):
@@ -82,10 +84,12 @@ def main(argv: list[str] | None = None) -> dict:
         if batch_no % 3 == 2:
             temps = rng.uniform(0.3, 1.2, len(qs)).round(3).tolist()
             top_p = rng.uniform(0.7, 1.0, len(qs)).round(3).tolist()
-            generate(model, prompts, **kw, temperature=temps, top_p=top_p, seed=batch_no)
+            generate(model, prompts, **kw, gamma=args.gamma, temperature=temps, top_p=top_p, seed=batch_no)
             buckets.add(("qspec", "sampled", len(qs), width, room))
         else:
-            q = generate(model, prompts, **kw)
+            q = generate(model, prompts, **kw, gamma=args.gamma)
+            drafted += q.stats["drafted"]
+            accepted += q.stats["accepted"]
             w = generate(model, prompts, **kw, method="w4a16")
             buckets |= {("qspec", "greedy", len(qs), width, room), ("w4a16", "greedy", len(qs), width, room)}
             mismatches += [start + i for i, (a, b) in enumerate(zip(q.sequences, w.sequences))
@@ -103,6 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
            "device": jax.devices()[0].device_kind, "machine": platform.processor() or platform.machine(),
            "prompts": len(questions), "batches": batch_no, "buckets": len(buckets),
            "decode_compiles": memory[-1]["decode_compiles"], "prefill_compiles": memory[-1]["prefill_compiles"],
+           "gamma": args.gamma, "greedy_drafted": drafted, "greedy_accepted": accepted,
            "greedy_mismatches": mismatches, "rss_growth_second_half_mib": round(max(after_warm) - min(after_warm), 1),
            "memory": memory}
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -116,7 +121,9 @@ def markdown(r: dict) -> str:
                      f"{m['prefill_compiles']} | {m['buckets']} |" for m in r["memory"])
     return (f"# Soak run: {r['prompts']} GSM8K-dev prompts through generate\n\n"
             f"Made by `{r['command']}` on {r['device']} ({r['machine']}), {r['date']}, commit {r['commit']}.\n\n"
-            f"- {r['batches']} batches; greedy QSPEC vs W4A16 mismatches: {len(r['greedy_mismatches'])}\n"
+            f"- {r['batches']} batches; greedy QSPEC (γ = {r['gamma']}) vs W4A16 mismatches: "
+            f"{len(r['greedy_mismatches'])}; greedy QSPEC drafted {r['greedy_drafted']} tokens, "
+            f"{r['greedy_accepted'] / max(r['greedy_drafted'], 1):.3f} of them accepted\n"
             f"- compilations: decode {r['decode_compiles']}, prefill {r['prefill_compiles']}, for {r['buckets']} "
             f"distinct buckets\n- resident memory over the second half of the run: "
             f"+{r['rss_growth_second_half_mib']} MiB at most\n\n"
