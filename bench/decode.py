@@ -248,7 +248,7 @@ def calibrated_pace(sections: list[dict]) -> tuple[float, float] | None:
     return (float(np.median(ratios)), max(ratios)) if ratios else None
 
 
-DRAFT_GRAMMAR = "MODE[/kvBITS][/winSIZE[+SINKS]]"
+DRAFT_GRAMMAR = "MODE[/kvBITS][/winSIZE[+SINKS]][/head[ROWS][q4]]"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,6 +259,13 @@ class DraftSpec:
     mode: str
     kv: int | None = None
     window: AttentionWindow | None = None
+    head_rows: int | None = None  # a draft head of the ranking's first rows (None: every token)
+    head_bits: int = 16  # 4: the drafts' head is an INT4 copy
+
+    @property
+    def head(self) -> bool:
+        """Whether the drafts read a copy of the lm_head (``generate``'s ``draft_head`` / ``draft_head_bits``)."""
+        return self.head_rows is not None or self.head_bits != 16
 
     def runtime(self, rt: Runtime) -> Runtime:
         """``rt`` with this draft's views of the cache."""
@@ -266,17 +273,21 @@ class DraftSpec:
 
 
 def parse_draft(spec: str, modes: tuple[str, ...] = DRAFTS) -> DraftSpec:
-    """A ``--drafts`` entry, ``MODE[/kvBITS][/winSIZE[+SINKS]]``: ``/kvBITS`` reads an INT8 / INT4 KV
-    shadow, ``/winSIZE+SINKS`` attends over the first SINKS (default DEFAULT_SINKS) and the last SIZE
-    slots only; ``modes``: the modes allowed."""
+    """A ``--drafts`` entry, ``MODE[/kvBITS][/winSIZE[+SINKS]][/head[ROWS][q4]]``: ``/kvBITS`` reads an
+    INT8 / INT4 KV shadow, ``/winSIZE+SINKS`` attends over the first SINKS (default DEFAULT_SINKS) and
+    the last SIZE slots only, ``/headROWS`` computes logits over the ROWS most frequent tokens only and
+    ``q4`` from an INT4 copy of the head; ``modes``: the modes allowed."""
     kv_bits = "|".join(map(str, KV_BITS))
-    m = re.fullmatch(rf"([^/]+)(?:/kv({kv_bits}))?(?:/win([1-9][0-9]*)(?:\+([0-9]+))?)?", spec)
-    if m is None or m[1] not in modes:
+    m = re.fullmatch(rf"([^/]+)(?:/kv({kv_bits}))?(?:/win([1-9][0-9]*)(?:\+([0-9]+))?)?"
+                     r"(?:/head([1-9][0-9]*)?(q4)?)?", spec)
+    if m is None or m[1] not in modes or (spec.endswith("/head")):
         raise ValueError(f"unknown draft {spec!r}: expected {DRAFT_GRAMMAR} with MODE one of {', '.join(modes)}, "
                          f"BITS {' or '.join(map(str, KV_BITS))}, SIZE >= 1 and SINKS >= 0 "
-                         f"(default {DEFAULT_SINKS}), e.g. w4a8, w4a8/kv8, w4a8/win1024, w4a8/kv8/win512+4")
+                         f"(default {DEFAULT_SINKS}), ROWS >= 1 and/or q4, e.g. w4a8, w4a8/kv8, w4a8/win1024, "
+                         "w4a8/kv8/win512+4, w4a8/head8192, w4a8/headq4")
     window = None if m[3] is None else AttentionWindow(DEFAULT_SINKS if m[4] is None else int(m[4]), int(m[3]))
-    return DraftSpec(m[1], None if m[2] is None else int(m[2]), window)
+    return DraftSpec(m[1], None if m[2] is None else int(m[2]), window, None if m[5] is None else int(m[5]),
+                     4 if m[6] else 16)
 
 
 def fresh_state(cfg: LlamaConfig, batch: int, context: int, new: int, gamma: int, seed: int,
@@ -971,9 +982,12 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, set[str]]:
     args.drafts = [d for d in args.drafts.split(",") if d]
     for d in args.drafts:
         try:
-            parse_draft(d)
+            spec = parse_draft(d)
         except ValueError as e:
             ap.error(str(e))
+        if spec.head:
+            ap.error(f"--drafts {d}: draft heads are measured by bench.fidelity (acceptance); this benchmark "
+                     "does not time them")
     if args.trace_contexts and not args.record_trace:
         ap.error("--trace-contexts goes with --record-trace")
     args.ar = [m for m in args.ar.split(",") if m]

@@ -19,8 +19,10 @@ output distribution is W4A16's by construction, so its perplexity is W4A16's.
 picks the Pallas kernels or the references (``qspec_jax.kernels``; default: kernels on a GPU) for the
 generation; the perplexity's full-window forwards have no row tile and run XLA's paths either way (with
 ``pallas``, W4A16 as a bf16 dot, as generate's prefill does).
-``--drafts``: QSPEC's draft modes, each ``MODE[/kvBITS][/winSIZE[+SINKS]]`` (drafts over an INT8 / INT4
-KV shadow, ``generate(draft_kv=...)``, and over sinks + a sliding window, ``draft_window`` / ``draft_sinks``).
+``--drafts``: QSPEC's draft modes, each ``MODE[/kvBITS][/winSIZE[+SINKS]][/head[ROWS][q4]]`` (drafts over an
+INT8 / INT4 KV shadow, ``generate(draft_kv=...)``, over sinks + a sliding window, ``draft_window`` /
+``draft_sinks``, and with a draft head of the most frequent rows and / or INT4, ``draft_head`` /
+``draft_head_bits``).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import jax
 import numpy as np
 
 from bench.args import at_least, command_line, git_commit, positive_int, read_gsm8k, utc_now
-from bench.decode import DraftSpec, parse_draft
+from bench.decode import DRAFT_GRAMMAR, DraftSpec, parse_draft
 from bench.quality import wikitext_ids
 from convert.embedded import default_checkpoint
 from pallas_kernels.precision import parse_precision
@@ -91,6 +93,8 @@ def run_method(model: Model, questions: list[str], method: str, draft: DraftSpec
         qspec = {} if draft is None else {"draft": draft.mode, "gamma": gamma, "draft_kv": draft.kv}
         if draft is not None and draft.window is not None:
             qspec |= {"draft_window": draft.window.size, "draft_sinks": draft.window.sinks}
+        if draft is not None and draft.head:
+            qspec |= {"draft_head": draft.head_rows, "draft_head_bits": draft.head_bits}
         res = generate(model, questions[i:i + batch], max_new_tokens=max_new, method=method, chat=True,
                        kernels=kernels, **qspec)
         seqs += res.sequences
@@ -117,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ppl-tokens", type=positive_int, default=40960)
     ap.add_argument("--window", type=at_least(2), default=512)
     ap.add_argument("--kernels", default="auto", choices=KERNELS)
-    ap.add_argument("--drafts", default="w4a8,w4a4", help="QSPEC drafts: MODE[/kvBITS][/winSIZE[+SINKS]], comma-separated")
+    ap.add_argument("--drafts", default="w4a8,w4a4", help=f"QSPEC drafts: {DRAFT_GRAMMAR}, comma-separated")
     ap.add_argument("--out", type=Path, default=Path("bench/results/fidelity.md"))
     args = ap.parse_args(argv)
     try:

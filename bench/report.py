@@ -58,6 +58,9 @@ def method_name(key: str) -> str:
         if view.startswith("win"):
             size, plus, sinks = view[3:].partition("+")
             words.append(f"window {size}" + (f" ({sinks} sinks)" if plus else ""))
+        elif view.startswith("head"):
+            rows, q4 = view[4:].removesuffix("q4"), view.endswith("q4")
+            words.append(("INT4 " if q4 else "") + (f"head of {rows} rows" if rows else "head"))
         else:
             words.append(f"INT{view[2:]} KV" if view.startswith("kv") else view)
     return " + ".join(words)

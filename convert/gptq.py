@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from convert.quantize import QuantScheme, dequantize_codes, group_params, quantize_codes
-from pallas_kernels.layout import QuantizedWeight, pack_codes
+from convert.quantize import QuantScheme
+from pallas_kernels.layout import QuantizedWeight, dequantize_codes, group_params, pack_codes, quantize_codes
 
 
 def gptq_quantize(w: np.ndarray, hessian: np.ndarray, scheme: QuantScheme,

@@ -87,7 +87,8 @@ def cmd_generate(args) -> None:
     from qspec_jax.api import generate, load
 
     qspec_only = {"gamma": args.gamma, "draft": args.draft, "draft_kv": args.draft_kv,
-                  "draft_window": args.draft_window, "draft_sinks": args.draft_sinks, "draft_head": args.draft_head}
+                  "draft_window": args.draft_window, "draft_sinks": args.draft_sinks, "draft_head": args.draft_head,
+                  "draft_head_bits": args.draft_head_bits}
     qspec_only = {name: value for name, value in qspec_only.items() if value is not None}  # unset: generate()'s defaults
     if args.method != "qspec" and qspec_only:  # refused, not silently ignored
         flags = ", ".join("--" + name.replace("_", "-") for name in qspec_only)
@@ -200,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--draft-head", type=int, default=None,
                    help="qspec: the drafts' logits over this many most frequent tokens only (a checkpoint "
                         "converted with --draft-vocab)")
+    g.add_argument("--draft-head-bits", type=int, choices=(16, 4), default=None,
+                   help="qspec: 4 makes the drafts read an INT4 copy of the head (of --draft-head's rows, or "
+                        "of the whole head); none: 16, the float head")
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     g.add_argument("--top-k", type=int, default=None, help="with a temperature > 0")
     g.add_argument("--top-p", type=float, default=None, help="with a temperature > 0")

@@ -6,7 +6,7 @@ import dataclasses
 
 import numpy as np
 
-from pallas_kernels.layout import SCALE_DTYPE, SYMMETRIC_OFFSET, QuantizedWeight, pack_codes
+from pallas_kernels.layout import SCALE_DTYPE, SYMMETRIC_OFFSET, QuantizedWeight, rtn
 
 METHODS = ("rtn", "gptq")
 
@@ -36,46 +36,9 @@ class QuantScheme:
         return w.group_size == self.group_for(w.shape[1]) and w.symmetric == self.symmetric
 
 
-def group_params(w: np.ndarray, symmetric: bool) -> tuple[np.ndarray, np.ndarray | None]:
-    """Scale (and minimum) per row of ``w[..., g]`` groups, rounded to the stored float16; a value
-    float16 cannot hold is refused (it would be stored as inf)."""
-    with np.errstate(over="ignore"):  # an overflow is refused just below
-        if symmetric:  # use the whole [-8, 7] code range: the negative side reaches -8 s
-            s = np.maximum(np.max(w, -1) / 7.0, -np.min(w, -1) / 8.0)
-            s, m = np.where(s > 0, s, 1.0).astype(SCALE_DTYPE), None
-        else:
-            lo, hi = np.min(w, -1), np.max(w, -1)
-            s, m = np.where(hi > lo, (hi - lo) / 15.0, 1.0).astype(SCALE_DTYPE), lo.astype(SCALE_DTYPE)
-    if not (np.isfinite(s).all() and (m is None or np.isfinite(m).all())):
-        raise ValueError(f"a weight of magnitude {np.abs(w).max():.3g} overflows the float16 group scale / "
-                         "minimum: the checkpoint holds values INT4 with float16 scales cannot represent")
-    return s, m
-
-
-def quantize_codes(w: np.ndarray, s: np.ndarray, m: np.ndarray | None) -> np.ndarray:
-    """Unsigned codes of ``w[..., g]`` for per-row scale ``s`` (and minimum ``m``), round half to even."""
-    s = s.astype(np.float64)[..., None]
-    if m is None:
-        return (np.clip(np.round(w / s), -8, 7) + SYMMETRIC_OFFSET).astype(np.uint8)
-    return np.clip(np.round((w - m.astype(np.float64)[..., None]) / s), 0, 15).astype(np.uint8)
-
-
-def dequantize_codes(u: np.ndarray, s: np.ndarray, m: np.ndarray | None) -> np.ndarray:
-    """Float64 values of codes ``u[..., g]`` (the layout's definition, for GPTQ error feedback)."""
-    s = s.astype(np.float64)[..., None]
-    if m is None:
-        return s * (u.astype(np.float64) - SYMMETRIC_OFFSET)
-    return s * u + m.astype(np.float64)[..., None]
-
-
 def quantize_rtn(w: np.ndarray, scheme: QuantScheme) -> QuantizedWeight:
-    """Round-to-nearest INT4 of float ``w[N, K]`` per (row, group)."""
-    n, k = w.shape
-    g = scheme.group_for(k)
-    wg = np.asarray(w, np.float64).reshape(n, k // g, g)
-    s, m = group_params(wg, scheme.symmetric)
-    codes = quantize_codes(wg, s, m).reshape(n, k)
-    return QuantizedWeight(pack_codes(codes), s, m, g)
+    """Round-to-nearest INT4 of float ``w[N, K]`` per (row, group) in ``scheme``."""
+    return rtn(w, scheme.group_for(w.shape[1]), scheme.symmetric)
 
 
 def asymmetric_form(w: QuantizedWeight) -> QuantizedWeight | None:

@@ -144,3 +144,48 @@ def _grouped(w: QuantizedWeight, combine) -> jax.Array:
     s = jnp.asarray(w.scales).astype(jnp.float32)[..., None]
     m = None if w.symmetric else jnp.asarray(w.mins).astype(jnp.float32)[..., None]
     return combine(q, s, m).reshape(*q.shape[:-2], k)
+
+
+# ------------------------------------------------------------------ round-to-nearest quantization
+
+
+def group_params(w: np.ndarray, symmetric: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    """Scale (and minimum) per row of ``w[..., g]`` groups, rounded to the stored float16; a value
+    float16 cannot hold is refused (it would be stored as inf)."""
+    with np.errstate(over="ignore"):  # an overflow is refused just below
+        if symmetric:  # use the whole [-8, 7] code range: the negative side reaches -8 s
+            s = np.maximum(np.max(w, -1) / 7.0, -np.min(w, -1) / 8.0)
+            s, m = np.where(s > 0, s, 1.0).astype(SCALE_DTYPE), None
+        else:
+            lo, hi = np.min(w, -1), np.max(w, -1)
+            s, m = np.where(hi > lo, (hi - lo) / 15.0, 1.0).astype(SCALE_DTYPE), lo.astype(SCALE_DTYPE)
+    if not (np.isfinite(s).all() and (m is None or np.isfinite(m).all())):
+        raise ValueError(f"a weight of magnitude {np.abs(w).max():.3g} overflows the float16 group scale / "
+                         "minimum: the checkpoint holds values INT4 with float16 scales cannot represent")
+    return s, m
+
+
+def quantize_codes(w: np.ndarray, s: np.ndarray, m: np.ndarray | None) -> np.ndarray:
+    """Unsigned codes of ``w[..., g]`` for per-row scale ``s`` (and minimum ``m``), round half to even."""
+    s = s.astype(np.float64)[..., None]
+    if m is None:
+        return (np.clip(np.round(w / s), -8, 7) + SYMMETRIC_OFFSET).astype(np.uint8)
+    return np.clip(np.round((w - m.astype(np.float64)[..., None]) / s), 0, 15).astype(np.uint8)
+
+
+def dequantize_codes(u: np.ndarray, s: np.ndarray, m: np.ndarray | None) -> np.ndarray:
+    """Float64 values of codes ``u[..., g]`` (the layout's definition, for GPTQ error feedback)."""
+    s = s.astype(np.float64)[..., None]
+    if m is None:
+        return s * (u.astype(np.float64) - SYMMETRIC_OFFSET)
+    return s * u + m.astype(np.float64)[..., None]
+
+
+def rtn(w: np.ndarray, group_size: int, symmetric: bool) -> QuantizedWeight:
+    """Round-to-nearest INT4 of float ``w[N, K]`` per (row, group of ``group_size``)."""
+    n, k = w.shape
+    if k % group_size:
+        raise ValueError(f"group size {group_size} does not divide in_features {k}")
+    wg = np.asarray(w, np.float64).reshape(n, k // group_size, group_size)
+    s, m = group_params(wg, symmetric)
+    return QuantizedWeight(pack_codes(quantize_codes(wg, s, m).reshape(n, k)), s, m, group_size)

@@ -18,7 +18,7 @@ from qspec_jax.checkpoint import Checkpoint, load_checkpoint
 from qspec_jax.core import AUTO_GAMMA_MAX, Decoder, decode_jit, init_state, prefill_jit
 from qspec_jax.decode import FINISH_REASONS, MAX_GAMMA, STOP, Runtime, buffer_length, pad_prompts
 from qspec_jax.kernels import Execution
-from qspec_jax.model import with_draft_head
+from qspec_jax.model import DRAFT_HEAD_BITS, with_draft_head
 from qspec_jax.gamma import cost_model
 from qspec_jax.sampling import Sampling, check_token_ids, is_integer, per_row
 
@@ -164,7 +164,7 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
              max_new_tokens: int | Sequence[int], method: str = "qspec", draft: str | None = None,
              gamma: int | str | None = None,
              draft_kv: int | None = None, draft_window: int | None = None, draft_sinks: int = DEFAULT_SINKS,
-             draft_head: int | None = None,
+             draft_head: int | None = None, draft_head_bits: int = 16,
              temperature: float | Sequence[float] = 0.0, top_k: int | Sequence[int | None] | None = None,
              top_p: float | Sequence[float | None] | None = None, seed: int = 0,
              eos_token_id: int | Sequence[int] | None = None, stop: str | Sequence[str] | None = None,
@@ -183,7 +183,8 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
     ``draft_window`` slots ending at their own position only (alone or with ``draft_kv``).
     ``draft_head`` (``qspec`` only, a checkpoint converted with ``--draft-vocab``): the drafts compute
     logits for that many of the calibration text's most frequent tokens only, from a copy of those
-    lm_head rows; the verifier keeps the full head.
+    lm_head rows; the verifier keeps the full head. ``draft_head_bits`` 4 (``qspec`` only): that copy
+    (or, without ``draft_head``, a copy of the whole head) is INT4, a quarter of the float head's bytes.
     Prefill runs in W4A16 (W16A16 for ``w16a16``). ``max_len`` bounds prompt + new tokens (at most,
     and by default, the model's ``max_position_embeddings``).
     ``eos_token_id``: the token(s) that end a sequence, by default the tokenizer's EOS and the config's
@@ -224,7 +225,7 @@ def _generation(model: Model, prompts, chunk_rounds: int | None, *,
              max_new_tokens: int | Sequence[int], method: str = "qspec", draft: str | None = None,
              gamma: int | str | None = None,
              draft_kv: int | None = None, draft_window: int | None = None, draft_sinks: int = DEFAULT_SINKS,
-             draft_head: int | None = None,
+             draft_head: int | None = None, draft_head_bits: int = 16,
              temperature: float | Sequence[float] = 0.0, top_k: int | Sequence[int | None] | None = None,
              top_p: float | Sequence[float | None] | None = None, seed: int = 0,
              eos_token_id: int | Sequence[int] | None = None, stop: str | Sequence[str] | None = None,
@@ -247,6 +248,9 @@ def _generation(model: Model, prompts, chunk_rounds: int | None, *,
         raise ValueError(f"draft_kv must be None or one of {reference.KV_BITS}, with method 'qspec'; got "
                          f"draft_kv={draft_kv!r} with method {method!r}")
     window = _draft_window(method, draft_window, draft_sinks)
+    if draft_head_bits not in DRAFT_HEAD_BITS or (draft_head_bits != 16 and method != "qspec"):
+        raise ValueError(f"draft_head_bits must be one of {DRAFT_HEAD_BITS} (4: method 'qspec' only); got "
+                         f"draft_head_bits={draft_head_bits!r} with method {method!r}")
     if draft_head is not None:
         if method != "qspec" or not is_integer(draft_head) or not 1 <= draft_head <= model.config.vocab_size:
             raise ValueError(f"draft_head must be None or an integer in [1, {model.config.vocab_size}], with method "
@@ -314,11 +318,13 @@ def _generation(model: Model, prompts, chunk_rounds: int | None, *,
                                             [np.zeros(0, np.float32)] * b if return_logprobs else None))
         return
 
+    head = draft_head is not None or draft_head_bits != 16  # the drafts read a copy of the head
     rt = Runtime(cfg, eos_ids, not sampling.greedy, dtype, model.checkpoint.online_rotation_seed, execution,
-                 draft_kv=draft_kv, draft_window=window, draft_head=draft_head is not None, logprobs=return_logprobs)
+                 draft_kv=draft_kv, draft_window=window, draft_head=head, logprobs=return_logprobs)
     params = model.checkpoint.params
-    if draft_head is not None:
-        params = with_draft_head(params, cfg, model.checkpoint.draft_vocab, int(draft_head))
+    if head:
+        params = with_draft_head(params, cfg, None if draft_head is None else model.checkpoint.draft_vocab,
+                                 None if draft_head is None else int(draft_head), draft_head_bits)
     if ar is not None:
         decoder = Decoder(rt, ar)
     elif gamma == "auto":

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.layout import QuantizedWeight
 from pallas_kernels.reference import AttentionWindow
 from qspec_jax.config import LlamaConfig
 
@@ -73,9 +74,17 @@ def cost_model(params: dict[str, Any], config: LlamaConfig, dtype: Any, draft_kv
     return CostModel(
         weight_bytes=float(sum(a.nbytes for a in jax.tree.leaves(params["layers"]))),
         head_bytes=head_bytes,
-        draft_head_bytes=head_bytes if draft_head is None else float(np.prod(draft_head["w"].shape)) * itemsize,
+        draft_head_bytes=head_bytes if draft_head is None else _head_bytes(draft_head["w"], itemsize),
         kv_bytes=float(kv), draft_kv_bytes=float(draft_kv_bytes),
         window=None if window is None else window.sinks + window.size)
+
+
+def _head_bytes(w: QuantizedWeight | jax.Array, itemsize: int) -> float:
+    """Bytes a draft head's matmul reads: the packed codes, scales and minimums of an INT4 copy, or a
+    float copy in the compute dtype."""
+    if isinstance(w, QuantizedWeight):
+        return float(sum(a.nbytes for a in jax.tree.leaves(w)))
+    return float(np.prod(w.shape)) * itemsize
 
 
 def expected_tokens(alpha: jax.Array, gamma: jax.Array) -> jax.Array:

@@ -36,6 +36,7 @@ from qspec_jax.kernels import (Execution, Layer, SplitSum, attention, fuses_rope
                                materialize, merge_heads, rms_norm, rope_store, stacked_of, swiglu, unstack)
 from pallas_kernels import reference
 from pallas_kernels.launch import check_positions
+from pallas_kernels.layout import QuantizedWeight, rtn
 from pallas_kernels.precision import W4A16, W16A16, Precision
 from pallas_kernels.rows import map_row_tiles
 from qspec_jax.rotation import apply_transform
@@ -359,7 +360,9 @@ class Llama(nn.Module):
         x = RMSNorm(c.rms_norm_eps, self.execution, name="final_norm")(x)
         if self.draft_head:
             rows = self.get_variable("params", "draft_head")
-            logits = linear(x, rows["w"].astype(self.dtype), W16A16, self.execution)
+            w = rows["w"]  # a float copy (W16A16) or an INT4 one (W4A16: a quarter of the bytes)
+            logits = (linear(x, w, W4A16, self.execution) if isinstance(w, QuantizedWeight)
+                      else linear(x, w.astype(self.dtype), W16A16, self.execution))
             every = jnp.full((*logits.shape[:-1], c.vocab_size), -jnp.inf, logits.dtype)
             return every.at[..., rows["ids"]].set(logits), cache
         head = embed if c.tie_word_embeddings else self.param(
@@ -454,16 +457,33 @@ def forward(params: dict[str, Any], config: LlamaConfig, tokens: jax.Array, posi
     return model.apply({"params": params}, tokens, positions, cache)
 
 
-def with_draft_head(params: dict[str, Any], config: LlamaConfig, ranking: np.ndarray | jax.Array,
-                    rows: int) -> dict[str, Any]:
+DRAFT_HEAD_BITS = (16, 4)  # a draft head's copy: the lm_head's float rows, or INT4 (RTN) of them
+DRAFT_HEAD_GROUP = 32  # the INT4 copy's group size, or the largest even divisor of the hidden size below it
+
+
+def with_draft_head(params: dict[str, Any], config: LlamaConfig, ranking: np.ndarray | jax.Array | None,
+                    rows: int | None = None, bits: int = 16) -> dict[str, Any]:
     """``params`` plus a draft head: the lm_head's rows of the ``rows`` first tokens of ``ranking``
-    (most frequent first), copied once into one contiguous block that a draft step reads instead of
-    the whole head (the verifier keeps reading the full head)."""
-    if not isinstance(rows, (int, np.integer)) or isinstance(rows, bool) or not 1 <= rows <= config.vocab_size:
-        raise ValueError(f"a draft head keeps between 1 and {config.vocab_size} rows, got {rows!r}")
+    (most frequent first; None: every token in id order), copied once into one contiguous block that a
+    draft step reads instead of the whole head (the verifier keeps reading the full head). ``bits`` 4:
+    the copy is round-to-nearest INT4 (asymmetric, groups of :data:`DRAFT_HEAD_GROUP`)."""
+    v = config.vocab_size
+    rows = v if rows is None else rows
+    if not isinstance(rows, (int, np.integer)) or isinstance(rows, bool) or not 1 <= rows <= v:
+        raise ValueError(f"a draft head keeps between 1 and {v} rows, got {rows!r}")
+    if bits not in DRAFT_HEAD_BITS:
+        raise ValueError(f"a draft head's bits must be one of {DRAFT_HEAD_BITS}, got {bits!r}")
+    groups = [g for g in range(2, DRAFT_HEAD_GROUP + 1, 2) if config.hidden_size % g == 0]
+    if bits == 4 and not groups:
+        raise ValueError(f"an INT4 draft head needs an even hidden size, got {config.hidden_size}")
     head = params["embed"] if config.tie_word_embeddings else params["lm_head"]
-    ids = jnp.asarray(ranking, jnp.int32)[: int(rows)]
-    return {**params, "draft_head": {"w": jnp.take(head, ids, axis=0), "ids": ids}}
+    ids = jnp.arange(v, dtype=jnp.int32) if ranking is None else jnp.asarray(ranking, jnp.int32)
+    ids = ids[: int(rows)]
+    w = jnp.take(head, ids, axis=0)
+    if bits == 4:
+        q = rtn(np.asarray(w, np.float32), groups[-1], symmetric=False)
+        w = QuantizedWeight(jnp.asarray(q.packed), jnp.asarray(q.scales), jnp.asarray(q.mins), q.group_size)
+    return {**params, "draft_head": {"w": w, "ids": ids}}
 
 
 def _check_inputs(config: LlamaConfig, tokens: jax.Array, positions: jax.Array) -> None:

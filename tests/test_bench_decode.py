@@ -553,7 +553,7 @@ def test_cost_model_calibration_and_memory_limit(monkeypatch):
 
 
 def test_parse_draft_grammar(rng):
-    """MODE[/kvBITS][/winSIZE[+SINKS]]: the old specs mean what they meant, a window's sinks default
+    """MODE[/kvBITS][/winSIZE[+SINKS]][/head[ROWS][q4]]: the old specs mean what they meant, a window's sinks default
     to DEFAULT_SINKS, and anything else is a ValueError that spells out the grammar."""
     from pallas_kernels.reference import AttentionWindow
 
@@ -565,11 +565,19 @@ def test_parse_draft_grammar(rng):
     assert decode.parse_draft(f"w4a8/kv8/win{size}+{sinks}") == decode.DraftSpec("w4a8", 8, AttentionWindow(sinks, size))
     assert decode.parse_draft(f"w4a4/win{size}+{sinks}").window == AttentionWindow(sinks, size)
     assert decode.parse_draft("w4a16/kv8", ("w4a16",)).mode == "w4a16"  # bench.profile's modes
+    rows = int(rng.integers(1, 50000))
+    assert decode.parse_draft(f"w4a8/head{rows}") == decode.DraftSpec("w4a8", head_rows=rows)
+    assert decode.parse_draft("w4a8/headq4") == decode.DraftSpec("w4a8", head_bits=4)
+    spec = decode.parse_draft(f"w4a8/kv8/win{size}+{sinks}/head{rows}q4")
+    assert spec == decode.DraftSpec("w4a8", 8, AttentionWindow(sinks, size), rows, 4) and spec.head
+    assert not decode.parse_draft(f"w4a8/kv8/win{size}").head
     for bad in ("w4a9", "w4a8/", "w4a8/kv2", "w4a8/kv", "w4a8/win", "w4a8/win0", "w4a8/win-4", f"w4a8/win{size}+",
                 "w4a8/win8+x", f"w4a8/win{size}/kv8", "w4a8/kv8/kv4", "w4a8/win8/win16", "w4a8/kv8/win8/x",
-                "w4a8/int8", "w4a16"):
-        with pytest.raises(ValueError, match=r"expected MODE\[/kvBITS\]\[/winSIZE\[\+SINKS\]\]"):
+                "w4a8/int8", "w4a16", "w4a8/head", "w4a8/head0", "w4a8/headq8", "w4a8/head8/kv8"):
+        with pytest.raises(ValueError, match=r"expected MODE\[/kvBITS\]\[/winSIZE\[\+SINKS\]\]\[/head"):
             decode.parse_draft(bad)
+    with pytest.raises(SystemExit):  # a draft head's speed is not what this benchmark times
+        decode.main(["--drafts", "w4a8/headq4", "--models", "smoke"])
 
 
 def test_trace_rows_picks_the_nearest_recorded_context(rng):

@@ -50,10 +50,13 @@ def test_generate_flags_reach_generate(monkeypatch, capsys, rng):
     assert cli.main(["generate", "--prompt", "hi", "--method", "w4a16", "--gamma", "2", "--draft", "w4a4"]) == 2
     assert len(calls) == 2 and "--gamma, --draft apply to --method qspec only" in capsys.readouterr().err
     argv = ["generate", "--prompt", "hi", "--gamma", "auto", "--draft-window", "512", "--draft-sinks", "4",
-            "--draft-head", "4096"]
+            "--draft-head", "4096", "--draft-head-bits", "4"]
     assert cli.main(argv) == 0
-    assert {k: calls[-1][2][k] for k in ("gamma", "draft_window", "draft_sinks", "draft_head")} == dict(
-        gamma="auto", draft_window=512, draft_sinks=4, draft_head=4096)
+    keys = ("gamma", "draft_window", "draft_sinks", "draft_head", "draft_head_bits")
+    assert {k: calls[-1][2][k] for k in keys} == dict(
+        gamma="auto", draft_window=512, draft_sinks=4, draft_head=4096, draft_head_bits=4)
+    assert cli.main(["generate", "--prompt", "hi", "--method", "w4a16", "--draft-head-bits", "4"]) == 2
+    assert "--draft-head-bits applies to --method qspec only" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["generate", "--prompt", "hi", "--gamma", "three"])
     assert "expected 'auto' or an integer" in capsys.readouterr().err

@@ -19,11 +19,12 @@ from scipy.stats import chi2
 
 from convert.pipeline import convert_model
 from convert.quantize import QuantScheme
+from pallas_kernels.layout import dequantize
 from pallas_kernels.reference import AttentionWindow, quantize_kv as ref_quantize_kv
 from qspec_jax.core import Decoder, decode_jit, init_state
 from qspec_jax.decode import MAX_GAMMA, Runtime, prefill
 from qspec_jax.api import generate, load
-from qspec_jax.gamma import CostModel
+from qspec_jax.gamma import CostModel, cost_model
 from qspec_jax.model import KVCache, forward, init_cache, with_draft_head
 from bench import hooks
 from qspec_jax.qspec import qspec_round
@@ -254,10 +255,12 @@ def _pvalues(setup, draws: np.ndarray, probs: tuple | None = None) -> tuple[floa
 
 
 # gamma 3: a round drafts past the 3 tokens; a window of 2 slots after 1 sink: the drafts see little of the prompt
-# a draft head of 6 of the 12 tokens: the drafts never propose the other 6, which the target still draws
+# a draft head of 6 of the 12 tokens: the drafts never propose the other 6, which the target still draws;
+# an INT4 copy of the head: the drafts' distribution moves, the target's must not
 @pytest.mark.parametrize("gamma,draft_kv,view", [(3, None, None), (2, 4, None),
                                                  (2, None, dict(draft_window=2, draft_sinks=1)),
-                                                 (2, None, dict(draft_head=6))])
+                                                 (2, None, dict(draft_head=6)),
+                                                 (2, None, dict(draft_head_bits=4))])
 def test_stochastic_qspec_samples_target_distribution(dist_setup, gamma, draft_kv, view):
     draws = _draw(dist_setup, gamma, draft_kv, view=view)
     p12, p123 = _pvalues(dist_setup, draws)
@@ -1005,3 +1008,46 @@ def test_stream_generate_text_and_stop_strings(smol):
         np.testing.assert_array_equal(np.concatenate([u.tokens[i] for u in updates]), want.sequences[i])
     # the first sequence stopped early: fewer loop rounds than running it to max_new_tokens
     assert got.stats["rounds"] <= ref.stats["rounds"]
+
+
+def test_int4_draft_head_is_rtn_of_the_head_and_keeps_qspec_exact(rng):
+    """An INT4 draft head (of every row, or of a ranking's first rows) holds the lm_head's rows to
+    within round-to-nearest's error (float64 bound from each group's range); the drafts' logits are those
+    rows' W4A16 product (bfloat16 activations); greedy QSPEC with it equals W4A16; the cost model counts its packed bytes."""
+    params, cfg, _ = convert_model(random_source(TINY, rng), QuantScheme(16, True), None)
+    head = np.asarray(params["embed"] if cfg.tie_word_embeddings else params["lm_head"], np.float64)
+    ranking = rng.permutation(cfg.vocab_size).astype(np.int32)
+    rows = int(rng.integers(8, cfg.vocab_size // 2))
+    for order, n in ((None, None), (ranking, rows)):
+        q = with_draft_head(params, cfg, order, n, bits=4)["draft_head"]
+        ids = np.arange(cfg.vocab_size) if order is None else ranking[:rows]
+        np.testing.assert_array_equal(np.asarray(q["ids"]), ids)
+        w = q["w"]
+        g = w.group_size
+        want = head[ids].reshape(len(ids), -1, g)
+        span = (want.max(-1) - want.min(-1))[..., None]
+        err = np.abs(np.asarray(dequantize(w), np.float64).reshape(want.shape) - want)
+        assert np.all(err <= span / 30 * (1 + 2e-3) + np.abs(want).max(-1, keepdims=True) * 2e-3), err.max()
+    toks = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 5)), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (2, 5))
+    q4 = with_draft_head(params, cfg, ranking, rows, bits=4)
+    as_float = {**q4, "draft_head": {"w": dequantize(q4["draft_head"]["w"]), "ids": q4["draft_head"]["ids"]}}
+    run = lambda p: np.asarray(forward(p, cfg, toks, pos, precision=W4A8, draft_head=True)[0])  # noqa: E731
+    got, want = run(q4), run(as_float)
+    # W4A16 rounds the activations to bfloat16 (2**-8 relative): a wrong row or order is off by O(1)
+    np.testing.assert_allclose(got[..., ranking[:rows]], want[..., ranking[:rows]], rtol=1e-2, atol=3e-2)
+    assert np.all(np.delete(got, ranking[:rows], axis=-1) == -np.inf)
+    c = cost_model(q4, cfg, jnp.float32, None, None)
+    w = q4["draft_head"]["w"]
+    assert c.draft_head_bytes == sum(np.asarray(a).nbytes for a in (w.packed, w.scales, w.mins)) < c.head_bytes
+    model = memory_model(params, cfg, draft_vocab=ranking)
+    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (4, 9)]
+    ref = generate(model, prompts, max_new_tokens=24, method="w4a16")
+    for kw in (dict(draft_head_bits=4), dict(draft_head=rows, draft_head_bits=4)):
+        got = generate(model, prompts, max_new_tokens=24, method="qspec", draft="w4a8", gamma=3, **kw)
+        assert got.stats["drafted"] > 0
+        for a, b in zip(got.sequences, ref.sequences):
+            np.testing.assert_array_equal(a, b)
+    for method, bits in (("qspec", 8), ("qspec", "4"), ("w4a16", 4)):
+        with pytest.raises(ValueError, match="draft_head_bits"):
+            generate(model, prompts, max_new_tokens=4, method=method, draft_head_bits=bits)
