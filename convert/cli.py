@@ -16,6 +16,15 @@ LEARN_FLAGS = {"steps": "--rotation-steps", "lr": "--rotation-lr", "n_samples": 
 GROUP_DEFAULT = object()  # --group-size not given (told apart from an explicit 32)
 
 
+
+def _rotation(value: str) -> str:
+    """``--rotate``'s kind; a path there means the flag came before SRC OUT without a kind."""
+    if value not in ROTATIONS:
+        raise argparse.ArgumentTypeError(
+            f"invalid choice {value!r} (choose from {', '.join(ROTATIONS)}); a bare --rotate goes after SRC OUT, "
+            "or name its kind: --rotate hadamard SRC OUT")
+    return value
+
 def _group(value: str) -> int | None:
     if value in ("channel", "per-channel", "0"):
         return None
@@ -36,7 +45,7 @@ def parser() -> argparse.ArgumentParser:
     sym.add_argument("--symmetric", dest="symmetric", action="store_true", help="s*q, q in [-8, 7]")
     sym.add_argument("--asymmetric", dest="symmetric", action="store_false", help="s*u + m (GGUF Q4_1), the default")
     ap.set_defaults(symmetric=None)
-    ap.add_argument("--rotate", nargs="?", const="hadamard", choices=ROTATIONS,
+    ap.add_argument("--rotate", nargs="?", const="hadamard", type=_rotation, metavar="{" + ",".join(ROTATIONS) + "}",
                     help="fold a QuaRot-style rotation into the weights: a randomized Hadamard (the default), or one "
                          "learned from it on --calibration data")
     ap.add_argument("--seed", type=int, help="rotation seed (default 0; with --rotate)")

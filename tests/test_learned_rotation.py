@@ -163,6 +163,9 @@ def test_cli_refuses_bad_learned_rotation_flags(tmp_path, rng, capsys):
         with pytest.raises(SystemExit):
             cli.main([*base, *flags])
         assert msg in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a bare --rotate before the positionals would take SRC as its kind
+        cli.main(["--rotate", *base])
+    assert "a bare --rotate goes after SRC OUT" in capsys.readouterr().err
     for flags, msg in ((["--rotate", "learned"], "needs calibration data"),
                        (["--rotate", "learned", "--calibration", str(calib), "--rotation-steps", "0"],
                         "steps must be an integer >= 1"),
