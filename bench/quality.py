@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> None:
                                      learn if rotation == "learned" else None)
             ck = load_checkpoint(out)
             if rotation == "learned" and isinstance(learn, LearnOptions):  # trained once, folded into the rest
-                learn = LearnedRotation(ck.rotation_matrix, ck.manifest["rotation"]["learned"])
+                learn = LearnedRotation(ck.rotation_matrix, ck.manifest["rotation"]["learned"], ck.head_rotations)
             digest = ck.manifest["files"]["model.safetensors"] + str(ck.online_rotation_seed)
             if digest in by_weights:  # bitwise the same weights: the same numbers
                 print(f"{name}: weights identical to {by_weights[digest]}", flush=True)

@@ -1,9 +1,13 @@
-"""Learned residual-stream rotation (SpinQuant-style R1): optimize an orthogonal ``R`` so that the
-fake-quantized rotated model matches the float model's next-token distribution.
+"""Learned rotations (SpinQuant's R1 and R2): optimize an orthogonal residual-stream ``R`` and, per
+layer, an orthogonal ``R2`` of the value heads so that the fake-quantized rotated model matches the
+float model's next-token distribution.
 
 ``R = R0 @ cayley(A)``: ``R0`` the randomized Hadamard of the plain rotation, ``A`` skew-symmetric
 (``P - P^T``, ``P`` trained with optax: SGD with momentum on the normalized gradient), so ``R`` stays
-exactly orthogonal for any ``P``. The
+exactly orthogonal for any ``P``; ``R2 = cayley(A2)`` per layer, from the identity: ``v_proj``'s output
+heads become ``v R2`` and ``o_proj`` reads them back through ``R2^T`` (before its online transform),
+so the float model is unchanged while its v / o weights and o's W4A4 input are quantized in the new
+basis. The
 loss is ``KL(float || W4A4) + KL(float || W4A16)`` on calibration tokens: weights rounded to the
 checkpoint's INT4 scheme (RTN), W4A4 activations per token to INT4, straight-through rounding with
 scales that follow their inputs. RMSNorm scales and the online transforms (o_proj input per head,
@@ -54,10 +58,12 @@ class LearnOptions:
 
 @dataclasses.dataclass(frozen=True)
 class LearnedRotation:
-    """A trained R1 (float64 ``[hidden, hidden]``, orthogonal) and the manifest record of its training."""
+    """A trained R1 (float64 ``[hidden, hidden]``, orthogonal), the value-head rotations R2 (float64
+    ``[layers, head_dim, head_dim]``, orthogonal; None: none) and the manifest record of the training."""
 
     matrix: np.ndarray
     record: dict[str, Any]
+    heads: np.ndarray | None = None
 
 
 def _ste_round(x: jax.Array) -> jax.Array:
@@ -118,11 +124,32 @@ def _norm(x: jax.Array, eps: float) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
 
 
+def head_rotated(lw: dict[str, Any], r2: jax.Array, config: LlamaConfig, seed: int) -> dict[str, Any]:
+    """A folded layer's weights with its value heads rotated by ``r2`` ``[d, d]``: v rows (and bias) per KV
+    head ``R2^T W_v``, o's columns per query head ``W_o R2`` under the online transform ``T`` (``o`` holds
+    ``W_o T`` per head, so it becomes ``o T^T R2 T``)."""
+    c = config
+    hq, hk, d = c.num_heads, c.num_kv_heads, c.head_dim
+    t = jnp.asarray(transform_matrix(d, seed), r2.dtype)
+    split = [hq * d, (hq + hk) * d]
+    q, k, v = jnp.split(lw["qkv"], split, axis=0)
+    v = jnp.einsum("ji,hjk->hik", r2, v.reshape(hk, d, -1)).reshape(hk * d, -1)
+    out = {**lw, "qkv": jnp.concatenate([q, k, v], axis=0)}
+    o = lw["o"].reshape(lw["o"].shape[0], hq, d)
+    out["o"] = jnp.einsum("nhj,jk->nhk", o, t.T @ r2 @ t).reshape(lw["o"].shape)
+    if "qkv_bias" in lw:
+        bq, bk, bv = jnp.split(lw["qkv_bias"], split)
+        out["qkv_bias"] = jnp.concatenate([bq, bk, (bv.reshape(hk, d) @ r2).reshape(-1)])
+    return out
+
+
 def rotated_logits(weights: dict[str, Any], r: jax.Array | None, tokens: jax.Array, config: LlamaConfig, seed: int,
-                   scheme: QuantScheme | None, act_bits: tuple[int | None, ...]) -> list[jax.Array]:
-    """Logits ``[B, T, V]`` of the model rotated by ``r`` (None: unrotated), one per entry of ``act_bits``
-    (activation bits of the decoder linears, None = float); ``scheme``: weights fake-quantized (None: float).
-    The streams share each layer's rotated weights."""
+                   scheme: QuantScheme | None, act_bits: tuple[int | None, ...],
+                   heads: jax.Array | None = None) -> list[jax.Array]:
+    """Logits ``[B, T, V]`` of the model rotated by ``r`` (None: unrotated) and its value heads by
+    ``heads`` ``[layers, d, d]`` (None: not), one per entry of ``act_bits`` (activation bits of the decoder
+    linears, None = float); ``scheme``: weights fake-quantized (None: float). The streams share each
+    layer's rotated weights."""
     c = config
     b, t = tokens.shape
     hq, hk, d = c.num_heads, c.num_kv_heads, c.head_dim
@@ -138,7 +165,9 @@ def rotated_logits(weights: dict[str, Any], r: jax.Array | None, tokens: jax.Arr
         return fake_quant_acts(h, bits) @ w.T
 
     @jax.checkpoint
-    def layer(xs, lw):
+    def layer(xs, scanned):
+        lw, r2 = scanned
+        lw = lw if r2 is None else head_rotated(lw, r2, c, seed)
         w_qkv, w_o, w_gu, w_down = wq(rin(lw["qkv"])), wq(rout(lw["o"])), wq(rin(lw["gate_up"])), wq(rout(lw["down"]))
         out = []
         for x_i, bits in zip(xs, act_bits):
@@ -153,7 +182,7 @@ def rotated_logits(weights: dict[str, Any], r: jax.Array | None, tokens: jax.Arr
             out.append(x_i)
         return tuple(out), None
 
-    xs, _ = jax.lax.scan(layer, tuple(x for _ in act_bits), weights["layers"])
+    xs, _ = jax.lax.scan(layer, tuple(x for _ in act_bits), (weights["layers"], heads))
     # the rotated lm_head is head @ r: un-rotate the normalized stream instead of rotating the head
     return [(_norm(x_i, c.rms_norm_eps) if r is None else _norm(x_i, c.rms_norm_eps) @ r.T) @ weights["head"].T
             for x_i in xs]
@@ -166,9 +195,11 @@ def cayley(a: jax.Array) -> jax.Array:
 
 
 def rotation_of(r0: np.ndarray, p: np.ndarray) -> np.ndarray:
-    """``R0 @ cayley(P - P^T)`` in float64: the trained rotation, orthogonal to float64 rounding."""
-    a = np.asarray(p, np.float64) - np.asarray(p, np.float64).T
-    eye = np.eye(a.shape[0])
+    """``R0 @ cayley(P - P^T)`` in float64 (``p`` may carry leading axes, ``r0`` broadcasts): the trained
+    rotation, orthogonal to float64 rounding."""
+    p = np.asarray(p, np.float64)
+    a = p - np.swapaxes(p, -1, -2)
+    eye = np.broadcast_to(np.eye(a.shape[-1]), a.shape)
     return np.asarray(r0, np.float64) @ np.linalg.solve(eye - a, eye + a)
 
 
@@ -203,8 +234,10 @@ def learn_rotation(src: SourceModel, tokens: np.ndarray, scheme: QuantScheme, se
     def loss_fn(p, batch):
         teacher = rotated_logits(weights, None, batch, c, seed, None, (None,))[0]
         teacher_logp = jax.lax.stop_gradient(jax.nn.log_softmax(teacher, axis=-1))
-        r = r0 @ cayley(p - p.T)
-        students = rotated_logits(weights, r, batch, c, seed, scheme, DRAFT_BITS)
+        p1, p2 = p
+        r = r0 @ cayley(p1 - p1.T)
+        heads = jax.vmap(cayley)(p2 - jnp.swapaxes(p2, -1, -2))
+        students = rotated_logits(weights, r, batch, c, seed, scheme, DRAFT_BITS, heads)
         return sum(_kl(teacher_logp, s) for s in students)
 
     @jax.jit
@@ -213,12 +246,13 @@ def learn_rotation(src: SourceModel, tokens: np.ndarray, scheme: QuantScheme, se
         updates, state = opt.update(grad, state, p)
         return optax.apply_updates(p, updates), state, loss
 
-    p = jnp.zeros((c.hidden_size, c.hidden_size), jnp.float32)
+    p = (jnp.zeros((c.hidden_size, c.hidden_size), jnp.float32),
+         jnp.zeros((c.num_layers, c.head_dim, c.head_dim), jnp.float32))
     state = opt.init(p)
     order = np.random.default_rng(seed)
     losses = []
     start = time.time()
-    bar = tqdm(range(options.steps), desc="learning R1", unit="step", disable=not progress)
+    bar = tqdm(range(options.steps), desc="learning R1, R2", unit="step", disable=not progress)
     for _ in bar:
         rows = order.choice(len(tokens), min(options.batch, len(tokens)), replace=False)
         p, state, loss = step(p, state, jnp.asarray(tokens[rows], jnp.int32))
@@ -228,5 +262,5 @@ def learn_rotation(src: SourceModel, tokens: np.ndarray, scheme: QuantScheme, se
               "steps": options.steps, "lr": options.lr, "seed": seed, "n_samples": int(len(tokens)),
               "seq_len": int(tokens.shape[1]), "batch": options.batch,
               "weights": {"group_size": scheme.group_size, "symmetric": scheme.symmetric},
-              "loss": [round(v, 6) for v in losses], "seconds": round(time.time() - start, 1)}
-    return LearnedRotation(rotation_of(r0_exact, np.asarray(p)), record)
+              "head_rotations": True, "loss": [round(v, 6) for v in losses], "seconds": round(time.time() - start, 1)}
+    return LearnedRotation(rotation_of(r0_exact, np.asarray(p[0])), record, rotation_of(np.eye(c.head_dim), p[1]))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 from pathlib import Path
 from typing import Any
@@ -167,13 +169,14 @@ def convert_model(src: SourceModel, scheme: QuantScheme | None, rotation_seed: i
                   learned: LearnedRotation | None = None,
                   ) -> tuple[dict[str, Any], LlamaConfig, dict[str, Any]]:
     """``(params, config, manifest fields)`` of a converted model; ``scheme=None`` keeps float weights.
-    ``learned``: an R1 (:func:`train_rotation`) folded in place of ``rotation_seed``'s Hadamard; the
+    ``learned``: an R1 and R2 (:func:`train_rotation`) folded in place of ``rotation_seed``'s Hadamard; the
     online transforms still come from ``rotation_seed``."""
     manifest: dict[str, Any] = {"rotation": None, "quantization": None}
     if learned is not None and rotation_seed is None:
         raise ValueError("a learned rotation needs a rotation seed (its online transforms)")
     if rotation_seed is not None:
-        src = rotate(src, rotation_seed, None if learned is None else learned.matrix)
+        src = rotate(src, rotation_seed, None if learned is None else learned.matrix,
+                     None if learned is None else learned.heads)
         manifest["rotation"] = {"seed": rotation_seed, "online": True, "kind": "randomized-hadamard"}
         if learned is not None:
             manifest["rotation"] = {"seed": rotation_seed, "online": True, "kind": "learned",
@@ -204,14 +207,14 @@ def convert_model(src: SourceModel, scheme: QuantScheme | None, rotation_seed: i
 
 def train_rotation(src: SourceModel, scheme: QuantScheme | None, seed: int, calibration: Path | None,
                    options: LearnOptions) -> LearnedRotation:
-    """R1 learned from the Hadamard of ``seed`` on windows of the ``calibration`` JSONL, for weights in
+    """R1 (from the Hadamard of ``seed``) and R2 learned on windows of the ``calibration`` JSONL, for weights in
     ``scheme`` (the default scheme where the checkpoint keeps float weights)."""
     if calibration is None:
         raise ValueError("a learned rotation needs calibration data (--calibration PATH to a GSM8K-style JSONL)")
     tokens = calibration_tokens(calibration, src.tokenizer_files["tokenizer.json"], options.n_samples,
                                 options.seq_len, seed)
     learned = learn_rotation(src, tokens, scheme or QuantScheme(), seed, options)
-    return LearnedRotation(learned.matrix, {**learned.record, "calibration": str(Path(calibration).resolve())})
+    return dataclasses.replace(learned, record={**learned.record, "calibration": str(Path(calibration).resolve())})
 
 
 def convert(source: str | Path, out: str | Path, scheme: QuantScheme | None, rotation_seed: int | None,
@@ -219,8 +222,8 @@ def convert(source: str | Path, out: str | Path, scheme: QuantScheme | None, rot
             draft_vocab: Path | None = None, learned: LearnOptions | LearnedRotation | None = None) -> Path:
     """Read ``source`` (HF directory or GGUF), convert, and write a checkpoint directory at ``out``;
     ``draft_vocab``: a calibration JSONL whose token frequencies rank the rows draft heads keep;
-    ``learned``: options to train R1 on ``calibration`` (:func:`train_rotation`), or an R1 trained before;
-    the matrix is saved with the checkpoint."""
+    ``learned``: options to train R1 and R2 on ``calibration`` (:func:`train_rotation`), or rotations trained
+    before; the matrices are saved with the checkpoint."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"output {out} exists and is not a directory")
@@ -243,4 +246,5 @@ def convert(source: str | Path, out: str | Path, scheme: QuantScheme | None, rot
         ranking, counted = token_ranking(draft_vocab, src.tokenizer_files["tokenizer.json"], config.vocab_size)
         manifest["draft_vocab"] = {"calibration": str(Path(draft_vocab).resolve()), "tokens_counted": counted}
     return save_checkpoint(out, params, config, src.tokenizer_files, ranking=ranking,
-                           rotation_matrix=None if learned is None else learned.matrix, **manifest)
+                           rotation_matrix=None if learned is None else learned.matrix,
+                           head_rotations=None if learned is None else learned.heads, **manifest)

@@ -8,7 +8,8 @@ Layout of a checkpoint directory::
                          as ``p.packed``, ``p.scales`` and (asymmetric) ``p.mins``; optionally
                          ``draft_vocab``: token ids by falling calibration frequency (a draft head's rows);
                          ``learned_rotation``: a learned residual-stream rotation (float64, already
-                         folded into the weights; kept to reuse and inspect);
+                         folded into the weights; kept to reuse and inspect), and with it
+                         ``learned_head_rotations``: the learned value-head rotations, one per layer;
                          its metadata holds the sha256 of the manifest's fields (all but the checksums),
                          so the manifest cannot be edited without the weights' checksum failing
     tokenizer.json, tokenizer_config.json, ...   loadable without torch
@@ -43,6 +44,7 @@ EXTRA_TEMPLATES = "additional_chat_templates"
 DRAFT_VOCAB = "draft_vocab"  # the tensor (and manifest entry) of the token ranking draft heads take rows from
 MANIFEST_DIGEST = "qspec_jax.manifest_sha256"  # the weights file's metadata key of manifest_digest()
 LEARNED_ROTATION = "learned_rotation"  # the tensor of a learned rotation (manifest: rotation kind "learned")
+LEARNED_HEADS = "learned_head_rotations"  # its value-head rotations (record: "head_rotations": true)
 ROTATION_KINDS = ("randomized-hadamard", "learned")
 ORTHOGONAL_TOL = 1e-6  # a stored learned rotation (float64) must satisfy max |R^T R - I| <= this
 # How a learned rotation was trained, as the manifest records it: each field's type and least value
@@ -60,6 +62,7 @@ class Checkpoint:
     manifest: dict[str, Any]
     draft_vocab: np.ndarray | None = None  # int32[V]: every token id, the most frequent in calibration text first
     rotation_matrix: np.ndarray | None = None  # float64[hidden, hidden]: a learned rotation, folded into params
+    head_rotations: np.ndarray | None = None  # float64[layers, head_dim, head_dim]: its value-head rotations
 
     @property
     def online_rotation_seed(self) -> int | None:
@@ -149,10 +152,12 @@ def manifest_digest(manifest: dict[str, Any]) -> str:
 
 def save_checkpoint(out: str | Path, params: dict[str, Any], config: LlamaConfig,
                     tokenizer_files: dict[str, str], ranking: np.ndarray | None = None,
-                    rotation_matrix: np.ndarray | None = None, **manifest_fields: Any) -> Path:
+                    rotation_matrix: np.ndarray | None = None, head_rotations: np.ndarray | None = None,
+                    **manifest_fields: Any) -> Path:
     """Write a checkpoint directory; ``manifest_fields`` (quantization, rotation, source, how
     the token ``ranking`` was counted, as ``draft_vocab``) go in the manifest; ``rotation_matrix``: the
-    learned rotation folded into ``params`` (its manifest rotation of kind "learned"). Tokenizer files an
+    learned rotation folded into ``params`` (its manifest rotation of kind "learned"), ``head_rotations``
+    its value-head rotations (its record's ``head_rotations`` true). Tokenizer files an
     earlier checkpoint left in ``out`` that this one lacks are removed."""
     from safetensors.numpy import save_file
 
@@ -166,6 +171,9 @@ def save_checkpoint(out: str | Path, params: dict[str, Any], config: LlamaConfig
     if rotation_matrix is not None:
         check_rotation_matrix(rotation_matrix, config.hidden_size, "the learned rotation")
         tensors[LEARNED_ROTATION] = np.asarray(rotation_matrix, np.float64)
+    if head_rotations is not None:
+        check_head_rotations(head_rotations, config.num_layers, config.head_dim, "the value-head rotations")
+        tensors[LEARNED_HEADS] = np.asarray(head_rotations, np.float64)
     out.mkdir(parents=True, exist_ok=True)
     for name in set(TOKENIZER_FILES) - set(tokenizer_files):
         (out / name).unlink(missing_ok=True)
@@ -290,6 +298,13 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
                          f"{LEARNED_ROTATION!r} in {WEIGHTS} come together or not at all")
     if rotation_matrix is not None:
         check_rotation_matrix(rotation_matrix, config.hidden_size, f"{path / WEIGHTS}: {LEARNED_ROTATION!r}")
+    head_rotations = tensors.pop(LEARNED_HEADS, None)
+    recorded_heads = bool(((manifest.get("rotation") or {}).get("learned") or {}).get("head_rotations"))
+    if (head_rotations is not None) != recorded_heads:
+        raise ValueError(f"{mpath} is corrupt: a learned rotation's record 'head_rotations' and the tensor "
+                         f"{LEARNED_HEADS!r} in {WEIGHTS} come together or not at all")
+    if head_rotations is not None:
+        check_head_rotations(head_rotations, config.num_layers, config.head_dim, f"{path / WEIGHTS}: {LEARNED_HEADS!r}")
     params = unflatten_params(tensors, manifest["packed_weights"])
     check_params(params, config, manifest.get("quantization") is not None)
     with safe_open(str(path / WEIGHTS), framework="np") as f:
@@ -298,7 +313,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         raise ValueError(f"{mpath} does not match {path / WEIGHTS}: its fields differ from those the checkpoint was "
                          "converted with (edited by hand, or copied from another checkpoint); convert the model "
                          "again rather than editing the manifest")
-    return Checkpoint(path, config, jax.device_put(params), manifest, draft_vocab, rotation_matrix)
+    return Checkpoint(path, config, jax.device_put(params), manifest, draft_vocab, rotation_matrix, head_rotations)
 
 
 def check_draft_vocab(ranking: np.ndarray, vocab_size: int, what: str) -> None:
@@ -317,6 +332,15 @@ def check_rotation_matrix(r: np.ndarray, hidden: int, what: str) -> None:
         raise ValueError(f"{what} must be a float64 {hidden} x {hidden} matrix, got {r.dtype} of shape {r.shape}")
     if not np.isfinite(r).all() or np.abs(r.T @ r - np.eye(hidden)).max() > ORTHOGONAL_TOL:
         raise ValueError(f"{what} is not orthogonal (max |R^T R - I| above {ORTHOGONAL_TOL})")
+
+
+def check_head_rotations(r: np.ndarray, layers: int, head_dim: int, what: str) -> None:
+    """Learned value-head rotations: float64 ``[layers, head_dim, head_dim]``, each orthogonal."""
+    r = np.asarray(r)
+    if r.shape != (layers, head_dim, head_dim) or r.dtype != np.float64:
+        raise ValueError(f"{what} must be float64 [{layers}, {head_dim}, {head_dim}], got {r.dtype} of shape {r.shape}")
+    for i, m in enumerate(r):
+        check_rotation_matrix(m, head_dim, f"{what} (layer {i})")
 
 
 def _check_rotation(rot: Any, mpath: Path) -> None:
@@ -338,6 +362,9 @@ def _check_rotation(rot: Any, mpath: Path) -> None:
     record = rot.get("learned")
     if not isinstance(record, dict):
         raise ValueError(f"{mpath} is corrupt: a learned rotation needs its training record 'learned' (an object)")
+    if type(record.get("head_rotations", False)) is not bool:
+        raise ValueError(f"{mpath} is corrupt: the learned rotation's 'head_rotations' must be true or false, got "
+                         f"{record['head_rotations']!r}")
     for name, (kind, least) in LEARNED_FIELDS.items():
         value = record.get(name)
         ok = (type(value) is int if kind is int else type(value) in (int, float)) and value >= least

@@ -50,6 +50,12 @@ def test_learned_rotation_is_orthogonal_and_moved_from_its_hadamard(trained):
     assert r.dtype == np.float64 and r.shape == (TINY.hidden_size,) * 2
     np.testing.assert_allclose(r.T @ r, np.eye(TINY.hidden_size), atol=1e-12)
     assert np.abs(r - random_hadamard(TINY.hidden_size, seed)).max() > 1e-3
+    d = TINY.hidden_size // TINY.num_heads
+    heads = learned.heads  # R2: one value-head rotation per layer, trained from the identity
+    assert heads.dtype == np.float64 and heads.shape == (TINY.num_layers, d, d)
+    for r2 in heads:
+        np.testing.assert_allclose(r2.T @ r2, np.eye(d), atol=1e-12)
+        assert np.abs(r2 - np.eye(d)).max() > 1e-4
 
 
 def test_training_lowers_the_loss(trained):
@@ -61,13 +67,14 @@ def test_training_lowers_the_loss(trained):
 
 
 def test_training_forward_is_the_model(trained, rng):
-    """The training forward without quantization, rotated by R1 or not, gives the model's float logits."""
+    """The training forward without quantization, rotated by R1 (and R2) or not, gives the model's float logits."""
     src, tokens, seed, learned = trained
     params, cfg, _ = convert_model(src, None, None)
     want = _logits(params, cfg, tokens)
     w = folded_weights(src, seed)
-    for r in (None, jnp.asarray(learned.matrix, jnp.float32)):
-        got = np.asarray(rotated_logits(w, r, jnp.asarray(tokens), TINY, seed, None, (None,))[0])
+    r1, r2 = jnp.asarray(learned.matrix, jnp.float32), jnp.asarray(learned.heads, jnp.float32)
+    for r, heads in ((None, None), (r1, None), (r1, r2), (None, r2)):
+        got = np.asarray(rotated_logits(w, r, jnp.asarray(tokens), TINY, seed, None, (None,), heads)[0])
         np.testing.assert_allclose(got, want, atol=1e-4 * np.abs(want).max())
 
 
@@ -133,6 +140,9 @@ def test_cli_learned_rotation_checkpoint(tmp_path, rng, capsys):
     assert (rec["steps"], rec["lr"], rec["seed"], rec["n_samples"], rec["seq_len"]) == (3, 0.002, seed, 4, 16)
     assert rec["calibration"] == str(calib.resolve()) and len(rec["loss"]) == 3
     np.testing.assert_allclose(ck.rotation_matrix.T @ ck.rotation_matrix, np.eye(TINY.hidden_size), atol=1e-12)
+    assert rec["head_rotations"] is True and ck.head_rotations.shape[0] == TINY.num_layers
+    for r2 in ck.head_rotations:
+        np.testing.assert_allclose(r2.T @ r2, np.eye(r2.shape[0]), atol=1e-12)
     hadamard = tmp_path / "had"
     assert cli.main([str(gguf), str(hadamard), "--group-size", "16", "--rotate", "--seed", str(seed)]) == 0
     plain = load_checkpoint(hadamard)
@@ -177,9 +187,9 @@ def test_cli_refuses_bad_learned_rotation_flags(tmp_path, rng, capsys):
 
 
 def test_learned_rotation_record_is_reused(trained):
-    """An R1 trained before folds without training again (as the quality bench reuses it)."""
+    """An R1 and R2 trained before fold without training again (as the quality bench reuses them)."""
     src, _, seed, learned = trained
-    again = LearnedRotation(learned.matrix.copy(), dict(learned.record))
+    again = LearnedRotation(learned.matrix.copy(), dict(learned.record), learned.heads.copy())
     a, _, _ = convert_model(src, SCHEME, seed, learned=learned)
     b, _, _ = convert_model(src, SCHEME, seed, learned=again)
     assert all(np.array_equal(x.packed, y.packed) for x, y in
