@@ -37,6 +37,7 @@ def stubbed(tmp_path, monkeypatch):
             self.manifest = json.loads((Path(d) / "manifest.json").read_text())
             self.online_rotation_seed, self.params, self.config = self.manifest["rot"], None, None
             self.rotation_matrix = np.eye(3) if self.manifest["rotation"]["learned"] else None
+            self.head_rotations = np.eye(2)[None] if self.manifest["rotation"]["learned"] else None
 
     def evaluate(ck, tok, wiki, window, questions, max_answer_tokens, modes):
         return {"ppl": {m: float(len(ck.manifest["files"]["model.safetensors"]) + window) for m in modes}}
