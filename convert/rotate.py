@@ -45,9 +45,10 @@ def rotate(src: SourceModel, seed: int, q: np.ndarray | None = None, heads: np.n
         gm = as_float(layer["mlp_norm"]).astype(np.float64)
         new = dict(layer)
         for name, g in (("q", ga), ("k", ga), ("v", ga), ("gate", gm), ("up", gm)):
-            new[name] = _f32((as_float(layer[name]) * g) @ q)
-        v = np.asarray(new["v"], np.float64).reshape(c.num_kv_heads, c.head_dim, -1)
-        new["v"] = _f32(np.einsum("ji,hjk->hik", r2, v).reshape(c.num_kv_heads * c.head_dim, -1))
+            w = (as_float(layer[name]) * g) @ q
+            if name == "v":  # R2^T W_v per KV head
+                w = np.einsum("ji,hjk->hik", r2, w.reshape(c.num_kv_heads, c.head_dim, -1)).reshape(w.shape)
+            new[name] = _f32(w)
         if "v_bias" in layer:
             new["v_bias"] = _f32((as_float(layer["v_bias"]).astype(np.float64).reshape(c.num_kv_heads, -1) @ r2)
                                  .reshape(-1))
