@@ -142,6 +142,8 @@ def _streamed(model, batch: list, kw: dict, live: bool):
     return update.result
 
 
+DEMO_GAMMA = 3  # the demo shows QSPEC's rounds; generate()'s own default is 'auto'
+
 def cmd_demo(args) -> None:
     from qspec_jax.api import generate, load
 
@@ -176,8 +178,9 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name, help=text, description=text, formatter_class=fmt)
         p.add_argument("--checkpoint", type=Path, default=None, help="converted checkpoint (none: the embedded SmolLM2)")
         p.add_argument("--max-new-tokens", type=int, default=96, help="tokens to generate at most")
-    sub.choices["demo"].add_argument("--gamma", type=_gamma, default=DEFAULT_GAMMA,
-                                     help="drafted tokens per round, or 'auto'")
+    sub.choices["demo"].add_argument("--gamma", type=_gamma, default=DEMO_GAMMA,
+                                     help="drafted tokens per round, or 'auto' (which, with plain drafts, drafts "
+                                          "nothing: their steps read as many bytes as W4A16's)")
     g = sub.choices["generate"]
     g.add_argument("--prompt", action="append", default=None, help="a prompt (repeat for a batch)")
     g.add_argument("--input", default=None, help="a file of prompts, one per line ('-': stdin)")
