@@ -279,15 +279,15 @@ def parse_draft(spec: str, modes: tuple[str, ...] = DRAFTS) -> DraftSpec:
     ``q4`` from an INT4 copy of the head; ``modes``: the modes allowed."""
     kv_bits = "|".join(map(str, KV_BITS))
     m = re.fullmatch(rf"([^/]+)(?:/kv({kv_bits}))?(?:/win([1-9][0-9]*)(?:\+([0-9]+))?)?"
-                     r"(?:/head([1-9][0-9]*)?(q4)?)?", spec)
-    if m is None or m[1] not in modes or (spec.endswith("/head")):
+                     r"(?:/head(?:([1-9][0-9]*)(q4)?|(q4)))?", spec)
+    if m is None or m[1] not in modes:
         raise ValueError(f"unknown draft {spec!r}: expected {DRAFT_GRAMMAR} with MODE one of {', '.join(modes)}, "
                          f"BITS {' or '.join(map(str, KV_BITS))}, SIZE >= 1 and SINKS >= 0 "
                          f"(default {DEFAULT_SINKS}), ROWS >= 1 and/or q4, e.g. w4a8, w4a8/kv8, w4a8/win1024, "
                          "w4a8/kv8/win512+4, w4a8/head8192, w4a8/headq4")
     window = None if m[3] is None else AttentionWindow(DEFAULT_SINKS if m[4] is None else int(m[4]), int(m[3]))
     return DraftSpec(m[1], None if m[2] is None else int(m[2]), window, None if m[5] is None else int(m[5]),
-                     4 if m[6] else 16)
+                     4 if m[6] or m[7] else 16)
 
 
 def fresh_state(cfg: LlamaConfig, batch: int, context: int, new: int, gamma: int, seed: int,
