@@ -1166,7 +1166,7 @@ def _skip(run: dict, name: str, context: int, batch: int, args, need: float, lim
     log(f"{name} B={batch} ctx={context}: skipped, needs ~{need / 1e9:.0f} GB of {limit / 1e9:.0f} GB")
     record(run, {"model": name, "batch": batch, "context": context, "new": args.new,
                  "skipped": f"needs ~{need / 1e9:.0f} GB, more than the {limit / 1e9:.0f} GB it may use on this "
-                            f"{meta['gpu']}"})
+                            f"{meta['gpu']}", "skip_reason": "memory"})
 
 
 def _contexts(name: str, args) -> list[int]:
@@ -1212,7 +1212,7 @@ def _bench_model(name: str, todo: list[tuple[int, int]], args, trace: dict, bw: 
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
             log(f"  out of GPU memory: {str(e).splitlines()[0][:200]}")
-            res = {**c.res, "skipped": "out of GPU memory while timing"}
+            res = {**c.res, "skipped": "out of GPU memory while timing", "skip_reason": "memory"}
         reason = phase_check(res)
         if reason:
             log(f"  not a valid measurement: {reason}")

@@ -43,6 +43,7 @@ MODEL_NAMES = {"llama3-8b": "Llama-3-8B", "llama2-7b": "Llama-2-7B", "llama2-13b
 AR_METHODS = ("w16a16", "w4a16", "w4a8", "w4a4")
 KERNEL_M = 16  # the row count of the kernels table (tokens per matmul at batch 16, one token each)
 KERNEL_MODEL = "llama3-8b"  # the model whose shapes the table shows (kernels.md has every model)
+SKIP_REASONS = {"memory": "more memory than the card has"}  # a skipped configuration's ``skip_reason``, in words
 
 
 def model_name(key: str) -> str:
@@ -196,8 +197,7 @@ def _left_out(run: dict) -> list[str]:
     why: dict[tuple[str, int, str], list[int]] = {}
     for r in run.get("results", []):
         if r.get("skipped"):
-            reason = "more memory than the card has" if "more than" in str(r["skipped"]) \
-                else str(r["skipped"])
+            reason = SKIP_REASONS.get(r.get("skip_reason"), str(r["skipped"]))
         elif r.get("disturbed"):
             reason = "its timing was disturbed (a round came out shorter than its phases timed alone)"
         else:

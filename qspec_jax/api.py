@@ -41,10 +41,22 @@ class Model:
 
     checkpoint: Checkpoint
     tokenizer: Any
+    # the params with each draft head asked for, by (rows, bits): built once (an INT4 head is quantized on the host)
+    _with_heads: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def config(self):
         return self.checkpoint.config
+
+    def params_with_draft_head(self, rows: int | None, bits: int) -> dict[str, Any]:
+        """The params plus a draft head of the ranking's first ``rows`` tokens (None: the whole head) at
+        ``bits`` (:func:`qspec_jax.model.with_draft_head`), built on the first call and kept."""
+        key = (None if rows is None else int(rows), int(bits))
+        if key not in self._with_heads:
+            ck = self.checkpoint
+            self._with_heads[key] = with_draft_head(ck.params, ck.config, None if rows is None else ck.draft_vocab,
+                                                    key[0], key[1])
+        return self._with_heads[key]
 
 
 def load(path: str | Path) -> Model:
@@ -321,10 +333,7 @@ def _generation(model: Model, prompts, chunk_rounds: int | None, *,
     head = draft_head is not None or draft_head_bits != 16  # the drafts read a copy of the head
     rt = Runtime(cfg, eos_ids, not sampling.greedy, dtype, model.checkpoint.online_rotation_seed, execution,
                  draft_kv=draft_kv, draft_window=window, draft_head=head, logprobs=return_logprobs)
-    params = model.checkpoint.params
-    if head:
-        params = with_draft_head(params, cfg, None if draft_head is None else model.checkpoint.draft_vocab,
-                                 None if draft_head is None else int(draft_head), draft_head_bits)
+    params = model.params_with_draft_head(draft_head, draft_head_bits) if head else model.checkpoint.params
     if ar is not None:
         decoder = Decoder(rt, ar)
     elif gamma == "auto":

@@ -206,7 +206,8 @@ def test_decode_bench_out_of_memory_skips_the_configuration(tmp_path, monkeypatc
     common = [*SMOKE, *_trace(tmp_path)]
     decode.main([*common, "--batches", "2,3", "--out", str(tmp_path / "a")])
     res = json.loads((tmp_path / "a" / "decode.json").read_text())["results"]
-    assert [(r["batch"], r.get("skipped")) for r in res] == [(2, "out of GPU memory while timing"), (3, None)]
+    assert [(r["batch"], r.get("skipped"), r.get("skip_reason")) for r in res] == [
+        (2, "out of GPU memory while timing", "memory"), (3, None, None)]
     assert "batch 2," not in (tmp_path / "a" / "decode.md").read_text()
     monkeypatch.setattr(decode, "run_config", lambda *a, **k: (_ for _ in ()).throw(
         jax.errors.JaxRuntimeError("INTERNAL: something else")))
