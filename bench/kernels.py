@@ -65,6 +65,7 @@ import numpy as np
 from bench.args import command_line, git_commit, int_list, positive_int, positive_seconds, read_json
 from bench.shapes import MODELS as SHAPES, linear_shapes
 from pallas_kernels import gpu_matmul as gm
+from pallas_kernels import mgpu_matmul
 from pallas_kernels import reference as ref
 from pallas_kernels.layout import QuantizedWeight, dequantize
 from pallas_kernels.precision import W4A4, parse_precision
@@ -74,8 +75,8 @@ from pallas_kernels.precision import W4A4, parse_precision
 DEFAULT_MODELS = ("llama3-8b", "llama2-7b", "llama2-13b")
 MODELS = {name: linear_shapes(cfg) for name, cfg in SHAPES.items() if name != "smoke"}
 MS = (1, 4, 8, 16, 32, 64, 128, 256)
-KINDS = ("w4a16", "w4a4", "xla_bf16", "xla_int4")
-WEIGHT_OF = {"w4a16": "packed", "w4a4": "packed", "xla_bf16": "bf16", "xla_int4": "int4"}
+KINDS = ("w4a16", "w4a4", "xla_bf16", "xla_int4", "mosaic_w4a16")
+WEIGHT_OF = {"w4a16": "packed", "w4a4": "packed", "xla_bf16": "bf16", "xla_int4": "int4", "mosaic_w4a16": "int4_kn"}
 _L3 = SHAPES["llama3-8b"]
 ATTN = {"heads": (_L3.num_heads, _L3.num_kv_heads, _L3.head_dim), "batches": (8, 16, 32, 64),
         "contexts": (1024, 2048, 4096, 8192), "ts": (1, 4), "shadow_bits": (8, 4)}
@@ -350,6 +351,7 @@ MATMULS = {
     "w4a4": lambda x, w: gm.w4ax_matmul(x, w, 4, **KW),
     "xla_bf16": _dot_t,
     "xla_int4": xla_int4_matmul,
+    "mosaic_w4a16": lambda x, w: mgpu_matmul.w4a16_int4_matmul(x, *w),
 }
 
 
@@ -365,7 +367,8 @@ def _weight(family: str, n: int, k: int, seed: int) -> Any:
         return jax.random.normal(key, (n, k), jnp.bfloat16)
     k1, k2 = jax.random.split(key)
     codes = jax.random.randint(k1, (n, k), -8, 8, jnp.int8).astype(jnp.int4)
-    return codes, jax.random.uniform(k2, (n, k // GROUP), jnp.float32, 0.002, 0.02).astype(jnp.bfloat16)
+    scales = jax.random.uniform(k2, (n, k // GROUP), jnp.float32, 0.002, 0.02).astype(jnp.bfloat16)
+    return codes, (scales.T if family == "int4_kn" else scales)  # int4_kn: the Mosaic kernel's [K / GROUP, N]
 
 
 def _matmul_jobs(n: int, k: int, ms: tuple[int, ...]) -> dict[tuple[int, str], Job]:
@@ -380,7 +383,7 @@ def _matmul_jobs(n: int, k: int, ms: tuple[int, ...]) -> dict[tuple[int, str], J
         for kind in KINDS:
             ws = weights[WEIGHT_OF[kind]]
             sets = [(xs[i], ws[i % len(ws)]) for i in range(calls)]
-            jobs[m, kind] = Job(MATMULS[kind], sets, pallas=kind.startswith("w4"))
+            jobs[m, kind] = Job(MATMULS[kind], sets, pallas=kind.startswith(("w4", "mosaic")))
     return jobs
 
 
@@ -582,22 +585,28 @@ def without_prep(e: dict, kind: str) -> dict:
     return {"us": e["us"] - sum(kernels[name] for name in prep)}
 
 
+def _entry(row: dict, kind: str) -> dict:
+    """A table row's entry for ``kind`` (rows recorded before a kind was added have none)."""
+    return row.get(kind, {"error": "not measured"})
+
+
 def _model_table(rows: list[dict]) -> list[str]:
-    lines = ["| shape (N×K) | M | W4A16 µs | W4A4 µs | XLA bf16 µs | XLA int4 µs | W4A16 %BW | "
-             "W4A4 %BW | XLA bf16 %BW | XLA int4 %BW | W4A16 vs XLA bf16 | W4A16 vs XLA int4 | "
-             "W4A4 vs W4A16 | W4A4 vs W4A16, input prep excluded |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape (N×K) | M | W4A16 µs | W4A4 µs | XLA bf16 µs | XLA int4 µs | Mosaic W4A16 µs | W4A16 %BW | "
+             "W4A4 %BW | XLA bf16 %BW | XLA int4 %BW | Mosaic W4A16 %BW | W4A16 vs XLA bf16 | W4A16 vs XLA int4 | "
+             "W4A4 vs W4A16 | W4A4 vs W4A16, input prep excluded | Mosaic W4A16 vs W4A16 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     notes: dict[str, list[str]] = {}
     for r in rows:
         lines.append(f"| {r['shape']} {r['N']}×{r['K']} | {r['M']} | "
-                     + " | ".join(_us(r[kind]) for kind in KINDS) + " | "
-                     + " | ".join(_pct(r[kind]) for kind in KINDS) + " | "
+                     + " | ".join(_us(_entry(r, kind)) for kind in KINDS) + " | "
+                     + " | ".join(_pct(_entry(r, kind)) for kind in KINDS) + " | "
                      + f"{_ratio(r['xla_bf16'], r['w4a16'])} | {_ratio(r['xla_int4'], r['w4a16'])} | "
                      + f"{_ratio(r['w4a16'], r['w4a4'])} | "
-                     + f"{_ratio(without_prep(r['w4a16'], 'w4a16'), without_prep(r['w4a4'], 'w4a4'))} |")
+                     + f"{_ratio(without_prep(r['w4a16'], 'w4a16'), without_prep(r['w4a4'], 'w4a4'))} | "
+                     + f"{_ratio(r['w4a16'], _entry(r, 'mosaic_w4a16'))} |")
         for kind in KINDS:
-            if "error" in r[kind]:
-                notes.setdefault(f"{kind} {r['shape']}: {r[kind]['error']}", []).append(str(r["M"]))
+            if "error" in _entry(r, kind):
+                notes.setdefault(f"{kind} {r['shape']}: {_entry(r, kind)['error']}", []).append(str(r["M"]))
     notes_md = [f"- n/a: {note} (M = {', '.join(ms)})" for note, ms in notes.items()]
     int4_kernels = sorted({name for r in rows for name in r["xla_int4"].get("kernels", {})})
     if int4_kernels:

@@ -172,6 +172,30 @@ def test_row_count_invariance(rng, kind, n, k, group, symmetric):
         np.testing.assert_array_equal(np.asarray(call(x[:m])), alone[:m], err_msg=f"M={m}")
 
 
+@pytest.mark.parametrize("n,k,group", [(256, 512, 128), (384, 1024, 256), (1024, 4096, 4096)])
+def test_mosaic_w4a16_against_float64_and_row_count_invariant(rng, n, k, group):
+    """The Mosaic W4A16 kernel: within float32 accumulation error of float64 numpy over the same
+    bfloat16 weights ``bf16(q * s)``, and every row of an M-row call bitwise the row computed alone."""
+    from pallas_kernels import mgpu_matmul
+
+    if "H100" not in jax.devices()[0].device_kind and "H200" not in jax.devices()[0].device_kind:
+        pytest.skip("the Mosaic kernel is for Hopper")
+    q = rng.integers(-8, 8, (n, k))
+    s = (0.002 + 0.02 * rng.random((k // group, n))).astype(np.float32)
+    s = np.asarray(jnp.asarray(s, jnp.bfloat16).astype(jnp.float32))
+    w = np.asarray(jnp.asarray(q * np.repeat(s, group, axis=0).T, jnp.float32).astype(jnp.bfloat16), np.float64)
+    codes, scales = jnp.asarray(q, jnp.int8).astype(jnp.int4), jnp.asarray(s, jnp.bfloat16)
+    fn = lambda a: mgpu_matmul.w4a16_int4_matmul(a, codes, scales)  # noqa: E731
+    x = _x(rng, max(INVARIANCE_MS), k, jnp.bfloat16)
+    x64 = np.asarray(x, np.float64)
+    alone = _rows_alone(fn, x)
+    for m, call in zip(INVARIANCE_MS, _compile_all(fn, [(x[:m],) for m in INVARIANCE_MS]), strict=True):
+        got = np.asarray(call(x[:m]))
+        np.testing.assert_array_equal(got, alone[:m], err_msg=f"M={m}")
+        bound = 1e-5 * (np.abs(x64[:m]) @ np.abs(w).T) + 1e-30
+        assert np.all(np.abs(got - x64[:m] @ w.T) <= bound), f"M={m}"
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("heads,kv,d", [(9, 3, 64), (32, 8, 128), (16, 16, 64), (40, 40, 128)])
 def test_attention_kernel(rng, dtype, heads, kv, d):

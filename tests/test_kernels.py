@@ -908,3 +908,23 @@ def test_lowers_for_gpu_without_deprecation_warning():
                            "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**__import__("os").environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"})
     assert proc.returncode == 0 and "lowered" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_mosaic_w4a16_refuses_operands_it_cannot_take():
+    """The Mosaic W4A16 kernel names what is wrong with its operands before anything is lowered."""
+    from pallas_kernels import mgpu_matmul
+
+    x, codes = jnp.zeros((4, 256), jnp.bfloat16), jnp.zeros((128, 256), jnp.int4)
+    scales = jnp.zeros((2, 128), jnp.bfloat16)
+    bad = [((x, codes.astype(jnp.int8), scales), "codes must be int4"),
+           ((x, codes, scales.astype(jnp.float16)), "scales bfloat16"),
+           ((x[:, :128], codes, scales), "do not form"),
+           ((x, codes, jnp.zeros((2, 64), jnp.bfloat16)), "do not form"),
+           ((x, codes, jnp.zeros((4, 128), jnp.bfloat16)), "group size must be a multiple of 128"),
+           ((x, jnp.zeros((64, 256), jnp.int4), jnp.zeros((2, 64), jnp.bfloat16)), "N of 128"),
+           ((jnp.zeros((0, 256), jnp.bfloat16), codes, scales), "1 to 256 tokens"),
+           ((jnp.zeros((257, 256), jnp.bfloat16), codes, scales), "1 to 256 tokens"),
+           ((x[0], codes, scales), "2-D")]
+    for args, match in bad:
+        with pytest.raises(ValueError, match=match):
+            mgpu_matmul.w4a16_int4_matmul(*args)
