@@ -76,7 +76,7 @@ DEFAULT_MODELS = ("llama3-8b", "llama2-7b", "llama2-13b")
 MODELS = {name: linear_shapes(cfg) for name, cfg in SHAPES.items() if name != "smoke"}
 MS = (1, 4, 8, 16, 32, 64, 128, 256)
 KINDS = ("w4a16", "w4a4", "xla_bf16", "xla_int4", "mosaic_w4a16")
-WEIGHT_OF = {"w4a16": "packed", "w4a4": "packed", "xla_bf16": "bf16", "xla_int4": "int4", "mosaic_w4a16": "int4_kn"}
+WEIGHT_OF = {"w4a16": "packed", "w4a4": "packed", "xla_bf16": "bf16", "xla_int4": "int4", "mosaic_w4a16": "int4_tiles"}
 _L3 = SHAPES["llama3-8b"]
 ATTN = {"heads": (_L3.num_heads, _L3.num_kv_heads, _L3.head_dim), "batches": (8, 16, 32, 64),
         "contexts": (1024, 2048, 4096, 8192), "ts": (1, 4), "shadow_bits": (8, 4)}
@@ -368,7 +368,12 @@ def _weight(family: str, n: int, k: int, seed: int) -> Any:
     k1, k2 = jax.random.split(key)
     codes = jax.random.randint(k1, (n, k), -8, 8, jnp.int8).astype(jnp.int4)
     scales = jax.random.uniform(k2, (n, k // GROUP), jnp.float32, 0.002, 0.02).astype(jnp.bfloat16)
-    return codes, (scales.T if family == "int4_kn" else scales)  # int4_kn: the Mosaic kernel's [K / GROUP, N]
+    if family == "int4_tiles":  # the Mosaic kernel's operands; a shape without tiles stays as it is (refused)
+        try:
+            return mgpu_matmul.tile_codes(codes), scales.T
+        except ValueError:
+            return codes, scales.T
+    return codes, scales
 
 
 def _matmul_jobs(n: int, k: int, ms: tuple[int, ...]) -> dict[tuple[int, str], Job]:

@@ -7,8 +7,10 @@ stages with TMA. Each weight is ``bf16(q * s)`` (one rounding, as :func:`pallas_
 accumulated in float32 over K tiles of :data:`BLOCK_K` in order; the K splits are added left to
 right, so a token's result does not depend on the other tokens of the call.
 
-Its operands are not the packed layout's (:mod:`pallas_kernels.layout`): ``jnp.int4`` codes ``[N, K]``
-(two per byte, K in order) and bfloat16 scales ``[K // group, N]``; the model does not call it yet.
+Its operands are not the packed layout's (:mod:`pallas_kernels.layout`): ``jnp.int4`` codes in tiles
+``[N / 128, K / 128, 128, 128]`` (:func:`tile_codes`: each stage's weight tile one contiguous 8 KiB
+block, which TMA streams faster than 64-byte pieces of 128 rows) and bfloat16 scales ``[K // group, N]``;
+the model does not call it yet.
 """
 
 from __future__ import annotations
@@ -55,20 +57,33 @@ def default_split(n: int, k: int, sms: int) -> int:
     return next(s for s in range(1, steps + 1) if steps % s == 0 and (tiles * s >= sms or s == steps))
 
 
+def tile_codes(codes: jax.Array) -> jax.Array:
+    """int4 codes ``[N, K]`` as the kernel's tiles ``[N / 128, K / 128, 128, 128]``."""
+    n, k = codes.shape
+    rows = COMPUTE_WGS * BLOCK_N
+    if n % rows or k % BLOCK_K:
+        raise ValueError(f"codes [N, K] need N a multiple of {rows} and K of {BLOCK_K}, got {codes.shape}")
+    return codes.reshape(n // rows, rows, k // BLOCK_K, BLOCK_K).transpose(0, 2, 1, 3)
+
+
 def check_operands(x: jax.Array, codes: jax.Array, scales: jax.Array) -> None:
     """Shapes and dtypes the kernel takes, with the reason for a refusal."""
-    if x.ndim != 2 or codes.ndim != 2 or scales.ndim != 2:
-        raise ValueError(f"x, codes and scales must be 2-D, got {x.shape}, {codes.shape}, {scales.shape}")
-    (m, k), (n, kc) = x.shape, codes.shape
+    if x.ndim != 2 or codes.ndim != 4 or scales.ndim != 2:
+        raise ValueError(f"x and scales must be 2-D and codes tiled (tile_codes), got {x.shape}, {codes.shape}, "
+                         f"{scales.shape}")
+    rows = COMPUTE_WGS * BLOCK_N
+    if codes.shape[2:] != (rows, BLOCK_K):
+        raise ValueError(f"codes must be tiles [N / {rows}, K / {BLOCK_K}, {rows}, {BLOCK_K}] (tile_codes), "
+                         f"got {codes.shape}")
+    (m, k), n, kc = x.shape, codes.shape[0] * rows, codes.shape[1] * BLOCK_K
     if codes.dtype != jnp.int4 or scales.dtype != jnp.bfloat16 or not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"codes must be int4, scales bfloat16 and x float, got {codes.dtype}, {scales.dtype}, "
                          f"{x.dtype}")
     if kc != k or scales.shape[1] != n or not scales.shape[0] or k % scales.shape[0]:
         raise ValueError(f"x {x.shape}, codes {codes.shape} and scales {scales.shape} do not form "
                          "[M, K] @ [N, K].T with scales [K // group, N]")
-    if (k // scales.shape[0]) % BLOCK_K or n % (COMPUTE_WGS * BLOCK_N):
-        raise ValueError(f"the group size must be a multiple of {BLOCK_K} and N of {COMPUTE_WGS * BLOCK_N}, "
-                         f"got group {k // scales.shape[0]} and N {n}")
+    if (k // scales.shape[0]) % BLOCK_K:
+        raise ValueError(f"the group size must be a multiple of {BLOCK_K}, got {k // scales.shape[0]}")
     if not 1 <= m <= MAX_TOKENS:
         raise ValueError(f"1 to {MAX_TOKENS} tokens per call, got {m}")
 
@@ -76,11 +91,12 @@ def check_operands(x: jax.Array, codes: jax.Array, scales: jax.Array) -> None:
 @functools.partial(jax.jit, static_argnames=("split_k", "stages"))
 def w4a16_int4_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array, *, split_k: int | None = None,
                       stages: int | None = None) -> jax.Array:
-    """``x[M, K] @ W.T`` in float32 with ``W[n, k] = bf16(codes[n, k] * scales[k // group, n])``.
+    """``x[M, K] @ W.T`` in float32 with ``W[n, k] = bf16(q[n, k] * scales[k // group, n])``, ``codes`` the
+    int4 ``q`` as :func:`tile_codes` arranges them.
     ``split_k`` (a divisor of K / BLOCK_K; default :func:`default_split`, which M does not change) sets
     the order of the partial sums; ``stages`` changes only timing."""
     check_operands(x, codes, scales)
-    (m, k), n = x.shape, codes.shape[0]
+    (m, k), n = x.shape, scales.shape[1]
     g = k // scales.shape[0]
     bm = token_tile(m)
     x = jnp.pad(x.astype(jnp.bfloat16), ((0, bm - m), (0, 0)))
@@ -130,7 +146,7 @@ def w4a16_int4_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array, *, spli
                 kk = part * steps + j
                 ks = pl.ds(kk * BLOCK_K, BLOCK_K)
                 plgpu.copy_gmem_to_smem(x_gmem.at[:, ks], x_smem.at[st], loaded.at[st])
-                plgpu.copy_gmem_to_smem(w_gmem.at[pl.ds(tile * rows, rows), ks], w_smem.at[st], loaded.at[st])
+                plgpu.copy_gmem_to_smem(w_gmem.at[tile, kk], w_smem.at[st], loaded.at[st])
                 plgpu.copy_gmem_to_smem(s_gmem.at[kk * BLOCK_K // g, pl.ds(tile * rows, rows)], s_smem.at[st],
                                         loaded.at[st])
 

@@ -184,7 +184,8 @@ def test_mosaic_w4a16_against_float64_and_row_count_invariant(rng, n, k, group):
     s = (0.002 + 0.02 * rng.random((k // group, n))).astype(np.float32)
     s = np.asarray(jnp.asarray(s, jnp.bfloat16).astype(jnp.float32))
     w = np.asarray(jnp.asarray(q * np.repeat(s, group, axis=0).T, jnp.float32).astype(jnp.bfloat16), np.float64)
-    codes, scales = jnp.asarray(q, jnp.int8).astype(jnp.int4), jnp.asarray(s, jnp.bfloat16)
+    codes = mgpu_matmul.tile_codes(jnp.asarray(q, jnp.int8).astype(jnp.int4))
+    scales = jnp.asarray(s, jnp.bfloat16)
     fn = lambda a: mgpu_matmul.w4a16_int4_matmul(a, codes, scales)  # noqa: E731
     x = _x(rng, max(INVARIANCE_MS), k, jnp.bfloat16)
     x64 = np.asarray(x, np.float64)

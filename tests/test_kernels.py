@@ -911,17 +911,26 @@ def test_lowers_for_gpu_without_deprecation_warning():
 
 
 def test_mosaic_w4a16_refuses_operands_it_cannot_take():
-    """The Mosaic W4A16 kernel names what is wrong with its operands before anything is lowered."""
+    """The Mosaic W4A16 kernel names what is wrong with its operands before anything is lowered, and
+    its tiles hold code (n, k) at [n // 128, k // 128, n % 128, k % 128]."""
     from pallas_kernels import mgpu_matmul
 
-    x, codes = jnp.zeros((4, 256), jnp.bfloat16), jnp.zeros((128, 256), jnp.int4)
+    q = np.random.default_rng().integers(-8, 8, (256, 384))
+    t = np.asarray(mgpu_matmul.tile_codes(jnp.asarray(q, jnp.int8).astype(jnp.int4)).astype(jnp.int8))
+    n, k = np.meshgrid(np.arange(256), np.arange(384), indexing="ij")
+    np.testing.assert_array_equal(t[n // 128, k // 128, n % 128, k % 128], q)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        mgpu_matmul.tile_codes(jnp.zeros((64, 256), jnp.int4))
+    x = jnp.zeros((4, 256), jnp.bfloat16)
+    codes = mgpu_matmul.tile_codes(jnp.zeros((128, 256), jnp.int4))
     scales = jnp.zeros((2, 128), jnp.bfloat16)
     bad = [((x, codes.astype(jnp.int8), scales), "codes must be int4"),
            ((x, codes, scales.astype(jnp.float16)), "scales bfloat16"),
            ((x[:, :128], codes, scales), "do not form"),
            ((x, codes, jnp.zeros((2, 64), jnp.bfloat16)), "do not form"),
            ((x, codes, jnp.zeros((4, 128), jnp.bfloat16)), "group size must be a multiple of 128"),
-           ((x, jnp.zeros((64, 256), jnp.int4), jnp.zeros((2, 64), jnp.bfloat16)), "N of 128"),
+           ((x, jnp.zeros((128, 256), jnp.int4), scales), "tiled"),
+           ((x, jnp.zeros((1, 2, 64, 128), jnp.int4), scales), "must be tiles"),
            ((jnp.zeros((0, 256), jnp.bfloat16), codes, scales), "1 to 256 tokens"),
            ((jnp.zeros((257, 256), jnp.bfloat16), codes, scales), "1 to 256 tokens"),
            ((x[0], codes, scales), "2-D")]
