@@ -24,7 +24,10 @@ line(s) that made it and the copy bandwidth each measured. Prints a short summar
 * ``table``: for each model of ``--models``, its layer shapes (fused qkv, o, fused gate/up, down,
   lm_head) x M in ``--ms``: the W4A16 kernel, the W4A4 kernel (activation quantization included),
   XLA's bf16 ``dot`` on dense bf16 weights, and XLA on ``jnp.int4`` weights with bf16 scales
-  (symmetric, group 128) dequantized inside the jit, for XLA to fuse as it can. Input bf16
+  (symmetric, group 128) dequantized inside the jit, for XLA to fuse as it can; the Mosaic W4A16
+  kernel (``pallas_kernels.mgpu_matmul``) on the same codes in its tiles; tokamax's quantized
+  ``ragged_dot`` with one group (a dense matmul; its Mosaic GPU kernel) on a qwix ``QArray`` of
+  those codes and scales, where tokamax is installed (n/a otherwise). Input bf16
   ``[M, K]``, output f32 ``[M, N]``. GB/s on the bytes each call must move: its weights (+ scales)
   + activations + output. A configuration that does not lower or compile (a shape a kernel
   rejects) is recorded as n/a with the reason.
@@ -75,8 +78,9 @@ from pallas_kernels.precision import W4A4, parse_precision
 DEFAULT_MODELS = ("llama3-8b", "llama2-7b", "llama2-13b")
 MODELS = {name: linear_shapes(cfg) for name, cfg in SHAPES.items() if name != "smoke"}
 MS = (1, 4, 8, 16, 32, 64, 128, 256)
-KINDS = ("w4a16", "w4a4", "xla_bf16", "xla_int4", "mosaic_w4a16")
-WEIGHT_OF = {"w4a16": "packed", "w4a4": "packed", "xla_bf16": "bf16", "xla_int4": "int4", "mosaic_w4a16": "int4_tiles"}
+KINDS = ("w4a16", "w4a4", "xla_bf16", "xla_int4", "mosaic_w4a16", "tokamax_int4")
+WEIGHT_OF = {"w4a16": "packed", "w4a4": "packed", "xla_bf16": "bf16", "xla_int4": "int4",
+             "mosaic_w4a16": "int4_tiles", "tokamax_int4": "qarray"}
 _L3 = SHAPES["llama3-8b"]
 ATTN = {"heads": (_L3.num_heads, _L3.num_kv_heads, _L3.head_dim), "batches": (8, 16, 32, 64),
         "contexts": (1024, 2048, 4096, 8192), "ts": (1, 4), "shadow_bits": (8, 4)}
@@ -346,12 +350,22 @@ def xla_int4_matmul(x: jax.Array, w: tuple[jax.Array, jax.Array]) -> jax.Array:
     return _dot_t(x, wd)
 
 
+def tokamax_int4_matmul(x: jax.Array, w: Any) -> jax.Array:
+    """tokamax's ``ragged_dot`` of ``x`` with one group of INT4 weights (a qwix ``QArray`` ``[1, K, N]``,
+    scales ``[1, K / GROUP, N]``), its Mosaic GPU implementation, float32 out."""
+    import tokamax
+
+    return tokamax.ragged_dot(x, w, jnp.array([x.shape[0]], jnp.int32), preferred_element_type=jnp.float32,
+                              implementation="mosaic_gpu")
+
+
 MATMULS = {
     "w4a16": lambda x, w: gm.w4a16_matmul(x, w, **KW),
     "w4a4": lambda x, w: gm.w4ax_matmul(x, w, 4, **KW),
     "xla_bf16": _dot_t,
     "xla_int4": xla_int4_matmul,
     "mosaic_w4a16": lambda x, w: mgpu_matmul.w4a16_int4_matmul(x, *w),
+    "tokamax_int4": tokamax_int4_matmul,
 }
 
 
@@ -368,6 +382,12 @@ def _weight(family: str, n: int, k: int, seed: int) -> Any:
     k1, k2 = jax.random.split(key)
     codes = jax.random.randint(k1, (n, k), -8, 8, jnp.int8).astype(jnp.int4)
     scales = jax.random.uniform(k2, (n, k // GROUP), jnp.float32, 0.002, 0.02).astype(jnp.bfloat16)
+    if family == "qarray":  # tokamax's operand (no qwix: the codes as they are, refused by the call)
+        try:
+            from qwix import QArray
+        except ImportError:
+            return codes, scales
+        return QArray(codes.T[None], scales.T[None], qtype=jnp.int4)
     if family == "int4_tiles":  # the Mosaic kernel's operands; a shape without tiles stays as it is (refused)
         try:
             return mgpu_matmul.tile_codes(codes), scales.T
@@ -596,10 +616,12 @@ def _entry(row: dict, kind: str) -> dict:
 
 
 def _model_table(rows: list[dict]) -> list[str]:
-    lines = ["| shape (N×K) | M | W4A16 µs | W4A4 µs | XLA bf16 µs | XLA int4 µs | Mosaic W4A16 µs | W4A16 %BW | "
-             "W4A4 %BW | XLA bf16 %BW | XLA int4 %BW | Mosaic W4A16 %BW | W4A16 vs XLA bf16 | W4A16 vs XLA int4 | "
-             "W4A4 vs W4A16 | W4A4 vs W4A16, input prep excluded | Mosaic W4A16 vs W4A16 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    names = {"w4a16": "W4A16", "w4a4": "W4A4", "xla_bf16": "XLA bf16", "xla_int4": "XLA int4",
+             "mosaic_w4a16": "Mosaic W4A16", "tokamax_int4": "tokamax int4"}
+    head = ([f"{names[kind]} µs" for kind in KINDS] + [f"{names[kind]} %BW" for kind in KINDS]
+            + ["W4A16 vs XLA bf16", "W4A16 vs XLA int4", "W4A4 vs W4A16", "W4A4 vs W4A16, input prep excluded",
+               "Mosaic W4A16 vs W4A16", "tokamax int4 vs W4A16"])
+    lines = ["| shape (N×K) | M | " + " | ".join(head) + " |", "|---|---|" + "---|" * len(head)]
     notes: dict[str, list[str]] = {}
     for r in rows:
         lines.append(f"| {r['shape']} {r['N']}×{r['K']} | {r['M']} | "
@@ -608,7 +630,8 @@ def _model_table(rows: list[dict]) -> list[str]:
                      + f"{_ratio(r['xla_bf16'], r['w4a16'])} | {_ratio(r['xla_int4'], r['w4a16'])} | "
                      + f"{_ratio(r['w4a16'], r['w4a4'])} | "
                      + f"{_ratio(without_prep(r['w4a16'], 'w4a16'), without_prep(r['w4a4'], 'w4a4'))} | "
-                     + f"{_ratio(r['w4a16'], _entry(r, 'mosaic_w4a16'))} |")
+                     + f"{_ratio(r['w4a16'], _entry(r, 'mosaic_w4a16'))} | "
+                     + f"{_ratio(r['w4a16'], _entry(r, 'tokamax_int4'))} |")
         for kind in KINDS:
             if "error" in _entry(r, kind):
                 notes.setdefault(f"{kind} {r['shape']}: {_entry(r, kind)['error']}", []).append(str(r["M"]))

@@ -71,8 +71,8 @@ def test_input_prep_excluded_ratio_leaves_out_only_the_prep_kernels():
         e["pct_copy"] = 1.0
     cells = kernels._model_table([row])[2].split(" | ")
     expect = (t["_w4a16_kernel"] + t["loop_add_fusion"]) / (t["_w4ax_kernel"] + t["loop_multiply_fusion"])
-    # the prep-excluded ratio, then the Mosaic kernel's (not in this row: no ratio)
-    assert cells[-2:] == [f"{expect:.2f}×", "n/a |"]
+    # the prep-excluded ratio, then the Mosaic kernel's and tokamax's (not in this row: no ratio)
+    assert cells[-3:] == [f"{expect:.2f}×", "n/a", "n/a |"]
     # host wall timing has no per-kernel breakdown: no ratio rather than a wrong one
     assert "error" in kernels.without_prep({"us": 3.0, "timing": "host wall", "kernels": {}}, "w4a4")
 
