@@ -27,7 +27,7 @@ line(s) that made it and the copy bandwidth each measured. Prints a short summar
   (symmetric, group 128) dequantized inside the jit, for XLA to fuse as it can; the Mosaic W4A16
   kernel (``pallas_kernels.mgpu_matmul``) on the same codes in its tiles; tokamax's quantized
   ``ragged_dot`` with one group (a dense matmul; its Mosaic GPU kernel) on a qwix ``QArray`` of
-  those codes and scales, where tokamax is installed (n/a otherwise). Input bf16
+  those codes and scales, where tokamax is installed (n/a otherwise; bf16 out). Input bf16
   ``[M, K]``, output f32 ``[M, N]``. GB/s on the bytes each call must move: its weights (+ scales)
   + activations + output. A configuration that does not lower or compile (a shape a kernel
   rejects) is recorded as n/a with the reason.
@@ -352,10 +352,11 @@ def xla_int4_matmul(x: jax.Array, w: tuple[jax.Array, jax.Array]) -> jax.Array:
 
 def tokamax_int4_matmul(x: jax.Array, w: Any) -> jax.Array:
     """tokamax's ``ragged_dot`` of ``x`` with one group of INT4 weights (a qwix ``QArray`` ``[1, K, N]``,
-    scales ``[1, K / GROUP, N]``), its Mosaic GPU implementation, float32 out."""
+    scales ``[1, K / GROUP, N]``), its Mosaic GPU implementation; bfloat16 out (its Hopper INT4 kernel
+    refuses float32 out: an output tile of 64 columns must span one 128-byte swizzle)."""
     import tokamax
 
-    return tokamax.ragged_dot(x, w, jnp.array([x.shape[0]], jnp.int32), preferred_element_type=jnp.float32,
+    return tokamax.ragged_dot(x, w, jnp.array([x.shape[0]], jnp.int32), preferred_element_type=jnp.bfloat16,
                               implementation="mosaic_gpu")
 
 
@@ -413,7 +414,7 @@ def _matmul_jobs(n: int, k: int, ms: tuple[int, ...]) -> dict[tuple[int, str], J
 
 
 def _matmul_bytes(kind: str, m: int, n: int, k: int) -> int:
-    return _weight_bytes(WEIGHT_OF[kind], n, k) + m * k * 2 + m * n * 4
+    return _weight_bytes(WEIGHT_OF[kind], n, k) + m * k * 2 + m * n * (2 if kind == "tokamax_int4" else 4)
 
 
 def matmul_table(res: dict, run_id: int, models: list[str], ms: tuple[int, ...], tmp: Path,
