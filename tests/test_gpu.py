@@ -13,6 +13,8 @@ Run on the device: ``PYTHONPATH=. python3 -m pytest -q -s tests/test_gpu.py`` (w
   RMSNorm kernel; the SwiGLU and attention-merge prologues against float64 and row-count invariant;
 * row-count invariance, bitwise: every row of an M-row call equals the same row computed alone, for
   M = 1..256 (matmuls, RMSNorm) and 1..8 queries per sequence (attention);
+* the Mosaic W4A16 kernel (Hopper) within float32 accumulation error of float64 numpy, and row-count
+  invariant;
 * the whole decode-time forward: a verify pass over several tokens gives bitwise the logits and KV
   of one-token steps (float32 and bfloat16), and greedy QSPEC equals greedy W4A16;
 * SmolLM2: greedy ``generate`` on the GPU with the kernels (``qspec`` identical to ``w4a16``) against
