@@ -1,4 +1,4 @@
-"""A W4A16 matmul as a Mosaic GPU kernel for Hopper, over signed INT4 codes in natural K order.
+"""A W4A16 matmul as a Mosaic GPU kernel for Hopper, over signed INT4 codes in 128 x 128 tiles.
 
 The weights sit on the wgmma's M side (64 rows per compute warpgroup, two per block) and the call's
 tokens on its N side (8 to 256), so each weight tile is dequantized once for every token of the call;
