@@ -81,6 +81,7 @@ MS = (1, 4, 8, 16, 32, 64, 128, 256)
 KINDS = ("w4a16", "w4a4", "xla_bf16", "xla_int4", "mosaic_w4a16", "tokamax_int4")
 WEIGHT_OF = {"w4a16": "packed", "w4a4": "packed", "xla_bf16": "bf16", "xla_int4": "int4",
              "mosaic_w4a16": "int4_tiles", "tokamax_int4": "qarray"}
+OUT_BYTES = {"tokamax_int4": 2}  # bytes per output element where a kind does not write float32
 _L3 = SHAPES["llama3-8b"]
 ATTN = {"heads": (_L3.num_heads, _L3.num_kv_heads, _L3.head_dim), "batches": (8, 16, 32, 64),
         "contexts": (1024, 2048, 4096, 8192), "ts": (1, 4), "shadow_bits": (8, 4)}
@@ -414,7 +415,7 @@ def _matmul_jobs(n: int, k: int, ms: tuple[int, ...]) -> dict[tuple[int, str], J
 
 
 def _matmul_bytes(kind: str, m: int, n: int, k: int) -> int:
-    return _weight_bytes(WEIGHT_OF[kind], n, k) + m * k * 2 + m * n * (2 if kind == "tokamax_int4" else 4)
+    return _weight_bytes(WEIGHT_OF[kind], n, k) + m * k * 2 + m * n * OUT_BYTES.get(kind, 4)
 
 
 def matmul_table(res: dict, run_id: int, models: list[str], ms: tuple[int, ...], tmp: Path,
