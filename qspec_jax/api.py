@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import time
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -230,20 +231,18 @@ def stream_generate(model: Model, prompts, *, chunk_rounds: int = 8, **options: 
     ``chunk_rounds`` rounds of the compiled loop (a traced bound: no recompilation per chunk); the
     last update's ``result`` is :func:`generate`'s result. A sequence whose text reaches a ``stop``
     string stops decoding there; text that could begin a stop string is held back until it cannot."""
-    yield from _generation(model, prompts, chunk_rounds, **options)
+    try:  # generate's defaults, and its TypeError for an unknown or missing option
+        bound = inspect.signature(generate).bind(model, prompts, **options)
+    except TypeError as e:
+        raise TypeError(f"stream_generate: {e}") from None
+    bound.apply_defaults()
+    yield from _generation(model, prompts, chunk_rounds, **{k: v for k, v in bound.arguments.items()
+                                                              if k not in ("model", "prompts")})
 
 
-def _generation(model: Model, prompts, chunk_rounds: int | None, *,
-             max_new_tokens: int | Sequence[int], method: str = "qspec", draft: str | None = None,
-             gamma: int | str | None = None,
-             draft_kv: int | None = None, draft_window: int | None = None, draft_sinks: int = DEFAULT_SINKS,
-             draft_head: int | None = None, draft_head_bits: int = 16,
-             temperature: float | Sequence[float] = 0.0, top_k: int | Sequence[int | None] | None = None,
-             top_p: float | Sequence[float | None] | None = None, seed: int = 0,
-             eos_token_id: int | Sequence[int] | None = None, stop: str | Sequence[str] | None = None,
-             chat: bool = False, system: str | None = None, return_logprobs: bool = False,
-             max_len: int | None = None,
-             dtype: Any = None, kernels: str = "auto") -> Iterator[StreamUpdate]:
+def _generation(model: Model, prompts, chunk_rounds: int | None, *, max_new_tokens, method, draft, gamma, draft_kv,
+                draft_window, draft_sinks, draft_head, draft_head_bits, temperature, top_k, top_p, seed, eos_token_id,
+                stop, chat, system, return_logprobs, max_len, dtype, kernels) -> Iterator[StreamUpdate]:
     """:func:`generate` as updates: the loop runs ``chunk_rounds`` rounds at a time (None: to the end)
     and each chunk's new tokens and text are yielded; the last update carries the result."""
     if chunk_rounds is not None and (not is_integer(chunk_rounds) or chunk_rounds < 1):

@@ -986,6 +986,10 @@ def test_stream_generate_yields_generate_s_tokens(tiny_model, rng, method, gamma
         assert counts[1] <= max(1, longest - 1)
     with pytest.raises(ValueError, match="chunk_rounds"):
         next(stream_generate(tiny_model, prompts, chunk_rounds=0, **kw))
+    with pytest.raises(TypeError, match="stream_generate.*gama"):  # generate's options only, by name
+        next(stream_generate(tiny_model, prompts, gama=3, **kw))
+    with pytest.raises(TypeError, match="max_new_tokens"):
+        next(stream_generate(tiny_model, prompts, method=method))
 
 
 def test_stream_generate_text_and_stop_strings(smol):
