@@ -268,9 +268,10 @@ def copy_bandwidth(run: dict, tmp: Path, threads: int) -> None:
         f"{job.kernels})")
 
 
-def check(res: dict, rng: np.random.Generator) -> None:
+def check(res: dict, run_id: int, rng: np.random.Generator) -> None:
     """The kernels against the references on this device (see the module docstring)."""
     out = res["check"] = []
+    res["check_run"] = run_id
     res.pop("check_ok", None)  # a run whose check stops early says nothing, not a resumed file's verdict
     ref_mm = jax.jit(ref.quantized_matmul, static_argnames="precision")
     j16 = jax.jit(lambda a, w: gm.w4a16_matmul(a, w, **KW))
@@ -782,6 +783,20 @@ def _args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def prune_runs(res: dict) -> None:
+    """Drop the earlier runs that no table row or check refers to any more (a resumed file's rows all
+    measured again), renumbering the references to the runs kept; the last run stays (its errors)."""
+    rows = [*res["table"].values(), *res["attn"].values()]
+    check = {res.get("check_run", 0)} if "check" in res else set()  # files before check_run: the first run's
+    used = sorted({r["run"] for r in rows} | check | {len(res["runs"]) - 1})
+    new = {old: i for i, old in enumerate(used)}
+    res["runs"] = [res["runs"][i] for i in used]
+    for r in rows:
+        r["run"] = new[r["run"]]
+    if "check_run" in res:
+        res["check_run"] = new[res["check_run"]]
+
+
 def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     args = _args(argv)
@@ -806,7 +821,7 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(tmp_dir)
         if {"attn", "table"} & set(args.parts):
             copy_bandwidth(run, tmp, args.threads)
-        steps = {"check": lambda: check(res, np.random.default_rng(seed)),
+        steps = {"check": lambda: check(res, run_id, np.random.default_rng(seed)),
                  "attn": lambda: attention_table(res, run_id, tmp, args.threads, deadline, save),
                  "table": lambda: matmul_table(res, run_id, args.models, args.ms, tmp, args.threads,
                                                deadline, save)}
@@ -819,6 +834,8 @@ def main(argv: list[str] | None = None) -> int:
                 run.setdefault("errors", {})[name] = traceback.format_exc()[-3000:]
             log(f"[{name} took {time.time() - t:.0f}s]")
             save()
+    prune_runs(res)
+    save()
     (args.out / "kernels.md").write_text(markdown(res) + "\n")
     log(f"wrote {args.out / 'kernels.md'} and kernels.json ({time.time() - t0:.0f}s in all)")
     log("\n" + summary(res))

@@ -54,6 +54,20 @@ def test_a_check_that_stops_early_is_not_reported_passed(tmp_path, monkeypatch):
     assert "PASSED" not in (tmp_path / "new" / "kernels.md").read_text()
 
 
+def test_prune_runs_keeps_the_runs_rows_refer_to():
+    """A resumed file whose rows were all measured again keeps neither the runs nor the numbering of
+    the runs it no longer shows; the last run (this one) stays even with nothing measured."""
+    rng = np.random.default_rng()
+    n = int(rng.integers(4, 8))
+    runs = [{"command": f"run {i}"} for i in range(n)]
+    keep = sorted(rng.choice(n - 1, 2, replace=False).tolist())
+    res = {"runs": runs, "table": {"a": {"run": keep[0]}, "b": {"run": keep[1]}}, "attn": {"c": {"run": keep[1]}},
+           "check": [], "check_run": keep[1]}
+    kernels.prune_runs(res)
+    assert [r["command"] for r in res["runs"]] == [f"run {keep[0]}", f"run {keep[1]}", f"run {n - 1}"]
+    assert (res["table"]["a"]["run"], res["table"]["b"]["run"], res["attn"]["c"]["run"], res["check_run"]) == (0, 1, 1, 1)
+
+
 def test_input_prep_excluded_ratio_leaves_out_only_the_prep_kernels():
     rng = np.random.default_rng()
     t = {name: float(rng.uniform(0.5, 50)) for name in
