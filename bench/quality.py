@@ -203,7 +203,8 @@ def write_report(path: Path, results: dict, float_ppl: float, args: argparse.Nam
     for name, r in results.items():
         if "learned" in r:
             rec = r["learned"]
-            lines += ["", f"Learned R1 (in `{name}`): {rec['steps']} steps of SGD with momentum on the normalized gradient (lr {rec['lr']}, cosine decay) on "
+            what = "R1 and the per-layer value-head R2" if rec.get("head_rotations") else "R1"
+            lines += ["", f"Learned {what} (in `{name}`): {rec['steps']} steps of SGD with momentum on the normalized gradient (lr {rec['lr']}, cosine decay) on "
                       f"{rec['n_samples']} x {rec['seq_len']} calibration tokens, {rec['batch']} sequences a step, "
                       f"seed {rec['seed']}, {rec['seconds']:.0f} s; training loss KL(W16A16 || W4A4) + "
                       f"KL(W16A16 || W4A16), mean over runs of steps: {loss_curve(rec['loss'])}."]

@@ -21,6 +21,7 @@ from qspec_jax.decode import FINISH_REASONS, MAX_GAMMA, STOP, Runtime, buffer_le
 from qspec_jax.kernels import Execution
 from qspec_jax.model import DRAFT_HEAD_BITS, with_draft_head
 from qspec_jax.gamma import cost_model
+from qspec_jax import sharding
 from qspec_jax.sampling import Sampling, check_token_ids, is_integer, per_row
 
 AR_PRECISIONS = (W4A16, W4A8, W4A4, W16A16)  # the autoregressive methods
@@ -42,22 +43,30 @@ class Model:
 
     checkpoint: Checkpoint
     tokenizer: Any
-    # the params with each draft head asked for, by (rows, bits): built once (an INT4 head is quantized on the host)
-    _with_heads: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
+    # the params of each (draft head, tensor-parallel degree) asked for: built once (an INT4 head is quantized on
+    # the host, shards laid out and placed)
+    _built: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def config(self):
         return self.checkpoint.config
 
-    def params_with_draft_head(self, rows: int | None, bits: int) -> dict[str, Any]:
-        """The params plus a draft head of the ranking's first ``rows`` tokens (None: the whole head) at
-        ``bits`` (:func:`qspec_jax.model.with_draft_head`), built on the first call and kept."""
-        key = (None if rows is None else int(rows), int(bits))
-        if key not in self._with_heads:
+    def decode_params(self, draft_head: tuple[int | None, int] | None = None, tensor_parallel: int = 1) -> dict[str, Any]:
+        """The params a decode reads: with ``draft_head = (rows, bits)`` plus a draft head of the ranking's
+        first ``rows`` tokens (None: the whole head) at ``bits`` (:func:`qspec_jax.model.with_draft_head`);
+        for ``tensor_parallel`` > 1 laid out and placed on the devices (:func:`qspec_jax.sharding.shard_params`).
+        Built on the first call and kept."""
+        head = None if draft_head is None else (None if draft_head[0] is None else int(draft_head[0]), int(draft_head[1]))
+        key = (head, int(tensor_parallel))
+        if key not in self._built:
             ck = self.checkpoint
-            self._with_heads[key] = with_draft_head(ck.params, ck.config, None if rows is None else ck.draft_vocab,
-                                                    key[0], key[1])
-        return self._with_heads[key]
+            params = ck.params
+            if head is not None:
+                params = with_draft_head(params, ck.config, None if head[0] is None else ck.draft_vocab, *head)
+            if tensor_parallel > 1:
+                params = sharding.shard_params(params, ck.config, tensor_parallel)
+            self._built[key] = params
+        return self._built[key]
 
 
 def load(path: str | Path) -> Model:
@@ -182,7 +191,7 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
              top_p: float | Sequence[float | None] | None = None, seed: int = 0,
              eos_token_id: int | Sequence[int] | None = None, stop: str | Sequence[str] | None = None,
              chat: bool = False, system: str | None = None, return_logprobs: bool = False,
-             max_len: int | None = None,
+             max_len: int | None = None, tensor_parallel: int = 1,
              dtype: Any = None, kernels: str = "auto") -> GenerationResult:
     """Generate continuations of ``prompts`` (strings or token-id sequences) with ``method``.
 
@@ -199,7 +208,9 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
     lm_head rows; the verifier keeps the full head. ``draft_head_bits`` 4 (``qspec`` only): that copy
     (or, without ``draft_head``, a copy of the whole head) is INT4, a quarter of the float head's bytes.
     Prefill runs in W4A16 (W16A16 for ``w16a16``). ``max_len`` bounds prompt + new tokens (at most,
-    and by default, the model's ``max_position_embeddings``).
+    and by default, the model's ``max_position_embeddings``). ``tensor_parallel``: split the heads, MLP
+    features, lm_head and KV cache over that many devices (:mod:`qspec_jax.sharding`; each forward sums
+    o's and down's results over them, the same way in every method).
     ``eos_token_id``: the token(s) that end a sequence, by default the tokenizer's EOS and the config's
     (all of them, where it lists several); ``-1`` never stops on a token.
     ``temperature`` 0 decodes greedily; above 0 tokens are sampled (key from ``seed``), ``top_k`` /
@@ -242,7 +253,7 @@ def stream_generate(model: Model, prompts, *, chunk_rounds: int = 8, **options: 
 
 def _generation(model: Model, prompts, chunk_rounds: int | None, *, max_new_tokens, method, draft, gamma, draft_kv,
                 draft_window, draft_sinks, draft_head, draft_head_bits, temperature, top_k, top_p, seed, eos_token_id,
-                stop, chat, system, return_logprobs, max_len, dtype, kernels) -> Iterator[StreamUpdate]:
+                stop, chat, system, return_logprobs, max_len, tensor_parallel, dtype, kernels) -> Iterator[StreamUpdate]:
     """:func:`generate` as updates: the loop runs ``chunk_rounds`` rounds at a time (None: to the end)
     and each chunk's new tokens and text are yielded; the last update carries the result."""
     if chunk_rounds is not None and (not is_integer(chunk_rounds) or chunk_rounds < 1):
@@ -282,6 +293,7 @@ def _generation(model: Model, prompts, chunk_rounds: int | None, *, max_new_toke
         known = False
     if not known:
         raise ValueError(f"dtype must be one of {[d.name for d in COMPUTE_DTYPES]}, got {dtype!r}")
+    sharding.check(model.config, tensor_parallel, model.checkpoint.online_rotation_seed, model.checkpoint.params)
     if (ar is None or ar.quantized) and not model.checkpoint.quantized:
         raise ValueError(f"method {method!r} needs a quantized checkpoint; this one holds float weights")
     if kernels == "pallas" and jax.default_backend() != "gpu":  # (lowering for CUDA from a CPU host stays possible)
@@ -332,13 +344,15 @@ def _generation(model: Model, prompts, chunk_rounds: int | None, *, max_new_toke
     head = draft_head is not None or draft_head_bits != 16  # the drafts read a copy of the head
     rt = Runtime(cfg, eos_ids, not sampling.greedy, dtype, model.checkpoint.online_rotation_seed, execution,
                  draft_kv=draft_kv, draft_window=window, draft_head=head, logprobs=return_logprobs)
-    params = model.params_with_draft_head(draft_head, draft_head_bits) if head else model.checkpoint.params
+    params = model.decode_params((draft_head, draft_head_bits) if head else None, tensor_parallel)
     if ar is not None:
-        decoder = Decoder(rt, ar)
+        decoder = Decoder(rt, ar, tensor_parallel=tensor_parallel)
     elif gamma == "auto":
-        decoder = Decoder(rt, None, draft, None, cost_model(params, cfg, dtype, draft_kv, window))
+        costs = cost_model(model.decode_params((draft_head, draft_head_bits) if head else None), cfg, dtype,
+                           draft_kv, window)
+        decoder = Decoder(rt, None, draft, None, costs, tensor_parallel)
     else:
-        decoder = Decoder(rt, None, draft, int(gamma))
+        decoder = Decoder(rt, None, draft, int(gamma), tensor_parallel=tensor_parallel)
     room = -(-max_new_tokens // NEW_TOKENS_MULTIPLE) * NEW_TOKENS_MULTIPLE
     start = time.perf_counter()
     state = init_state(decoder, jnp.asarray(tokens), jnp.asarray(lengths), seed_key(int(seed)),

@@ -24,6 +24,7 @@ from qspec_jax.decode import (MAX_GAMMA, DecodeState, Runtime, ar_loop, buffer_l
                               init_state as _init_state, prefill as _prefill)
 from qspec_jax.gamma import CostModel
 from qspec_jax.qspec import qspec_auto_loop, qspec_loop
+from qspec_jax import sharding
 from qspec_jax.sampling import Sampling
 
 __all__ = ["AUTO_GAMMA_MAX", "DecodeState", "Decoder", "Runtime", "buffer_length", "cache_slots", "decode",
@@ -36,13 +37,16 @@ AUTO_GAMMA_MAX = 4  # gamma=None (auto) picks each round's gamma in 0..AUTO_GAMM
 class Decoder:
     """How to decode (hashable: the static part of the compiled functions). ``method``: an
     autoregressive precision, or None for QSPEC with ``draft`` drafts, ``gamma`` per round (None: chosen
-    each round from ``costs``, :mod:`qspec_jax.gamma`, in ``0..AUTO_GAMMA_MAX``)."""
+    each round from ``costs``, :mod:`qspec_jax.gamma`, in ``0..AUTO_GAMMA_MAX``). ``tensor_parallel``:
+    shards over the first that many devices (:mod:`qspec_jax.sharding`; params from
+    :func:`~qspec_jax.sharding.shard_params`)."""
 
     runtime: Runtime
     method: Precision | None = None
     draft: Precision = W4A8
     gamma: int | None = None
     costs: CostModel | None = None
+    tensor_parallel: int = 1
 
     def __post_init__(self):
         if self.method is None:
@@ -51,6 +55,7 @@ class Decoder:
                                  "(qspec_jax.gamma.cost_model) or an integer gamma")
             if self.gamma is not None and not 1 <= self.gamma <= MAX_GAMMA:
                 raise ValueError(f"gamma must be in [1, {MAX_GAMMA}] or None, got {self.gamma!r}")
+        sharding.check(self.runtime.config, self.tensor_parallel, self.runtime.online_rotation_seed)
 
 
 def init_state(decoder: Decoder, prompts: jax.Array, prompt_lengths: jax.Array, key: jax.Array, *,
@@ -67,12 +72,22 @@ def init_state(decoder: Decoder, prompts: jax.Array, prompt_lengths: jax.Array, 
 def prefill(params, decoder: Decoder, state: DecodeState) -> DecodeState:
     """The prompts through the model (W4A16; W16A16 for that method), the KV cache filled and each
     sequence's first token committed."""
-    return _prefill(params, state, decoder.runtime, W16A16 if decoder.method == W16A16 else W4A16)
+    precision = W16A16 if decoder.method == W16A16 else W4A16
+    if decoder.tensor_parallel > 1:
+        rt = sharding.local_runtime(decoder.runtime, decoder.tensor_parallel)
+        return sharding.run_sharded(lambda p, s: _prefill(p, s, rt, precision), decoder.tensor_parallel, params, state)
+    return _prefill(params, state, decoder.runtime, precision)
 
 
 def decode(params, decoder: Decoder, state: DecodeState, rounds: jax.Array | None = None) -> DecodeState:
     """Rounds (QSPEC) or steps (autoregressive) until every sequence is done, or at most ``rounds``
     (traced int32) of them: one ``lax.while_loop``. A state it returns can be decoded further."""
+    tp = decoder.tensor_parallel
+    if tp > 1:
+        one = dataclasses.replace(decoder, runtime=sharding.local_runtime(decoder.runtime, tp), tensor_parallel=1)
+        if rounds is None:
+            return sharding.run_sharded(lambda p, s: decode(p, one, s), tp, params, state)
+        return sharding.run_sharded(lambda p, s, r: decode(p, one, s, r), tp, params, state, rounds)
     rt = decoder.runtime
     if decoder.method is not None:
         return ar_loop(params, state, rounds, rt, decoder.method)

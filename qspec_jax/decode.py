@@ -52,8 +52,8 @@ class DecodeState:
     drafted: jax.Array        # int32[B] draft tokens proposed
     accepted: jax.Array       # int32[B] draft tokens accepted and committed
     # float32[B, L]: the log-probability of each committed token under the logits that chose it (the
-    # verifier's for QSPEC); [B, 0] unless Runtime.logprobs
-    logprobs: jax.Array
+    # verifier's for QSPEC); None unless Runtime.logprobs
+    logprobs: jax.Array | None
     prompt_width: int = dataclasses.field(metadata=dict(static=True))  # tokens[:, :prompt_width]: the prefill's input
 
     @property
@@ -77,6 +77,7 @@ class Runtime:
     draft_window: AttentionWindow | None = None  # QSPEC's drafts attend over sinks + a sliding window only
     draft_head: bool = False  # QSPEC's drafts read the params' draft head (model.with_draft_head), not the lm_head
     logprobs: bool = False  # record each committed token's log-probability (DecodeState.logprobs)
+    tp_axis: str | None = None  # forwards run as one shard of this mesh axis (config: the shard's; qspec_jax.sharding)
 
     def run(self, params, tokens, positions, cache, precision: Precision, execution: Execution | None = None,
             draft: bool = False):
@@ -88,7 +89,7 @@ class Runtime:
                                 online_rotation_seed=self.online_rotation_seed,
                                 execution=self.execution if execution is None else execution,
                                 read_shadow=read_shadow, window=self.draft_window if draft else None,
-                                draft_head=draft and self.draft_head)
+                                draft_head=draft and self.draft_head, tp_axis=self.tp_axis)
         return logits, cache if read_shadow else sync_shadow(cache, positions)
 
 
@@ -109,7 +110,8 @@ def commit(state: DecodeState, cand: jax.Array, n_new: jax.Array, rt: Runtime,
     j = jnp.arange(w)[None, :]
     generated = state.lengths - state.prompt_lengths
     room = jnp.minimum(n_new, state.budget - generated)
-    is_eos = jnp.isin(cand, jnp.asarray(rt.eos_ids, cand.dtype)) & (j < room[:, None])
+    is_eos = (jnp.isin(cand, jnp.asarray(rt.eos_ids, cand.dtype)) if rt.eos_ids else jnp.zeros(cand.shape, bool)
+              ) & (j < room[:, None])
     has_eos = jnp.any(is_eos, axis=-1)
     upto = jnp.where(has_eos, jnp.argmax(is_eos, axis=-1) + 1, room)
     count = jnp.where(state.done, 0, upto).astype(jnp.int32)
@@ -152,7 +154,7 @@ def init_state(rt: Runtime, prompts: jax.Array, prompt_lengths: jax.Array, key: 
             (sampling.temperature, jnp.float32), (sampling.top_k, jnp.int32), (sampling.top_p, jnp.float32)))),
         finish=zeros(), cache=init_cache(rt.config, b, cache_len, rt.dtype, rt.draft_kv), key=key,
         rounds=zeros(), drafted=zeros(), accepted=zeros(),
-        logprobs=jnp.zeros((b, buffer_len if rt.logprobs else 0), jnp.float32), prompt_width=p)
+        logprobs=jnp.zeros((b, buffer_len), jnp.float32) if rt.logprobs else None, prompt_width=p)
 
 
 def prefill(params, state: DecodeState, rt: Runtime, precision: Precision) -> DecodeState:

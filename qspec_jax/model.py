@@ -147,13 +147,15 @@ def _param(module: nn.Module, name: str, init, *init_args) -> Any:
 class Linear(nn.Module):
     """``y = x @ W.T (+ b)`` over a float or packed-INT4 weight ``[features, in]`` in ``precision``;
     ``parts``: the float32 result as a :class:`~qspec_jax.kernels.SplitSum` instead, for a consumer
-    kernel that adds and rounds it itself."""
+    kernel that adds and rounds it itself; ``reduce_axis``: ``W`` is this shard's slice of the input
+    features, the float32 results summed over that mesh axis before the rounding."""
 
     features: int
     precision: Precision
     execution: Execution = Execution()
     use_bias: bool = False
     parts: bool = False
+    reduce_axis: str | None = None
 
     @nn.compact
     def __call__(self, x) -> jax.Array | SplitSum:
@@ -162,7 +164,10 @@ class Linear(nn.Module):
             if self.use_bias:
                 raise ValueError("a layer with a bias cannot hand out its partial sums")
             return linear(x, w, self.precision, self.execution, parts=True)
-        y = linear(x, w, self.precision, self.execution, jnp.float32 if self.use_bias else x.dtype)
+        y = linear(x, w, self.precision, self.execution,
+                   jnp.float32 if self.use_bias or self.reduce_axis else x.dtype)
+        if self.reduce_axis is not None:
+            y = jax.lax.psum(y, self.reduce_axis)
         if self.use_bias:
             y = y + unstack(_param(self, "b", nn.initializers.zeros, (self.features,))).astype(jnp.float32)
         return y.astype(x.dtype)
@@ -187,6 +192,7 @@ class _Block(nn.Module):
     precision: Precision
     execution: Execution = Execution()
     online_rotation_seed: int | None = None
+    tp_axis: str | None = None  # the mesh axis the heads and MLP features are split over (config: one shard's)
 
 
 class Attention(_Block):
@@ -230,7 +236,7 @@ class Attention(_Block):
         if self.online_rotation_seed is not None:  # per head: [.., hq*d] -> [.., hq, d] rows
             per_head = lambda r: apply_transform(r.reshape(r.shape[0], hq, d), self.online_rotation_seed)  # noqa: E731
             out = map_row_tiles(lambda r: per_head(r).reshape(r.shape), materialize(out), ex.row_tile)
-        out = Linear(c.hidden_size, self.precision, ex, name="o")(out)
+        out = Linear(c.hidden_size, self.precision, ex, reduce_axis=self.tp_axis, name="o")(out)
         return out, cache
 
 
@@ -282,7 +288,7 @@ class MLP(_Block):
         h = swiglu(gate_up, ex)
         if self.online_rotation_seed is not None:
             h = map_row_tiles(lambda r: apply_transform(r, self.online_rotation_seed), materialize(h), ex.row_tile)
-        return Linear(self.config.hidden_size, self.precision, ex, name="down")(h)
+        return Linear(self.config.hidden_size, self.precision, ex, reduce_axis=self.tp_axis, name="down")(h)
 
 
 class DecoderLayer(_Block):
@@ -293,11 +299,11 @@ class DecoderLayer(_Block):
 
     @nn.compact
     def __call__(self, x, cache: KVCache | None, positions, rope: tuple[jax.Array, jax.Array]):
-        c, p, ex, seed = self.config, self.precision, self.execution, self.online_rotation_seed
-        h, cache = Attention(c, p, ex, seed, self.read_shadow, self.window, name="attn")(
+        c, p, ex, seed, tp = self.config, self.precision, self.execution, self.online_rotation_seed, self.tp_axis
+        h, cache = Attention(c, p, ex, seed, tp, self.read_shadow, self.window, name="attn")(
             RMSNorm(c.rms_norm_eps, ex, name="attn_norm")(x), positions, rope, cache)
         x = x + h
-        x = x + MLP(c, p, ex, seed, name="mlp")(RMSNorm(c.rms_norm_eps, ex, name="mlp_norm")(x))
+        x = x + MLP(c, p, ex, seed, tp, name="mlp")(RMSNorm(c.rms_norm_eps, ex, name="mlp_norm")(x))
         return x, cache
 
 
@@ -310,7 +316,9 @@ class Llama(nn.Module):
     the Pallas kernels. ``read_shadow``: attend over the cache's quantized shadow and write only it
     (QSPEC's drafts); ``window``: attend only over each query's sliding window of the cache (drafts);
     ``draft_head``: logits from the params' ``draft_head`` rows only (:func:`with_draft_head`), the
-    other tokens' ``-inf``.
+    other tokens' ``-inf``. ``tp_axis``: run as one shard of a tensor-parallel mesh axis
+    (:mod:`qspec_jax.sharding`): ``config`` is that shard's, its ``lm_head`` a slice of the (padded)
+    vocabulary whose logits are gathered over the axis.
     """
 
     config: LlamaConfig
@@ -321,6 +329,7 @@ class Llama(nn.Module):
     read_shadow: bool = False
     window: reference.AttentionWindow | None = None
     draft_head: bool = False
+    tp_axis: str | None = None
 
     def setup(self):
         if not isinstance(self.precision, Precision):
@@ -332,8 +341,8 @@ class Llama(nn.Module):
         embed = self.param("embed", _dense_init, (c.vocab_size, c.hidden_size))
         x = jnp.take(embed, tokens, axis=0).astype(self.dtype)
         rope = rope_tables(positions, rope_frequencies(c), self.dtype)
-        layer = DecoderLayer(c, self.precision, self.execution, self.online_rotation_seed, self.read_shadow,
-                             self.window, parent=None)
+        layer = DecoderLayer(c, self.precision, self.execution, self.online_rotation_seed, self.tp_axis,
+                             self.read_shadow, self.window, parent=None)
 
         def init_layers(rng):
             init_one = lambda key: layer.init(key, x, None, positions, rope)["params"]  # noqa: E731
@@ -365,6 +374,10 @@ class Llama(nn.Module):
                       else linear(x, w.astype(self.dtype), W16A16, self.execution))
             every = jnp.full((*logits.shape[:-1], c.vocab_size), -jnp.inf, logits.dtype)
             return every.at[..., rows["ids"]].set(logits), cache
+        if self.tp_axis is not None:  # this shard's rows of the padded vocabulary; the logits gathered in order
+            head = self.get_variable("params", "lm_head")
+            logits = linear(x, head.astype(self.dtype), W16A16, self.execution)
+            return jax.lax.all_gather(logits, self.tp_axis, axis=logits.ndim - 1, tiled=True)[..., :c.vocab_size], cache
         head = embed if c.tie_word_embeddings else self.param(
             "lm_head", _dense_init, (c.vocab_size, c.hidden_size))
         return linear(x, head.astype(self.dtype), W16A16, self.execution), cache
@@ -446,14 +459,15 @@ def forward(params: dict[str, Any], config: LlamaConfig, tokens: jax.Array, posi
             cache: KVCache | None = None, *, precision: Precision, execution: Execution | None = None,
             dtype: Any = jnp.float32, online_rotation_seed: int | None = None, read_shadow: bool = False,
             window: reference.AttentionWindow | None = None, draft_head: bool = False,
-            ) -> tuple[jax.Array, KVCache | None]:
+            tp_axis: str | None = None) -> tuple[jax.Array, KVCache | None]:
     """Apply the model to a params pytree: ``(float32 logits [B, T, V], updated cache)``.
-    ``execution`` None: :meth:`Execution.prefill` (no row tile, the kernels switch on ``"auto"``)."""
+    ``execution`` None: :meth:`Execution.prefill` (no row tile, the kernels switch on ``"auto"``);
+    ``tp_axis``: as one shard of that mesh axis (inside ``shard_map``, :mod:`qspec_jax.sharding`)."""
     _check_inputs(config, tokens, positions)
     if draft_head and "draft_head" not in params:
         raise ValueError("draft_head needs params with a 'draft_head' entry (with_draft_head)")
     execution = Execution.prefill() if execution is None else execution
-    model = Llama(config, precision, dtype, online_rotation_seed, execution, read_shadow, window, draft_head)
+    model = Llama(config, precision, dtype, online_rotation_seed, execution, read_shadow, window, draft_head, tp_axis)
     return model.apply({"params": params}, tokens, positions, cache)
 
 
