@@ -105,7 +105,7 @@ def cmd_generate(args) -> None:
         kw = dict(max_new_tokens=args.max_new_tokens, method=args.method, **qspec_only, temperature=args.temperature,
                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=args.chat, system=args.system,
                   stop=args.stop, eos_token_id=args.eos, max_len=args.max_len, dtype=args.dtype,
-                  return_logprobs=args.logprobs)
+                  return_logprobs=args.logprobs, tensor_parallel=args.tensor_parallel)
         # one prompt in text mode: its text is printed as rounds commit it
         live = not args.no_stream and not args.json and len(batch) == 1
         res = generate(model, batch, **kw) if args.no_stream else _streamed(model, batch, kw, live)
@@ -220,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="activations and KV cache (none: bfloat16 on a GPU, float32 elsewhere)")
     g.add_argument("--logprobs", action="store_true", help="with --json: each token's log-probability")
+    g.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="split the model over the first N devices (heads, MLP features, vocabulary, KV cache)")
     g.add_argument("--no-stream", action="store_true",
                    help="print each batch once it is done (without it, a single prompt's text is printed as "
                         "it is generated, and on a terminal stderr shows the tokens/s as it goes)")

@@ -42,7 +42,7 @@ def test_generate_flags_reach_generate(monkeypatch, capsys, rng):
     # gamma and draft unset: generate()'s own defaults apply
     assert kw == dict(max_new_tokens=96, method="qspec", draft_kv=8, temperature=0.5, top_k=3, top_p=None, seed=seed,
                       chat=True, system=None, stop=None, eos_token_id=None, max_len=None, dtype=None,
-                      return_logprobs=False)
+                      return_logprobs=False, tensor_parallel=1)
     out, err = capsys.readouterr()
     assert out.endswith("\nan answer\n") and "[finish: eos]" in err and "tok/s" in err  # stats on stderr
     assert cli.main(["generate", "--prompt", "hi", "--gamma", "5", "--draft", "w4a4"]) == 0
@@ -64,7 +64,8 @@ def test_generate_flags_reach_generate(monkeypatch, capsys, rng):
 
 @pytest.mark.parametrize("flags,message", [(["--top-k", "5"], "temperature=0"), (["--gamma", "0"], "gamma"),
                                            (["--seed", str(2**70)], "seed"),
-                                           (["--max-new-tokens", "-1"], "max_new_tokens")])
+                                           (["--max-new-tokens", "-1"], "max_new_tokens"),
+                                           (["--tensor-parallel", "0"], "tensor_parallel must be an integer >= 1")])
 def test_generate_bad_input_exits_2(monkeypatch, capsys, rng, flags, message):
     params, cfg, _ = convert_model(random_source(TINY, rng), QuantScheme(16, False), None)
     monkeypatch.setattr(api, "load", lambda path: memory_model(params, cfg))

@@ -8,6 +8,7 @@ import numpy as np
 
 from convert.pipeline import convert_model
 from convert.quantize import QuantScheme
+from qspec_jax import sharding
 from qspec_jax.api import generate
 from qspec_jax.config import LlamaConfig
 from tests.conftest import random_source
@@ -22,6 +23,13 @@ DEGREES = (1, 2, 4)
 
 def test_four_devices():
     assert jax.device_count() == 4
+
+
+def test_groups_whole_in_each_shard_pass_the_check(rng):
+    """Groups of 64 split whole at TP 2 (o: 64 input features per shard, down: 128); at TP 4 the
+    module above refuses them."""
+    coarse, _, _ = convert_model(random_source(CFG, rng), QuantScheme(64, False), None)
+    sharding.check(CFG, 2, None, coarse)
 
 
 def test_tp_degrees_agree_and_qspec_equals_w4a16_at_each(rng):
