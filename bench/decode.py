@@ -35,8 +35,10 @@ best fixed gamma, and gamma = ``generate``'s default marked "default". QSPEC's a
 **replayed** from a per-round trace recorded on SmolLM2 (every draft step and verify still runs; random
 weights would accept nothing); ``smollm2`` (real few-shot GSM8K prompts, prefilled) uses its own. A trace
 recorded per context is replayed from the recorded context nearest to the configuration's (the section
-names it). A draft ``MODE[/kvBITS][/winSIZE[+SINKS]]`` reads an INT8 / INT4 shadow of the KV cache and / or
-attends over the first SINKS (default 64) and the last SIZE positions only.
+names it). A draft ``MODE[/kvBITS][/winSIZE[+SINKS]][/head[ROWS][q4]]`` reads an INT8 / INT4 shadow of the KV
+cache, attends over the first SINKS (default 64) and the last SIZE positions only, and / or computes its logits
+from a draft head: the lm_head's rows of the ROWS most frequent tokens (random weights: the first ROWS rows),
+``q4`` an INT4 copy of them (or of the whole head).
 
 QSPEC phases (a draft step, a verify of gamma + 1 tokens) are also timed alone: the speed-up model of
 docs/design.md §2, ``S = E[L] * T_w4a16 / (gamma * T_draft + T_verify + T_overhead)``, stands beside the
@@ -87,7 +89,7 @@ from qspec_jax.gamma import cost_model, expected_tokens  # noqa: E402
 from qspec_jax.kernels import KERNELS, Execution, resolve_kernels  # noqa: E402
 from qspec_jax.core import AUTO_GAMMA_MAX, Decoder, decode, init_state, prefill_jit  # noqa: E402
 from qspec_jax.decode import DecodeState, Runtime  # noqa: E402
-from qspec_jax.model import init_cache, sync_shadow  # noqa: E402
+from qspec_jax.model import init_cache, sync_shadow, with_draft_head  # noqa: E402
 
 GROUP = 128  # random weights: symmetric, group 128
 REAL_MODEL = "smollm2"  # the embedded model (or --checkpoint) with real prompts and real acceptance
@@ -148,6 +150,16 @@ def float_params(params: dict) -> dict:
     dots, which would copy a layer out of a stack first: :func:`bench.hooks.unstack_layers`)."""
     return unstack_layers(jax.tree.map(lambda a: dequantize(a, jnp.bfloat16) if isinstance(a, QuantizedWeight) else a,
                                        params, is_leaf=lambda a: isinstance(a, QuantizedWeight)))
+
+
+def lm_head_bytes(params: dict) -> int:
+    """Bytes of the lm_head (the embedding table where it is tied)."""
+    return int((params["lm_head"] if "lm_head" in params else params["embed"]).nbytes)
+
+
+def draft_head_bytes(params: dict) -> int:
+    """Bytes of the draft head's weights (an INT4 copy's codes, scales and minimums)."""
+    return int(sum(a.nbytes for a in jax.tree.leaves(params["draft_head"]["w"])))
 
 
 def weight_bytes(params: dict) -> int:
@@ -268,8 +280,15 @@ class DraftSpec:
         return self.head_rows is not None or self.head_bits != 16
 
     def runtime(self, rt: Runtime) -> Runtime:
-        """``rt`` with this draft's views of the cache."""
-        return dataclasses.replace(rt, draft_kv=self.kv, draft_window=self.window)
+        """``rt`` with this draft's views of the cache and its head."""
+        return dataclasses.replace(rt, draft_kv=self.kv, draft_window=self.window, draft_head=self.head)
+
+    def params(self, params: dict, cfg: LlamaConfig, ranking: np.ndarray | None) -> dict:
+        """``params`` with this draft's head (:func:`qspec_jax.model.with_draft_head` over ``ranking``'s first
+        rows), or as they are without one."""
+        if not self.head:
+            return params
+        return with_draft_head(params, cfg, None if self.head_rows is None else ranking, self.head_rows, self.head_bits)
 
 
 def parse_draft(spec: str, modes: tuple[str, ...] = DRAFTS) -> DraftSpec:
@@ -462,13 +481,16 @@ class Config:
     makes: dict  # KV shadow bits (None: none) -> () -> a fresh DecodeState
     jobs: dict
     ahead: int  # phase forwards start this many positions after the prompt
+    draft_params: dict  # draft spec -> the params its loop and draft steps read (a draft head added)
 
 
 def plan_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None, batch: int, context: int,
-                args, trace: dict | None, bw: float, model=None) -> Config:
+                args, trace: dict | None, bw: float, model=None, draft_params: dict | None = None) -> Config:
     """Every method's program at one (model, context, batch), not yet compiled. ``model`` (real
     weights): states prefilled from real prompts and QSPEC's own accept decisions (``trace`` None);
-    otherwise random states and the trace's accept decisions replayed."""
+    otherwise random states and the trace's accept decisions replayed. ``draft_params``: a draft's own
+    params (:meth:`DraftSpec.params`) where it reads a draft head."""
+    draft_params = {d: (draft_params or {}).get(d, params) for d in args.drafts}
     res: dict = {"model": name, "batch": batch, "context": context, "new": args.new, "methods": {},
                  "acceptance": "replayed" if model is None else "measured", "kernels": resolve_kernels(args.kernels)}
     gmax = max([*args.gammas, *([AUTO_GAMMA_MAX] if args.auto else [])])
@@ -509,26 +531,25 @@ def plan_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None,
     for draft in args.drafts:
         spec = parse_draft(draft)
         mode, bits = spec.mode, spec.kv
-        rt_d, state_d = spec.runtime(rt), jax.eval_shape(makes[bits])
-        jobs["fwd", mode, 1, bits, spec.window] = (forward_loop(rt_d, mode, args.phase_reps, draft=True),
-                                                   (params, carry(1, bits)))
+        rt_d, state_d, p_d = spec.runtime(rt), jax.eval_shape(makes[bits]), draft_params[draft]
+        jobs["draft", draft] = (forward_loop(rt_d, mode, args.phase_reps, draft=True), (p_d, carry(1, bits)))
         for g in args.gammas:
             replay = None if trace is None else jnp.asarray(draft_rounds(rows, draft)[str(g)], jnp.int32)
             jobs["qspec", draft, g] = (jax.jit(lambda q, s, g=g, p=parse_precision(mode), rt_d=rt_d, replay=replay: (
                 decode(q, Decoder(rt_d, None, p, g), s) if replay is None
-                else replay_loop(q, s, replay, rt=rt_d, gamma=g, draft=p)), donate_argnums=1), (params, state_d))
+                else replay_loop(q, s, replay, rt=rt_d, gamma=g, draft=p)), donate_argnums=1), (p_d, state_d))
             # the verify on the draft's state: with a shadow, its re-quantization (sync_shadow) included
             jobs["fwd", "w4a16", g + 1, bits, None] = (forward_loop(rt_d, "w4a16", args.phase_reps),
                                                         (params, carry(g + 1, bits)))
         if args.auto:
-            costs = cost_model(params, cfg, jnp.bfloat16, bits, spec.window)
+            costs = cost_model(p_d, cfg, jnp.bfloat16, bits, spec.window)
             replay = None if trace is None else jnp.asarray(auto_rounds(draft_rounds(rows, draft)), jnp.int32)
             jobs["qspec", draft, "auto"] = (jax.jit(lambda q, s, p=parse_precision(mode), rt_d=rt_d, replay=replay,
                                                     costs=costs: (
                 decode(q, Decoder(rt_d, None, p, None, costs), s) if replay is None
                 else replay_auto_loop(q, s, replay, rt=rt_d, gamma_max=AUTO_GAMMA_MAX, draft=p, costs=costs)),
-                donate_argnums=1), (params, state_d))
-    return Config(res, rt, makes, jobs, ahead)
+                donate_argnums=1), (p_d, state_d))
+    return Config(res, rt, makes, jobs, ahead, draft_params)
 
 
 def _ar_methods(args, fparams: dict | None) -> list[str]:
@@ -585,18 +606,19 @@ def run_config(c: Config, compiled: dict, params: dict, fparams: dict | None, ar
     flops = matmul_flops_per_token(c.rt.config)
 
     def phase_floor_ms(tokens: int, mma: str, kv_bits: int | None = None,
-                       window: AttentionWindow | None = None) -> float:
-        """The larger of the byte floor (the KV read from a ``kv_bits`` shadow: codes and a float32
-        scale per key / value vector; only a ``window``'s slots) and ``tokens`` tokens' matmul FLOPs
-        at the measured rate."""
+                       window: AttentionWindow | None = None, weights: float | None = None) -> float:
+        """The larger of the byte floor (``weights`` bytes, default the model's; the KV read from a
+        ``kv_bits`` shadow: codes and a float32 scale per key / value vector; only a ``window``'s slots)
+        and ``tokens`` tokens' matmul FLOPs at the measured rate."""
         kv = res["kv_read_bytes"] * (1 if kv_bits is None else kv_bits / 16 + 2 / c.rt.config.head_dim)
         if window is not None:
             kv *= min(1.0, (window.sinks + window.size) / res["phase_context"])
-        return max(1e3 * (res["weight_bytes"] + kv) / res["copy_bw"], 1e3 * tokens * flops / rates[mma])
+        weights = res["weight_bytes"] if weights is None else weights
+        return max(1e3 * (weights + kv) / res["copy_bw"], 1e3 * tokens * flops / rates[mma])
 
-    def forward_ms(mode: str, tokens: int, bits: int | None = None, window: AttentionWindow | None = None) -> float:
+    def forward_ms(key: tuple, tokens: int, bits: int | None = None, p: dict | None = None) -> float:
         carry = forward_carry(c.makes[bits](), tokens, ahead)
-        return time_forward(compiled["fwd", mode, tokens, bits, window], params, carry, args.phase_reps)
+        return time_forward(compiled[key], params if p is None else p, carry, args.phase_reps)
 
     for method in _ar_methods(args, fparams):
         # [0]: the loop's final state is dropped at once (held in a variable, a 70 GB cache would
@@ -608,26 +630,29 @@ def run_config(c: Config, compiled: dict, params: dict, fparams: dict | None, ar
         log(f"  {method}: {res['methods'][method]['ms_per_step']:.2f} ms/step, "
             f"{res['methods'][method]['tokens_per_s']:.0f} tok/s (floor {floor_ms:.2f} ms/step)")
     base = res["methods"].get("w4a16", {}).get("ms_per_step")
-    t_target = forward_ms("w4a16", 1) if ("fwd", "w4a16", 1, None, None) in compiled else None
+    target_key = ("fwd", "w4a16", 1, None, None)
+    t_target = forward_ms(target_key, 1) if target_key in compiled else None
     for draft in args.drafts:
         spec = parse_draft(draft)
-        mode, bits = spec.mode, spec.kv
-        t_draft = forward_ms(mode, 1, bits, spec.window)
+        mode, bits, p_d = spec.mode, spec.kv, c.draft_params[draft]
+        t_draft = forward_ms(("draft", draft), 1, bits, p_d)
+        # a draft head: its bytes read instead of the lm_head's
+        draft_weights = res["weight_bytes"] + (draft_head_bytes(p_d) - lm_head_bytes(params) if spec.head else 0)
         for g in args.gammas:
-            secs, out = time_loop(compiled["qspec", draft, g], params, c.makes[bits], args.new, args.reps)
+            secs, out = time_loop(compiled["qspec", draft, g], p_d, c.makes[bits], args.new, args.reps)
             # a sequence counts the rounds it ran in; the loop runs until its slowest sequence is done
             rounds = np.asarray(out.rounds)
             alpha = int(np.asarray(out.accepted).sum()) / max(int(np.asarray(out.drafted).sum()), 1)
             del out  # its cache: the forward timings below make states of their own
             iterations, tail = int(rounds.max()), float(rounds.max() / rounds.mean())
             t_round = 1e3 * secs / iterations
-            t_verify = forward_ms("w4a16", g + 1, bits)
+            t_verify = forward_ms(("fwd", "w4a16", g + 1, bits, None), g + 1, bits)
             overhead = t_round - g * t_draft - t_verify
             tpr = args.new / float(rounds.mean())
             entry = {"tokens_per_s": batch * args.new / secs, "ms_per_round": t_round, "tokens_per_round": tpr,
                      "iterations": iterations, "tail": tail, "alpha": alpha,
                      "draft_ms": t_draft, "verify_ms": t_verify, "overhead_ms": overhead,
-                     "draft_floor_ms": phase_floor_ms(batch, "int8", bits, spec.window),
+                     "draft_floor_ms": phase_floor_ms(batch, "int8", bits, spec.window, draft_weights),
                      "verify_floor_ms": phase_floor_ms(batch * (g + 1), "bf16"),
                      "memory_bytes": loop_memory_bytes(compiled["qspec", draft, g])}
             if base and t_target:
@@ -640,7 +665,7 @@ def run_config(c: Config, compiled: dict, params: dict, fparams: dict | None, ar
                 f"{overhead:.2f}), {tpr:.2f} tok/round, batch tail x{tail:.2f}, {entry['tokens_per_s']:.0f} tok/s, "
                 f"x{entry.get('speedup_vs_w4a16', float('nan')):.2f} vs w4a16 ({res['acceptance']} acceptance)")
         if args.auto:
-            res["methods"][f"qspec {draft} g=auto"] = entry = _time_auto(compiled["qspec", draft, "auto"], params,
+            res["methods"][f"qspec {draft} g=auto"] = entry = _time_auto(compiled["qspec", draft, "auto"], p_d,
                                                                           c.makes[bits], args, base)
             log(f"  qspec {draft} g=auto: mean gamma {entry['mean_gamma']:.2f}, {entry['tokens_per_round']:.2f} "
                 f"tok/round, {entry['tokens_per_s']:.0f} tok/s, "
@@ -723,7 +748,8 @@ def _record_drafts(model, ids: list[list[int]], args, table: dict, save: Callabl
         table[draft] = {}
         for g in args.gammas:
             t = time.perf_counter()
-            tr = acceptance_trace(model.checkpoint.params, states[spec.kv], rt=spec.runtime(rt), gamma=g,
+            params = model.decode_params((spec.head_rows, spec.head_bits) if spec.head else None)
+            tr = acceptance_trace(params, states[spec.kv], rt=spec.runtime(rt), gamma=g,
                                   draft=parse_precision(spec.mode))
             # each sequence's own rounds, cut to the shortest: no row of a finished sequence is replayed
             cols = [c[c >= 0] for c in tr.T]
@@ -982,12 +1008,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, set[str]]:
     args.drafts = [d for d in args.drafts.split(",") if d]
     for d in args.drafts:
         try:
-            spec = parse_draft(d)
+            parse_draft(d)
         except ValueError as e:
             ap.error(str(e))
-        if spec.head:
-            ap.error(f"--drafts {d}: draft heads are measured by bench.fidelity (acceptance); this benchmark "
-                     "does not time them")
     if args.trace_contexts and not args.record_trace:
         ap.error("--trace-contexts goes with --record-trace")
     args.ar = [m for m in args.ar.split(",") if m]
@@ -1189,6 +1212,9 @@ def _bench_model(name: str, todo: list[tuple[int, int]], args, trace: dict, bw: 
         not_run["w16a16"] = f"its bf16 weights do not fit the {limit / 1e9:.0f} GB"
         log(f"{name}: w16a16 not measured, {not_run['w16a16']}")
     fparams = float_params(params) if w16a16 else None
+    # random weights: a draft head of the first rows (the bytes are what matter); real ones: the checkpoint's ranking
+    ranking = np.arange(cfg.vocab_size) if model is None else model.checkpoint.draft_vocab
+    draft_params = {d: parse_draft(d).params(params, cfg, ranking) for d in args.drafts if parse_draft(d).head}
     for context, batch in todo:
         need = memory_need(weight_bytes(params), cfg, context, batch, args, w16a16)
         if need > limit:
@@ -1201,7 +1227,8 @@ def _bench_model(name: str, todo: list[tuple[int, int]], args, trace: dict, bw: 
             continue
         log(f"{name} B={batch} ctx={context}")
         t0 = time.perf_counter()
-        c = plan_config(name, cfg, params, fparams, batch, context, args, trace if model is None else None, bw, model)
+        c = plan_config(name, cfg, params, fparams, batch, context, args, trace if model is None else None, bw, model,
+                        draft_params)
         compiled = compile_config(c, args.threads)
         waited = time.perf_counter() - t0
         log(f"  {len(compiled)} programs ready after {waited:.0f} s")

@@ -80,16 +80,17 @@ class Runtime:
     tp_axis: str | None = None  # forwards run as one shard of this mesh axis (config: the shard's; qspec_jax.sharding)
 
     def run(self, params, tokens, positions, cache, precision: Precision, execution: Execution | None = None,
-            draft: bool = False):
+            draft: bool = False, logits_at: jax.Array | None = None):
         """One forward (``execution`` None: the decode-time one); a ``draft`` reads the draft's views
-        of the cache (``draft_kv``, ``draft_window``) and head (``draft_head``). Unless it is a draft
-        reading the shadow, the shadow follows the new slots."""
+        of the cache (``draft_kv``, ``draft_window``) and head (``draft_head``); ``logits_at``: only those
+        positions' logits (:func:`~qspec_jax.model.forward`). Unless it is a draft reading the shadow, the
+        shadow follows the new slots."""
         read_shadow = draft and self.draft_kv is not None
         logits, cache = forward(params, self.config, tokens, positions, cache, precision=precision, dtype=self.dtype,
                                 online_rotation_seed=self.online_rotation_seed,
                                 execution=self.execution if execution is None else execution,
                                 read_shadow=read_shadow, window=self.draft_window if draft else None,
-                                draft_head=draft and self.draft_head, tp_axis=self.tp_axis)
+                                draft_head=draft and self.draft_head, tp_axis=self.tp_axis, logits_at=logits_at)
         return logits, cache if read_shadow else sync_shadow(cache, positions)
 
 
@@ -162,9 +163,9 @@ def prefill(params, state: DecodeState, rt: Runtime, precision: Precision) -> De
     cache) and commit each sequence's first token."""
     b, p = state.tokens.shape[0], state.prompt_width
     logits, cache = rt.run(params, state.tokens[:, :p], jnp.broadcast_to(jnp.arange(p), (b, p)), state.cache,
-                           precision, execution=rt.execution.untiled())
+                           precision, execution=rt.execution.for_prompt(), logits_at=(state.prompt_lengths - 1)[:, None])
     key, sub = jax.random.split(state.key)
-    last = logits[jnp.arange(b), state.prompt_lengths - 1]
+    last = logits[:, 0]
     first, _ = choose(last, state.sampling, sub, rt.stochastic)
     state = dataclasses.replace(state, cache=cache, key=key)
     logp = token_logprobs(last[:, None], first[:, None], rt)

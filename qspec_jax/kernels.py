@@ -8,7 +8,7 @@ a GPU, the references elsewhere) is resolved into it once, at the API boundary. 
 the decode-time calls, the ones made with a ``row_tile`` (decode steps, draft steps, verify passes),
 where a token's result must not depend on how many tokens share the call; prefill and evaluation
 (no ``row_tile``) run the reference math, on a GPU with the W4A16 product as an XLA bfloat16 dot (the
-same products, float32 accumulation). A shape a kernel cannot tile (e.g. a head_dim that is not a
+same products, float32 accumulation) and a prompt's attention as cuDNN's flash attention. A shape a kernel cannot tile (e.g. a head_dim that is not a
 power of two, a dimension not a multiple of 16) runs the fixed-tile reference instead: still
 row-count invariant, slower on a GPU.
 
@@ -55,6 +55,9 @@ class Execution:
 
     backend: str = "reference"
     row_tile: int | None = None
+    # a prompt's forward: every sequence's queries at positions 0..T-1 of a cache empty beyond them, so the
+    # attention may run causally over the new keys alone (flash attention on a GPU; :func:`attention`)
+    causal_prompt: bool = False
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -62,6 +65,8 @@ class Execution:
                              "Execution.decode / Execution.prefill)")
         if self.row_tile is not None and (not isinstance(self.row_tile, int) or self.row_tile < 1):
             raise ValueError(f"row_tile must be a positive integer or None, got {self.row_tile!r}")
+        if self.causal_prompt and self.row_tile is not None:
+            raise ValueError("a causal_prompt forward has no row tile (use Execution.for_prompt)")
 
     @classmethod
     def decode(cls, kernels: str = "auto", row_tile: int = ROW_TILE) -> Execution:
@@ -73,9 +78,9 @@ class Execution:
         """Prefill / evaluation forwards (no row tile) with ``kernels`` resolved."""
         return cls(resolve_kernels(kernels), None)
 
-    def untiled(self) -> Execution:
-        """The same backend without a row tile (a prefill beside these decode steps)."""
-        return dataclasses.replace(self, row_tile=None)
+    def for_prompt(self) -> Execution:
+        """The same backend for a prefill beside these decode steps: no row tile, ``causal_prompt``."""
+        return dataclasses.replace(self, row_tile=None, causal_prompt=True)
 
     @property
     def on_kernels(self) -> bool:
@@ -318,7 +323,8 @@ def _int4_matmul(x: jax.Array | Pending, w: QuantizedWeight, layer: jax.Array | 
 
 def attention(q: jax.Array, k: jax.Array | Layer, v: jax.Array | Layer, q_pos: jax.Array,
               execution: Execution = Execution(), scales: tuple[jax.Array | Layer, jax.Array | Layer] | None = None,
-              window: reference.AttentionWindow | None = None) -> jax.Array | PendingAttention:
+              window: reference.AttentionWindow | None = None,
+              new: tuple[jax.Array, jax.Array] | None = None) -> jax.Array | PendingAttention:
     """Attention of ``q[B,T,H,d]`` over a KV cache ``k, v[B,S,KV,d]`` (or :class:`Layer` views of
     the model's stacked cache) whose slot ``s`` holds position ``s`` (visible to a query iff
     ``s <= q_pos``): ``[B,T,H,d]``. With ``scales`` (the key and value scales, head-major
@@ -327,7 +333,10 @@ def attention(q: jax.Array, k: jax.Array | Layer, v: jax.Array | Layer, q_pos: j
     :class:`~pallas_kernels.reference.AttentionWindow` (a draft's view). With a row tile, row-count invariant: the
     reference runs each sequence's queries in padded tiles of it. On the kernel path, where the heads
     allow, a :class:`PendingAttention` (rows ``[B, T, H*d]``) whose cache splits are merged by its
-    consumer (an INT4 linear's activation prologue, or :func:`materialize`)."""
+    consumer (an INT4 linear's activation prologue, or :func:`materialize`). ``new``: the keys and
+    values ``[B,T,KV,d]`` just written; in a ``causal_prompt`` forward the queries attend over them alone."""
+    if execution.causal_prompt and new is not None and scales is None and window is None:
+        return prompt_attention(q, *new, execution)
     (ks, layer), (vs, _) = _split_layer(k), _split_layer(v)
     bits = None if scales is None else reference.kv_shadow_bits(ks.shape[-1], q.shape[-1])
     if execution.on_kernels and gpu_attention.supported(q.shape[-1], ks.shape[-3], bits):
@@ -363,6 +372,24 @@ def attention(q: jax.Array, k: jax.Array | Layer, v: jax.Array | Layer, q_pos: j
 
     out = jax.lax.map(one, jnp.arange(b * n))
     return out.reshape(b, t + pad, *q.shape[2:])[:, :t]
+
+
+def flash_supported(dtype, head_dim: int) -> bool:
+    """Whether cuDNN's flash attention takes a prompt of ``dtype`` and ``head_dim`` (16-bit, a multiple of 8
+    up to 128)."""
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and head_dim % 8 == 0 \
+        and head_dim <= 128
+
+
+def prompt_attention(q: jax.Array, k: jax.Array, v: jax.Array, execution: Execution) -> jax.Array:
+    """Causal attention of a prompt's queries ``[B,T,H,d]`` over its own keys and values ``[B,T,KV,d]``
+    (query and key ``t`` at position ``t``): cuDNN's flash attention on the Pallas backend where it takes
+    the shapes (no ``[T, T]`` scores in memory), else :func:`reference.attention`'s float32 softmax."""
+    k, v = k.astype(q.dtype), v.astype(q.dtype)
+    if execution.backend == "pallas" and flash_supported(q.dtype, q.shape[-1]):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn").astype(q.dtype)
+    pos = jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
+    return reference.attention(q, k, v, pos, pos)
 
 
 def merge_heads(x: jax.Array | PendingAttention) -> jax.Array | PendingAttention:

@@ -230,8 +230,9 @@ class Attention(_Block):
             s = cache.draft
             out = attention(q, s.k_words, s.v_words, positions, ex, scales=(s.k_scales, s.v_scales),
                             window=self.window)
-        else:
-            out = attention(q, cache.k, cache.v, positions, ex, window=self.window)
+        else:  # a prompt's forward may attend over the new keys alone, as the cache holds them
+            new = None if fused else tuple(a.astype(cache.k.stacked.dtype) for a in (k, v))
+            out = attention(q, cache.k, cache.v, positions, ex, window=self.window, new=new)
         out = merge_heads(out)
         if self.online_rotation_seed is not None:  # per head: [.., hq*d] -> [.., hq, d] rows
             per_head = lambda r: apply_transform(r.reshape(r.shape[0], hq, d), self.online_rotation_seed)  # noqa: E731
@@ -316,7 +317,8 @@ class Llama(nn.Module):
     the Pallas kernels. ``read_shadow``: attend over the cache's quantized shadow and write only it
     (QSPEC's drafts); ``window``: attend only over each query's sliding window of the cache (drafts);
     ``draft_head``: logits from the params' ``draft_head`` rows only (:func:`with_draft_head`), the
-    other tokens' ``-inf``. ``tp_axis``: run as one shard of a tensor-parallel mesh axis
+    other tokens' ``-inf``. ``logits_at`` (``int32[B, K]``, a call argument): logits only at
+    those of the T positions (``[B, K, V]``; a prefill needs each prompt's last), the others never computed. ``tp_axis``: run as one shard of a tensor-parallel mesh axis
     (:mod:`qspec_jax.sharding`): ``config`` is that shard's, its ``lm_head`` a slice of the (padded)
     vocabulary whose logits are gathered over the axis.
     """
@@ -336,7 +338,8 @@ class Llama(nn.Module):
             raise TypeError(f"precision must be a Precision (parse_precision), got {self.precision!r}")
 
     @nn.compact
-    def __call__(self, tokens: jax.Array, positions: jax.Array, cache: KVCache | None = None):
+    def __call__(self, tokens: jax.Array, positions: jax.Array, cache: KVCache | None = None,
+                 logits_at: jax.Array | None = None):
         c = self.config
         embed = self.param("embed", _dense_init, (c.vocab_size, c.hidden_size))
         x = jnp.take(embed, tokens, axis=0).astype(self.dtype)
@@ -366,6 +369,8 @@ class Llama(nn.Module):
             # a plain lax.scan over the layer index (flax's nn.scan cannot hold a pallas_call); each
             # layer sees Layer views of the stacked weights and cache, which the kernels read in place
             (x, cache), _ = jax.lax.scan(body, (x, cache), jnp.arange(c.num_layers))
+        if logits_at is not None:
+            x = jnp.take_along_axis(x, logits_at[..., None], axis=1)
         x = RMSNorm(c.rms_norm_eps, self.execution, name="final_norm")(x)
         if self.draft_head:
             rows = self.get_variable("params", "draft_head")
@@ -459,16 +464,19 @@ def forward(params: dict[str, Any], config: LlamaConfig, tokens: jax.Array, posi
             cache: KVCache | None = None, *, precision: Precision, execution: Execution | None = None,
             dtype: Any = jnp.float32, online_rotation_seed: int | None = None, read_shadow: bool = False,
             window: reference.AttentionWindow | None = None, draft_head: bool = False,
-            tp_axis: str | None = None) -> tuple[jax.Array, KVCache | None]:
-    """Apply the model to a params pytree: ``(float32 logits [B, T, V], updated cache)``.
+            tp_axis: str | None = None, logits_at: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
+    """Apply the model to a params pytree: ``(float32 logits [B, T, V], updated cache)``; ``logits_at``
+    (``int32[B, K]``): only those positions' logits, ``[B, K, V]``.
     ``execution`` None: :meth:`Execution.prefill` (no row tile, the kernels switch on ``"auto"``);
     ``tp_axis``: as one shard of that mesh axis (inside ``shard_map``, :mod:`qspec_jax.sharding`)."""
     _check_inputs(config, tokens, positions)
+    if logits_at is not None:
+        _check_logits_at(logits_at, tokens.shape)
     if draft_head and "draft_head" not in params:
         raise ValueError("draft_head needs params with a 'draft_head' entry (with_draft_head)")
     execution = Execution.prefill() if execution is None else execution
     model = Llama(config, precision, dtype, online_rotation_seed, execution, read_shadow, window, draft_head, tp_axis)
-    return model.apply({"params": params}, tokens, positions, cache)
+    return model.apply({"params": params}, tokens, positions, cache, logits_at)
 
 
 DRAFT_HEAD_BITS = (16, 4)  # a draft head's copy: the lm_head's float rows, or INT4 (RTN) of them
@@ -498,6 +506,19 @@ def with_draft_head(params: dict[str, Any], config: LlamaConfig, ranking: np.nda
         q = rtn(np.asarray(w, np.float32), groups[-1], symmetric=False)
         w = QuantizedWeight(jnp.asarray(q.packed), jnp.asarray(q.scales), jnp.asarray(q.mins), q.group_size)
     return {**params, "draft_head": {"w": w, "ids": ids}}
+
+
+def _check_logits_at(logits_at: jax.Array, shape: tuple[int, int]) -> None:
+    """Integer ``[B, K]`` indices into the T positions of ``shape`` (values checked where known: an
+    index out of range would gather NaN, no error)."""
+    if not jnp.issubdtype(logits_at.dtype, jnp.integer) or logits_at.ndim != 2 or logits_at.shape[0] != shape[0]:
+        raise ValueError(f"logits_at must be integers [batch, K] with batch {shape[0]}, got {logits_at.dtype} "
+                         f"{logits_at.shape}")
+    if not isinstance(logits_at, jax.core.Tracer):
+        at = np.asarray(logits_at)
+        if at.size and (at.min() < 0 or at.max() >= shape[1]):
+            raise ValueError(f"logits_at must index the {shape[1]} positions, got values in "
+                             f"[{at.min()}, {at.max()}]")
 
 
 def _check_inputs(config: LlamaConfig, tokens: jax.Array, positions: jax.Array) -> None:

@@ -59,17 +59,18 @@ def _trace(tmp_path) -> list[str]:
 def test_decode_bench_smoke(tmp_path):
     trace = tmp_path / "trace.json"
     trace.write_text(json.dumps({"source": "constant test trace", "w4a8": {"3": [[2, 2], [2, 2]]},
-                                 "w4a8/kv4": {"3": [[1, 1]]}}))
+                                 "w4a8/kv4": {"3": [[1, 1]]}, "w4a8/head64q4": {"3": [[1, 1]]}}))
     out = tmp_path / "out"
     decode.main(["--models", "smoke", "--batches", "2", "--contexts", "64", "--new", "16", "--gammas", "3",
-                 "--drafts", "w4a8,w4a8/kv4", "--ar", "w16a16,w4a16,w4a8", "--kernels", "reference",
+                 "--drafts", "w4a8,w4a8/kv4,w4a8/head64q4", "--ar", "w16a16,w4a16,w4a8", "--kernels", "reference",
                  "--trace", str(trace), "--out", str(out), "--label", "test build"])
     run = json.loads((out / "decode.json").read_text())
     (res,) = run["results"]
     assert res["label"] == "test build" and "Note: test build." in (out / "decode.md").read_text()
     assert res["gpu"] == jax.devices()[0].device_kind and res["date"].endswith("UTC") and res["commit"]
     assert res["command"].startswith("python3 -m bench.decode --models smoke")
-    assert set(res["methods"]) == {"w16a16", "w4a16", "w4a8", "qspec w4a8 g=3", "qspec w4a8/kv4 g=3"}
+    assert set(res["methods"]) == {"w16a16", "w4a16", "w4a8", "qspec w4a8 g=3", "qspec w4a8/kv4 g=3",
+                                   "qspec w4a8/head64q4 g=3"}
     q = res["methods"]["qspec w4a8 g=3"]
     assert abs(q["tokens_per_round"] - 16 / 6) < 1e-9  # 2 accepted + 1 per round: 16 tokens in 6 rounds
     assert q["iterations"] == 6 and q["tail"] == 1.0  # every sequence the same: no batch tail
@@ -81,6 +82,9 @@ def test_decode_bench_smoke(tmp_path):
     shadow = res["methods"]["qspec w4a8/kv4 g=3"]  # its own trace: 1 accepted + 1 per round
     assert shadow["tokens_per_round"] == 2 and shadow["memory_bytes"] > q["memory_bytes"]  # the shadow's bytes
     assert shadow["draft_floor_ms"] <= q["draft_floor_ms"]  # a shadow draft reads fewer KV bytes
+    head = res["methods"]["qspec w4a8/head64q4 g=3"]  # an INT4 head of 64 rows: fewer weight bytes, more memory
+    assert head["tokens_per_round"] == 16 / 8 and head["memory_bytes"] > q["memory_bytes"]
+    assert head["draft_floor_ms"] <= q["draft_floor_ms"] and head["verify_floor_ms"] == q["verify_floor_ms"]
     # phase floors: the byte floor, or the phase's matmul FLOPs at the rate measured in the run
     cfg = decode.MODELS["smoke"]
     params = decode.random_params(cfg, jax.random.key(0))  # 2 FLOPs per weight element of every matmul
@@ -423,8 +427,8 @@ def test_record_trace_on_the_real_model(tmp_path, capsys):
                              for i in range(3)))
     out = tmp_path / "trace.json"
     decode.main(["--record-trace", str(out), "--gsm8k", str(dev), "--prompts", "2", "--new", "8",
-                 "--gammas", "2", "--drafts", "w4a8,w4a8/kv8", "--kernels", "reference"])
-    for draft in ("w4a8", "w4a8/kv8"):
+                 "--gammas", "2", "--drafts", "w4a8,w4a8/head64q4", "--kernels", "reference"])
+    for draft in ("w4a8", "w4a8/head64q4"):
         rounds = json.loads(out.read_text())[draft]["2"]
         assert rounds and all(len(r) == 2 and all(0 <= a <= 2 for a in r) for r in rounds)
         for seq in zip(*rounds):
@@ -641,7 +645,7 @@ def test_record_trace_per_context_on_the_real_model(tmp_path):
         path.write_text("\n".join(json.dumps(r) for r in part))
     out = tmp_path / "trace.json"
     decode.main(["--record-trace", str(out), "--trace-contexts", "96,192", "--gsm8k", str(dev), "--gsm8k-train",
-                 str(train), "--prompts", "2", "--new", "6", "--gammas", "1,2", "--drafts", "w4a8,w4a8/kv8/win16+4",
+                 str(train), "--prompts", "2", "--new", "6", "--gammas", "2", "--drafts", "w4a8,w4a8/kv8/win16+4",
                  "--kernels", "reference"])
     doc = json.loads(out.read_text())
     assert doc["device"] == jax.devices()[0].device_kind and doc["date"].endswith("UTC") and doc["commit"]
@@ -650,12 +654,11 @@ def test_record_trace_per_context_on_the_real_model(tmp_path):
     for context, table in doc["contexts"].items():
         assert 50 < table["prompt_tokens"] <= int(context)
         for draft in ("w4a8", "w4a8/kv8/win16+4"):
-            for g in (1, 2):
-                rounds = table[draft][str(g)]
-                assert rounds and all(len(r) == 2 and all(0 <= a <= g for a in r) for r in rounds)
+            rounds = table[draft]["2"]
+            assert rounds and all(len(r) == 2 and all(0 <= a <= 2 for a in r) for r in rounds)
     assert doc["contexts"]["192"]["prompt_tokens"] > doc["contexts"]["96"]["prompt_tokens"]
     md = out.with_suffix(".md").read_text()
-    assert "## Context 96 (prompts of" in md and "| draft | γ=1 | γ=2 |" in md
+    assert "## Context 96 (prompts of" in md and "| draft | γ=2 |" in md
     mean = 1 + np.mean(doc["contexts"]["192"]["w4a8"]["2"])
     assert f"{mean:.2f}" in md.split("## Context 192")[1].split("| w4a8 |")[1].split("\n")[0]
     with pytest.raises(SystemExit, match="--trace-contexts needs --gsm8k-train"):

@@ -213,6 +213,31 @@ def test_kv_cache_chunks_match_full_forward(rng):
     assert not np.any(np.asarray(cache.k)[:, :, t:]) and np.all(np.any(np.asarray(cache.k)[:, :, :t], axis=-1))
 
 
+def test_prompt_forward_attends_over_its_own_keys_and_gives_the_asked_logits(rng):
+    """A ``causal_prompt`` forward (the prefill's: each query over the new keys alone) gives the logits and
+    cache of attending over the whole cache, and ``logits_at`` picks rows of those logits."""
+    cfg = CONFIGS["gqa-untied"]
+    t = int(rng.integers(3, 9))
+    tokens, positions = random_batch(cfg, rng, 2, t, gaps=False)
+    params = random_params(cfg, rng, tokens, positions)
+    cache = init_cache(cfg, 2, t + int(rng.integers(1, 6)))  # spare slots: masked on one side, absent on the other
+    full, want_cache = forward(params, cfg, tokens, positions, cache, precision=W16A16)
+    at = jnp.asarray(rng.integers(0, t, (2, 2)), jnp.int32)
+    got, got_cache = forward(params, cfg, tokens, positions, cache, precision=W16A16,
+                             execution=Execution().for_prompt(), logits_at=at)
+    want = np.take_along_axis(np.asarray(full), np.asarray(at)[..., None], axis=1)
+    tol = 1e-5 * max(1.0, np.abs(want).max())
+    np.testing.assert_allclose(got, want, rtol=0, atol=tol)
+    for a, b in ((got_cache.k, want_cache.k), (got_cache.v, want_cache.v)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=tol)
+    for bad, msg in ((at.astype(jnp.float32), "integers"), (at[:1], "batch 2"), (at[0], r"\[batch, K\]"),
+                     (at.at[0, 0].set(t), "must index the")):
+        with pytest.raises(ValueError, match=msg):
+            forward(params, cfg, tokens, positions, cache, precision=W16A16, logits_at=bad)
+    with pytest.raises(ValueError, match="no row tile"):
+        Execution("reference", 8, causal_prompt=True)
+
+
 @pytest.mark.parametrize("mode", ["w16a16", "w4a16"])
 def test_unstacked_layers_give_the_stacked_results(mode, rng):
     """Per-layer trees (an unrolled layer loop, for plain-XLA baselines) and the stacked layers (a
