@@ -158,7 +158,7 @@ def lm_head_bytes(params: dict) -> int:
 
 
 def draft_head_bytes(params: dict) -> int:
-    """Bytes of the draft head's weights (an INT4 copy's codes, scales and minimums)."""
+    """Bytes of the draft head's weights (a float copy, or an INT4 copy's codes, scales and minimums)."""
     return int(sum(a.nbytes for a in jax.tree.leaves(params["draft_head"]["w"])))
 
 
@@ -283,12 +283,10 @@ class DraftSpec:
         """``rt`` with this draft's views of the cache and its head."""
         return dataclasses.replace(rt, draft_kv=self.kv, draft_window=self.window, draft_head=self.head)
 
-    def params(self, params: dict, cfg: LlamaConfig, ranking: np.ndarray | None) -> dict:
-        """``params`` with this draft's head (:func:`qspec_jax.model.with_draft_head` over ``ranking``'s first
-        rows), or as they are without one."""
-        if not self.head:
-            return params
-        return with_draft_head(params, cfg, None if self.head_rows is None else ranking, self.head_rows, self.head_bits)
+    def with_head(self, params: dict, cfg: LlamaConfig) -> dict:
+        """Random weights' ``params`` with this draft's head over the first rows in id order (which rows does not
+        change the bytes a draft step reads), or as they are without one."""
+        return with_draft_head(params, cfg, None, self.head_rows, self.head_bits) if self.head else params
 
 
 def parse_draft(spec: str, modes: tuple[str, ...] = DRAFTS) -> DraftSpec:
@@ -489,7 +487,7 @@ def plan_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None,
     """Every method's program at one (model, context, batch), not yet compiled. ``model`` (real
     weights): states prefilled from real prompts and QSPEC's own accept decisions (``trace`` None);
     otherwise random states and the trace's accept decisions replayed. ``draft_params``: a draft's own
-    params (:meth:`DraftSpec.params`) where it reads a draft head."""
+    params where it reads a draft head."""
     draft_params = {d: (draft_params or {}).get(d, params) for d in args.drafts}
     res: dict = {"model": name, "batch": batch, "context": context, "new": args.new, "methods": {},
                  "acceptance": "replayed" if model is None else "measured", "kernels": resolve_kernels(args.kernels)}
@@ -748,7 +746,7 @@ def _record_drafts(model, ids: list[list[int]], args, table: dict, save: Callabl
         table[draft] = {}
         for g in args.gammas:
             t = time.perf_counter()
-            params = model.decode_params((spec.head_rows, spec.head_bits) if spec.head else None)
+            params = _checkpoint_head_params(model, spec)
             tr = acceptance_trace(params, states[spec.kv], rt=spec.runtime(rt), gamma=g,
                                   draft=parse_precision(spec.mode))
             # each sequence's own rounds, cut to the shortest: no row of a finished sequence is replayed
@@ -759,6 +757,14 @@ def _record_drafts(model, ids: list[list[int]], args, table: dict, save: Callabl
             save()
             log(f"{tag}{draft} gamma={g}: {rounds} rounds kept, mean accepted {tr.mean():.2f} "
                 f"({1 + tr.mean():.2f} tokens per round), {time.perf_counter() - t:.0f} s")
+
+
+def _checkpoint_head_params(model, spec: DraftSpec) -> dict:
+    """A real checkpoint's params with ``spec``'s draft head (its token ranking's rows), or as they are."""
+    if spec.head_rows is not None and model.checkpoint.draft_vocab is None:
+        raise SystemExit(f"draft {spec.mode}/head{spec.head_rows}: the checkpoint has no token ranking (convert it "
+                         "with --draft-vocab)")
+    return model.decode_params((spec.head_rows, spec.head_bits) if spec.head else None)
 
 
 def with_shadow(state: DecodeState, cfg: LlamaConfig, bits: int, width: int) -> DecodeState:
@@ -1212,9 +1218,10 @@ def _bench_model(name: str, todo: list[tuple[int, int]], args, trace: dict, bw: 
         not_run["w16a16"] = f"its bf16 weights do not fit the {limit / 1e9:.0f} GB"
         log(f"{name}: w16a16 not measured, {not_run['w16a16']}")
     fparams = float_params(params) if w16a16 else None
-    # random weights: a draft head of the first rows (the bytes are what matter); real ones: the checkpoint's ranking
-    ranking = np.arange(cfg.vocab_size) if model is None else model.checkpoint.draft_vocab
-    draft_params = {d: parse_draft(d).params(params, cfg, ranking) for d in args.drafts if parse_draft(d).head}
+    # random weights: a draft head of the first rows (the bytes are what matter); real ones: the checkpoint's
+    heads = {d: parse_draft(d) for d in args.drafts if parse_draft(d).head}
+    draft_params = {d: spec.with_head(params, cfg) if model is None else
+                    _checkpoint_head_params(model, spec) for d, spec in heads.items()}
     for context, batch in todo:
         need = memory_need(weight_bytes(params), cfg, context, batch, args, w16a16)
         if need > limit:

@@ -34,7 +34,7 @@ from bench.shapes import MODELS
 from pallas_kernels.precision import W4A16
 from qspec_jax.core import Decoder, init_state, prefill
 from qspec_jax.decode import DecodeState, Runtime
-from qspec_jax.kernels import KERNELS, Execution
+from qspec_jax.kernels import KERNELS, Execution, resolve_kernels
 
 
 def previous_prefill(params, state: DecodeState, rt: Runtime) -> tuple[jax.Array, DecodeState]:
@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> None:
                              "positions")
     rate = matmul_rates()["bf16"]
     run = {"command": command_line("bench.prefill", argv), "device": jax.devices()[0].device_kind, "date": utc_now(),
-           "commit": git_commit(), "jax": jax.__version__, "kernels": args.kernels, "bf16_rate": rate, "results": []}
+           "commit": git_commit(), "jax": jax.__version__, "kernels": resolve_kernels(args.kernels), "bf16_rate": rate,
+           "results": []}
     args.out.mkdir(parents=True, exist_ok=True)
     for name in names:
         for batch in args.batches:

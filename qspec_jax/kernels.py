@@ -7,8 +7,9 @@ How an op runs is one static :class:`Execution`: a resolved ``backend`` (``"refe
 a GPU, the references elsewhere) is resolved into it once, at the API boundary. The kernels serve
 the decode-time calls, the ones made with a ``row_tile`` (decode steps, draft steps, verify passes),
 where a token's result must not depend on how many tokens share the call; prefill and evaluation
-(no ``row_tile``) run the reference math, on a GPU with the W4A16 product as an XLA bfloat16 dot (the
-same products, float32 accumulation) and a prompt's attention as cuDNN's flash attention. A shape a kernel cannot tile (e.g. a head_dim that is not a
+(no ``row_tile``) run the reference math, on the ``"pallas"`` backend with the W4A16 product as an XLA
+bfloat16 dot (the same products, float32 accumulation) and the prefill's attention as cuDNN's flash
+attention. A shape a kernel cannot tile (e.g. a head_dim that is not a
 power of two, a dimension not a multiple of 16) runs the fixed-tile reference instead: still
 row-count invariant, slower on a GPU.
 
@@ -55,8 +56,8 @@ class Execution:
 
     backend: str = "reference"
     row_tile: int | None = None
-    # a prompt's forward: every sequence's queries at positions 0..T-1 of a cache empty beyond them, so the
-    # attention may run causally over the new keys alone (flash attention on a GPU; :func:`attention`)
+    # a prompt's forward: every row's positions exactly 0..T-1 (the caller's promise; forward checks them
+    # where they are known), so attention runs causally over the new keys alone (:func:`attention`)
     causal_prompt: bool = False
 
     def __post_init__(self):
@@ -79,7 +80,8 @@ class Execution:
         return cls(resolve_kernels(kernels), None)
 
     def for_prompt(self) -> Execution:
-        """The same backend for a prefill beside these decode steps: no row tile, ``causal_prompt``."""
+        """The same backend for a prefill beside these decode steps: no row tile, ``causal_prompt`` (so
+        only for a forward whose positions are 0..T-1 in every row)."""
         return dataclasses.replace(self, row_tile=None, causal_prompt=True)
 
     @property

@@ -231,7 +231,7 @@ class Attention(_Block):
             out = attention(q, s.k_words, s.v_words, positions, ex, scales=(s.k_scales, s.v_scales),
                             window=self.window)
         else:  # a prompt's forward may attend over the new keys alone, as the cache holds them
-            new = None if fused else tuple(a.astype(cache.k.stacked.dtype) for a in (k, v))
+            new = tuple(a.astype(cache.k.stacked.dtype) for a in (k, v)) if ex.causal_prompt else None
             out = attention(q, cache.k, cache.v, positions, ex, window=self.window, new=new)
         out = merge_heads(out)
         if self.online_rotation_seed is not None:  # per head: [.., hq*d] -> [.., hq, d] rows
@@ -470,11 +470,14 @@ def forward(params: dict[str, Any], config: LlamaConfig, tokens: jax.Array, posi
     ``execution`` None: :meth:`Execution.prefill` (no row tile, the kernels switch on ``"auto"``);
     ``tp_axis``: as one shard of that mesh axis (inside ``shard_map``, :mod:`qspec_jax.sharding`)."""
     _check_inputs(config, tokens, positions)
+    execution = Execution.prefill() if execution is None else execution
+    if execution.causal_prompt and not isinstance(positions, jax.core.Tracer) and not np.array_equal(
+            np.asarray(positions), np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)):
+        raise ValueError("a causal_prompt forward (Execution.for_prompt) needs positions 0..T-1 in every row")
     if logits_at is not None:
         _check_logits_at(logits_at, tokens.shape)
     if draft_head and "draft_head" not in params:
         raise ValueError("draft_head needs params with a 'draft_head' entry (with_draft_head)")
-    execution = Execution.prefill() if execution is None else execution
     model = Llama(config, precision, dtype, online_rotation_seed, execution, read_shadow, window, draft_head, tp_axis)
     return model.apply({"params": params}, tokens, positions, cache, logits_at)
 

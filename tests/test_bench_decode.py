@@ -427,12 +427,15 @@ def test_record_trace_on_the_real_model(tmp_path, capsys):
                              for i in range(3)))
     out = tmp_path / "trace.json"
     decode.main(["--record-trace", str(out), "--gsm8k", str(dev), "--prompts", "2", "--new", "8",
-                 "--gammas", "2", "--drafts", "w4a8,w4a8/head64q4", "--kernels", "reference"])
-    for draft in ("w4a8", "w4a8/head64q4"):
+                 "--gammas", "2", "--drafts", "w4a8,w4a8/headq4", "--kernels", "reference"])
+    for draft in ("w4a8", "w4a8/headq4"):
         rounds = json.loads(out.read_text())[draft]["2"]
         assert rounds and all(len(r) == 2 and all(0 <= a <= 2 for a in r) for r in rounds)
         for seq in zip(*rounds):
             assert sum(a + 1 for a in seq) <= 8
+    with pytest.raises(SystemExit, match="no token ranking"):  # the embedded checkpoint has none
+        decode.main(["--record-trace", str(out), "--gsm8k", str(dev), "--prompts", "1", "--new", "2",
+                     "--gammas", "1", "--drafts", "w4a8/head64", "--kernels", "reference"])
     for bad in ("w4a16", "w4a8/kv2", "w4a8/int8", "w4a4/"):
         with pytest.raises(SystemExit):
             decode.main(["--drafts", bad, "--models", "smoke"])

@@ -236,6 +236,9 @@ def test_prompt_forward_attends_over_its_own_keys_and_gives_the_asked_logits(rng
             forward(params, cfg, tokens, positions, cache, precision=W16A16, logits_at=bad)
     with pytest.raises(ValueError, match="no row tile"):
         Execution("reference", 8, causal_prompt=True)
+    shifted = positions + np.arange(2)[:, None]  # row 1 starts at 1: its keys would not be the prompt's own
+    with pytest.raises(ValueError, match="positions 0..T-1 in every row"):
+        forward(params, cfg, tokens, shifted, cache, precision=W16A16, execution=Execution().for_prompt())
 
 
 @pytest.mark.parametrize("mode", ["w16a16", "w4a16"])
