@@ -7,10 +7,11 @@ attends over the whole cache and computes every position's logits, and against t
 Per (model, batch): a fresh decode state of ``--prompt`` random tokens per sequence and room for ``--new``
 more, run through ``qspec_jax.core.prefill`` (the library's: each query attends causally over the prompt's
 own keys, cuDNN flash attention on a GPU; logits only at each prompt's last position) and through the
-previous prefill (the same forward over the whole cache, every position's logits, then the last ones
-picked). Seconds: the best of ``--reps`` calls after a warm-up, each on a fresh state. Matmul rate: the
-prefill's matmul FLOPs (2 x weights x tokens, the lm_head only for the rows each computes) over its time,
-against XLA's bf16 dot on square operands (8192 on a GPU) measured in the same run.
+previous prefill (the same forward over the whole cache, every position's logits, then the last ones picked;
+"out of memory" where it does not fit). Seconds: the best of ``--reps`` calls after a warm-up, each on a
+fresh state. Matmul rate: the prefill's matmul FLOPs (2 x weights x tokens, the lm_head only for the rows
+each computes) over its time, against XLA's bf16 dot on square operands (8192 on a GPU) measured in the same
+run.
 
 Writes ``prefill.json`` and ``prefill.md`` under ``--out`` (default ``$OUT``, else bench/results).
 """
@@ -77,13 +78,18 @@ def measure(name: str, batch: int, args, rate: float) -> dict:
     lib = jax.jit(lambda p, s: prefill(p, dec, s), donate_argnums=1)
     old = jax.jit(lambda p, s: previous_prefill(p, s, rt), donate_argnums=1)
     t_lib = _best(lambda s: lib(params, s), make, args.reps)
-    t_old = _best(lambda s: old(params, s), make, args.reps)
     n = batch * args.prompt
-    return {"model": name, "batch": batch, "prompt": args.prompt, "buffer": args.prompt + args.new,
-            "seconds": t_lib, "previous_seconds": t_old, "speedup": t_old / t_lib,
-            "matmul_tflops": linear_flops(cfg, n, batch) / t_lib / 1e12,
-            "previous_matmul_tflops": linear_flops(cfg, n, n) / t_old / 1e12,
-            "of_bf16_rate": linear_flops(cfg, n, batch) / t_lib / rate}
+    res = {"model": name, "batch": batch, "prompt": args.prompt, "buffer": args.prompt + args.new, "seconds": t_lib,
+           "matmul_tflops": linear_flops(cfg, n, batch) / t_lib / 1e12,
+           "of_bf16_rate": linear_flops(cfg, n, batch) / t_lib / rate}
+    try:  # its [T, S] scores and every position's logits may not fit where the library's prefill does
+        t_old = _best(lambda s: old(params, s), make, args.reps)
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        return res | {"previous": "out of memory"}
+    return res | {"previous_seconds": t_old, "speedup": t_old / t_lib,
+                  "previous_matmul_tflops": linear_flops(cfg, n, n) / t_old / 1e12}
 
 
 def markdown(run: dict) -> str:
@@ -97,9 +103,10 @@ def markdown(run: dict) -> str:
              "| model | batch | prompt | prefill s | previous s | speed-up | matmul TFLOP/s | of bf16 rate "
              "| previous TFLOP/s |", "|---|---|---|---|---|---|---|---|---|"]
     for r in run["results"]:
-        lines.append(f"| {r['model']} | {r['batch']} | {r['prompt']} | {r['seconds']:.3f} | {r['previous_seconds']:.3f} "
-                     f"| {r['speedup']:.2f}× | {r['matmul_tflops']:.0f} | {100 * r['of_bf16_rate']:.0f}% "
-                     f"| {r['previous_matmul_tflops']:.0f} |")
+        prev, prev_rate = ((f"{r['previous_seconds']:.3f} | {r['speedup']:.2f}×", f"{r['previous_matmul_tflops']:.0f}")
+                           if "previous_seconds" in r else (f"{r['previous']} | n/a", "n/a"))
+        lines.append(f"| {r['model']} | {r['batch']} | {r['prompt']} | {r['seconds']:.3f} | {prev} "
+                     f"| {r['matmul_tflops']:.0f} | {100 * r['of_bf16_rate']:.0f}% | {prev_rate} |")
     return "\n".join(lines) + "\n"
 
 
@@ -129,9 +136,10 @@ def main(argv: list[str] | None = None) -> None:
         for batch in args.batches:
             r = measure(name, batch, args, rate)
             run["results"].append(r)
-            print(f"{name} B={batch} prompt={args.prompt}: {r['seconds']:.3f} s (previous {r['previous_seconds']:.3f} s, "
-                  f"{r['speedup']:.2f}x), {r['matmul_tflops']:.0f} TFLOP/s = {100 * r['of_bf16_rate']:.0f}% of bf16",
-                  flush=True)
+            prev = (f"previous {r['previous_seconds']:.3f} s, {r['speedup']:.2f}x" if "previous_seconds" in r
+                    else f"previous: {r['previous']}")
+            print(f"{name} B={batch} prompt={args.prompt}: {r['seconds']:.3f} s ({prev}), {r['matmul_tflops']:.0f} "
+                  f"TFLOP/s = {100 * r['of_bf16_rate']:.0f}% of bf16", flush=True)
             (args.out / "prefill.json").write_text(json.dumps(run, indent=1))
             (args.out / "prefill.md").write_text(markdown(run))
 

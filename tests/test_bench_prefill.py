@@ -34,7 +34,7 @@ def test_previous_prefill_chooses_what_the_library_prefill_commits(rng):
     np.testing.assert_array_equal(first, np.argmax(np.asarray(logits), axis=-1))
 
 
-def test_prefill_bench_writes_its_report(tmp_path, capsys):
+def test_prefill_bench_writes_its_report(tmp_path, monkeypatch):
     bp.main(["--models", "smoke", "--batches", "2,3", "--prompt", "20", "--new", "4", "--reps", "1",
              "--kernels", "reference", "--out", str(tmp_path)])
     run = json.loads((tmp_path / "prefill.json").read_text())
@@ -45,6 +45,15 @@ def test_prefill_bench_writes_its_report(tmp_path, capsys):
         assert r["of_bf16_rate"] == pytest.approx(r["matmul_tflops"] * 1e12 / run["bf16_rate"])
     md = (tmp_path / "prefill.md").read_text()
     assert md.startswith("# Prefill (") and md.count("| smoke |") == 2 and run["command"] in md
+    def out_of_memory(*a):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate")
+
+    monkeypatch.setattr(bp, "previous_prefill", out_of_memory)  # the baseline alone does not fit: recorded
+    bp.main(["--models", "smoke", "--batches", "2", "--prompt", "20", "--new", "4", "--reps", "1",
+             "--kernels", "reference", "--out", str(tmp_path)])
+    (r,) = json.loads((tmp_path / "prefill.json").read_text())["results"]
+    assert r["previous"] == "out of memory" and "speedup" not in r and r["seconds"] > 0
+    assert "| out of memory | n/a |" in (tmp_path / "prefill.md").read_text()
     with pytest.raises(SystemExit, match="unknown models"):
         bp.main(["--models", "llama9", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="exceed"):
