@@ -742,7 +742,7 @@ def _smoke() -> None:
     """Tiny shapes (one a kernel rejects: N=40) in interpret mode: a CPU check of this script."""
     global MODELS, DEFAULT_MODELS, MS, CHECK_CASES, ATTN, L2_BYTES, CALLS, COPY_ELEMS
     MODELS, DEFAULT_MODELS = {"tiny": {"a": (32, 256), "odd": (40, 256)}}, ("tiny",)
-    MS = (1, 16)
+    MS = (16,)
     CHECK_CASES = [("tiny g32 asym", 32, 256, 32, False), ("tiny per-channel", 32, 256, 256, True)]
     ATTN = {"heads": (4, 2, 64), "batches": (2,), "contexts": (128,), "ts": (1, 4), "shadow_bits": (8, 4)}
     L2_BYTES, CALLS, COPY_ELEMS = 1e3, 2, 1 << 20

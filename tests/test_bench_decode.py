@@ -648,7 +648,7 @@ def test_record_trace_per_context_on_the_real_model(tmp_path):
         path.write_text("\n".join(json.dumps(r) for r in part))
     out = tmp_path / "trace.json"
     decode.main(["--record-trace", str(out), "--trace-contexts", "96,192", "--gsm8k", str(dev), "--gsm8k-train",
-                 str(train), "--prompts", "2", "--new", "6", "--gammas", "2", "--drafts", "w4a8,w4a8/kv8/win16+4",
+                 str(train), "--prompts", "2", "--new", "6", "--gammas", "2", "--drafts", "w4a8/kv8/win16+4",
                  "--kernels", "reference"])
     doc = json.loads(out.read_text())
     assert doc["device"] == jax.devices()[0].device_kind and doc["date"].endswith("UTC") and doc["commit"]
@@ -656,14 +656,14 @@ def test_record_trace_per_context_on_the_real_model(tmp_path):
     assert set(doc["contexts"]) == {"96", "192"}
     for context, table in doc["contexts"].items():
         assert 50 < table["prompt_tokens"] <= int(context)
-        for draft in ("w4a8", "w4a8/kv8/win16+4"):
+        for draft in ("w4a8/kv8/win16+4",):
             rounds = table[draft]["2"]
             assert rounds and all(len(r) == 2 and all(0 <= a <= 2 for a in r) for r in rounds)
     assert doc["contexts"]["192"]["prompt_tokens"] > doc["contexts"]["96"]["prompt_tokens"]
     md = out.with_suffix(".md").read_text()
     assert "## Context 96 (prompts of" in md and "| draft | γ=2 |" in md
-    mean = 1 + np.mean(doc["contexts"]["192"]["w4a8"]["2"])
-    assert f"{mean:.2f}" in md.split("## Context 192")[1].split("| w4a8 |")[1].split("\n")[0]
+    mean = 1 + np.mean(doc["contexts"]["192"]["w4a8/kv8/win16+4"]["2"])
+    assert f"{mean:.2f}" in md.split("## Context 192")[1].split("| w4a8/kv8/win16+4 |")[1].split("\n")[0]
     with pytest.raises(SystemExit, match="--trace-contexts needs --gsm8k-train"):
         decode.main(["--record-trace", str(out), "--trace-contexts", "96", "--gsm8k", str(dev)])
 
