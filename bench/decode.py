@@ -89,7 +89,7 @@ from qspec_jax.gamma import cost_model, expected_tokens  # noqa: E402
 from qspec_jax.kernels import KERNELS, Execution, resolve_kernels  # noqa: E402
 from qspec_jax.core import AUTO_GAMMA_MAX, Decoder, decode, init_state, prefill_jit  # noqa: E402
 from qspec_jax.decode import DecodeState, Runtime  # noqa: E402
-from qspec_jax.model import init_cache, sync_shadow, with_draft_head  # noqa: E402
+from qspec_jax.model import DRAFT_HEAD_GROUP, init_cache, sync_shadow, with_draft_head  # noqa: E402
 
 GROUP = 128  # random weights: symmetric, group 128
 REAL_MODEL = "smollm2"  # the embedded model (or --checkpoint) with real prompts and real acceptance
@@ -228,12 +228,13 @@ def memory_need(weight_bytes: float, cfg: LlamaConfig, context: int, batch: int,
                 w16a16: bool | None = None) -> float:
     """Device bytes one configuration needs, estimated: the weights (five times with the W16A16
     baseline's bf16 copy, 2 bytes per weight against ~0.5), 1.5 x the KV cache (a state and a loop's
-    copy), and the draft's shadow."""
+    copy), the draft's shadow and the largest draft head copy."""
     kv = kv_bytes(cfg, batch, context + args.new + 64)
     shadow = max([parse_draft(d).kv or 0 for d in args.drafts] + [0]) / 16  # a shadow's bytes per cache byte
     if w16a16 is None:
         w16a16 = "w16a16" in args.ar
-    return weight_bytes * (5 if w16a16 else 1) + 1.5 * kv + (kv * (shadow + 1 / 32) if shadow else 0)
+    heads = max([parse_draft(d).head_copy_bytes(cfg) for d in args.drafts] + [0.0])
+    return weight_bytes * (5 if w16a16 else 1) + 1.5 * kv + (kv * (shadow + 1 / 32) if shadow else 0) + heads
 
 
 def _section_args(r: dict) -> argparse.Namespace:
@@ -287,6 +288,14 @@ class DraftSpec:
         """Random weights' ``params`` with this draft's head over the first rows in id order (which rows does not
         change the bytes a draft step reads), or as they are without one."""
         return with_draft_head(params, cfg, None, self.head_rows, self.head_bits) if self.head else params
+
+    def head_copy_bytes(self, cfg: LlamaConfig) -> float:
+        """Device bytes of this draft's head copy, estimated (an INT4 copy: half a byte per weight plus its
+        float32 scales and minimums per group); 0 without one."""
+        if not self.head:
+            return 0.0
+        per_weight = 2 if self.head_bits == 16 else 0.5 + 8 / DRAFT_HEAD_GROUP
+        return (self.head_rows or cfg.vocab_size) * cfg.hidden_size * per_weight
 
 
 def parse_draft(spec: str, modes: tuple[str, ...] = DRAFTS) -> DraftSpec:
@@ -417,14 +426,15 @@ def time_forward(compiled, params, carry, reps: int) -> float:
     return 1e3 * best / reps
 
 
-def _best_seconds(call: Callable[[], Any], repeats: int = 5) -> float:
-    """The fastest of ``repeats`` wall-clock timings of ``call()`` after one warm-up call (a single
-    sample can be slowed by the host)."""
-    jax.block_until_ready(call())
+def best_seconds(call: Callable[[Any], Any], repeats: int = 5, fresh: Callable[[], Any] = lambda: None) -> float:
+    """The fastest of ``repeats`` wall-clock timings of ``call(fresh())`` after one warm-up call (a single
+    sample can be slowed by the host); each input from ``fresh`` is made, and ready, before its timer starts."""
+    jax.block_until_ready(call(fresh()))
     best = float("inf")
     for _ in range(repeats):
+        x = jax.block_until_ready(fresh())
         t = time.perf_counter()
-        jax.block_until_ready(call())
+        jax.block_until_ready(call(x))
         best = min(best, time.perf_counter() - t)
     return best
 
@@ -441,7 +451,7 @@ def copy_bandwidth() -> float:
             v = f(v)
         return v
 
-    return 10 * 8 * a.size / _best_seconds(ten_calls)
+    return 10 * 8 * a.size / best_seconds(lambda _: ten_calls())
 
 
 def matmul_rates() -> dict[str, float]:
@@ -452,7 +462,7 @@ def matmul_rates() -> dict[str, float]:
     for name, dtype, acc in (("bf16", jnp.bfloat16, jnp.float32), ("int8", jnp.int8, jnp.int32)):
         a = jnp.ones((n, n), dtype)
         f = jax.jit(lambda x, y, acc=acc: jnp.dot(x, y, preferred_element_type=acc))
-        rates[name] = 2 * n**3 / _best_seconds(lambda: f(a, a))
+        rates[name] = 2 * n**3 / best_seconds(lambda _: f(a, a))
     return rates
 
 

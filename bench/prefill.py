@@ -23,14 +23,13 @@ import dataclasses
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 from bench.args import command_line, git_commit, int_list, positive_int, utc_now
-from bench.decode import matmul_rates, random_params
+from bench.decode import best_seconds, matmul_rates, random_params
 from bench.shapes import MODELS
 from pallas_kernels.precision import W4A16
 from qspec_jax.core import Decoder, init_state, prefill
@@ -54,18 +53,6 @@ def linear_flops(cfg, tokens: int, head_rows: int) -> float:
     return 2.0 * (cfg.num_layers * per_layer * tokens + cfg.vocab_size * h * head_rows)
 
 
-def _best(call, make, reps: int) -> float:
-    """Seconds of ``call(make())``: warm-up, then the best of ``reps``, each on a fresh input."""
-    jax.block_until_ready(call(make()))
-    best = float("inf")
-    for _ in range(reps):
-        x = jax.block_until_ready(make())
-        t = time.perf_counter()
-        jax.block_until_ready(call(x))
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
 def measure(name: str, batch: int, args, rate: float) -> dict:
     cfg = MODELS[name]
     params = random_params(cfg, jax.random.key(1))
@@ -77,13 +64,13 @@ def measure(name: str, batch: int, args, rate: float) -> dict:
     # whole states out: the cache writes are part of the work
     lib = jax.jit(lambda p, s: prefill(p, dec, s), donate_argnums=1)
     old = jax.jit(lambda p, s: previous_prefill(p, s, rt), donate_argnums=1)
-    t_lib = _best(lambda s: lib(params, s), make, args.reps)
+    t_lib = best_seconds(lambda s: lib(params, s), args.reps, make)
     n = batch * args.prompt
     res = {"model": name, "batch": batch, "prompt": args.prompt, "buffer": args.prompt + args.new, "seconds": t_lib,
            "matmul_tflops": linear_flops(cfg, n, batch) / t_lib / 1e12,
            "of_bf16_rate": linear_flops(cfg, n, batch) / t_lib / rate}
     try:  # its [T, S] scores and every position's logits may not fit where the library's prefill does
-        t_old = _best(lambda s: old(params, s), make, args.reps)
+        t_old = best_seconds(lambda s: old(params, s), args.reps, make)
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise

@@ -538,9 +538,10 @@ def test_smoke_preset_end_to_end_and_resume(tmp_path, monkeypatch, capsys):
     assert "Not measured: smoke batch 2 context 32 (needs ~" in (tmp_path / "d" / "decode.md").read_text()
 
 
-def test_cost_model_calibration_and_memory_limit(monkeypatch):
+def test_cost_model_calibration_and_memory_limit(monkeypatch, rng):
     """The pace is recorded seconds / the cost model's estimate over recorded sections (median, largest);
-    the memory limit is a share of the device's bytes_limit (none where the device reports none)."""
+    the memory limit is a share of the device's bytes_limit (none where the device reports none); a draft
+    head's copy counts in the memory a configuration needs."""
     methods = {"w4a16": {}, "w4a8": {}, "qspec w4a8 g=1": {}, "qspec w4a8 g=3": {}, "qspec w4a8 g=auto": {}}
     args = decode.parse_args(["--preset", "headline", "--batches", "8", "--contexts", "512"])[0]
     est = decode.config_cost_s("llama3-8b", 512, 8, args, 4e12, float("inf"))
@@ -551,6 +552,11 @@ def test_cost_model_calibration_and_memory_limit(monkeypatch):
                                   {**sec, "bench_s": {"compile_wait": 0.0, "timing": 2 * est}}, sec])
     assert got == pytest.approx((2.0, 3.0))
     assert decode.calibrated_pace([sec]) is None
+    cfg, rows = decode.MODELS["llama3-8b"], int(rng.integers(1, 100_000))
+    plain = decode.memory_need(1e9, cfg, 512, 8, args)
+    for draft, per_weight in ((f"w4a8/head{rows}q4", 0.5 + 8 / 32), (f"w4a8/head{rows}", 2)):
+        got = decode.memory_need(1e9, cfg, 512, 8, type(args)(**dict(vars(args), drafts=[*args.drafts, draft])))
+        assert got - plain == pytest.approx(rows * cfg.hidden_size * per_weight)
     fake = type("Device", (), {"memory_stats": lambda self: {"bytes_limit": 100e9}})()
     monkeypatch.setattr(decode.jax, "devices", lambda: [fake])
     assert decode.memory_limit() == pytest.approx(decode.MEM_HEADROOM * 100e9)
