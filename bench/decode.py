@@ -168,12 +168,14 @@ def weight_bytes(params: dict) -> int:
     return int(total - params["embed"].nbytes if "lm_head" in params else total)
 
 
-def matmul_flops_per_token(cfg: LlamaConfig) -> int:
-    """2 x the weights every token multiplies (qkv, o, gate/up, down per layer, and the lm_head)."""
+def matmul_flops_per_token(cfg: LlamaConfig, head_rows: int | None = None) -> int:
+    """2 x the weights every token multiplies (qkv, o, gate/up, down per layer, and ``head_rows`` rows of
+    the lm_head: None, all of them)."""
     qkv = cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     o = cfg.num_heads * cfg.head_dim * cfg.hidden_size
     mlp = 3 * cfg.hidden_size * cfg.intermediate_size
-    return 2 * (cfg.num_layers * (qkv + o + mlp) + cfg.vocab_size * cfg.hidden_size)
+    rows = cfg.vocab_size if head_rows is None else head_rows
+    return 2 * (cfg.num_layers * (qkv + o + mlp) + rows * cfg.hidden_size)
 
 
 def kv_bytes(cfg: LlamaConfig, batch: int, slots: int) -> int:
@@ -611,17 +613,17 @@ def run_config(c: Config, compiled: dict, params: dict, fparams: dict | None, ar
     """Times ``c``'s compiled programs one by one: each method's decode loop, QSPEC's phases."""
     res, make, batch, ahead = c.res, c.makes[None], c.res["batch"], c.ahead
     floor_ms = res["floor_ms_per_step"]
-    flops = matmul_flops_per_token(c.rt.config)
 
-    def phase_floor_ms(tokens: int, mma: str, kv_bits: int | None = None,
-                       window: AttentionWindow | None = None, weights: float | None = None) -> float:
+    def phase_floor_ms(tokens: int, mma: str, kv_bits: int | None = None, window: AttentionWindow | None = None,
+                       weights: float | None = None, head_rows: int | None = None) -> float:
         """The larger of the byte floor (``weights`` bytes, default the model's; the KV read from a
         ``kv_bits`` shadow: codes and a float32 scale per key / value vector; only a ``window``'s slots)
-        and ``tokens`` tokens' matmul FLOPs at the measured rate."""
+        and ``tokens`` tokens' matmul FLOPs (over ``head_rows`` lm_head rows: None, all) at the measured rate."""
         kv = res["kv_read_bytes"] * (1 if kv_bits is None else kv_bits / 16 + 2 / c.rt.config.head_dim)
         if window is not None:
             kv *= min(1.0, (window.sinks + window.size) / res["phase_context"])
         weights = res["weight_bytes"] if weights is None else weights
+        flops = matmul_flops_per_token(c.rt.config, head_rows)
         return max(1e3 * (weights + kv) / res["copy_bw"], 1e3 * tokens * flops / rates[mma])
 
     def forward_ms(key: tuple, tokens: int, bits: int | None = None, p: dict | None = None) -> float:
@@ -660,7 +662,7 @@ def run_config(c: Config, compiled: dict, params: dict, fparams: dict | None, ar
             entry = {"tokens_per_s": batch * args.new / secs, "ms_per_round": t_round, "tokens_per_round": tpr,
                      "iterations": iterations, "tail": tail, "alpha": alpha,
                      "draft_ms": t_draft, "verify_ms": t_verify, "overhead_ms": overhead,
-                     "draft_floor_ms": phase_floor_ms(batch, "int8", bits, spec.window, draft_weights),
+                     "draft_floor_ms": phase_floor_ms(batch, "int8", bits, spec.window, draft_weights, spec.head_rows),
                      "verify_floor_ms": phase_floor_ms(batch * (g + 1), "bf16"),
                      "memory_bytes": loop_memory_bytes(compiled["qspec", draft, g])}
             if base and t_target:
@@ -719,7 +721,10 @@ def record_trace(args, command: str) -> None:
     prompts = (f"few-shot GSM8K prompts (dev questions after train examples) of at most "
                f"{', '.join(map(str, args.trace_contexts))} tokens" if args.trace_contexts
                else "GSM8K-dev prompts")
-    out: dict = {"source": f"SmolLM2-135M-Instruct (embedded, default checkpoint), greedy, chat template, "
+    which = "embedded, default checkpoint" if args.checkpoint is None else f"checkpoint {args.checkpoint.name}"
+    if model.checkpoint.draft_vocab is not None:
+        which += ", draft heads' rows ranked by calibration frequency"
+    out: dict = {"source": f"SmolLM2-135M-Instruct ({which}), greedy, chat template, "
                            f"{args.prompts} {prompts} x {args.new} new tokens",
                  "device": jax.devices()[0].device_kind, "dtype": "float32", "kernels": resolve_kernels(args.kernels),
                  "date": utc_now(), "commit": git_commit(), "command": command}

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from bench.args import command_line, git_commit, int_list, positive_int, utc_now
-from bench.decode import best_seconds, matmul_rates, random_params
+from bench.decode import best_seconds, matmul_flops_per_token, matmul_rates, random_params
 from bench.shapes import MODELS
 from pallas_kernels.precision import W4A16
 from qspec_jax.core import Decoder, init_state, prefill
@@ -47,10 +47,9 @@ def previous_prefill(params, state: DecodeState, rt: Runtime) -> tuple[jax.Array
 
 
 def linear_flops(cfg, tokens: int, head_rows: int) -> float:
-    """2 x the decoder linears' weights x ``tokens`` + 2 x the lm_head's x ``head_rows``."""
-    d, h = cfg.head_dim, cfg.hidden_size
-    per_layer = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h + 3 * h * cfg.intermediate_size
-    return 2.0 * (cfg.num_layers * per_layer * tokens + cfg.vocab_size * h * head_rows)
+    """The decoder linears' FLOPs for ``tokens`` tokens and the lm_head's for ``head_rows`` of them."""
+    return float(tokens * matmul_flops_per_token(cfg, 0) + head_rows * (matmul_flops_per_token(cfg)
+                                                                        - matmul_flops_per_token(cfg, 0)))
 
 
 def measure(name: str, batch: int, args, rate: float) -> dict:

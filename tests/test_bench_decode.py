@@ -93,6 +93,7 @@ def test_decode_bench_smoke(tmp_path):
     elements = sum(w.packed.size * 2 for w in layer_weights) + params["lm_head"].size
     flops = 2 * elements
     assert decode.matmul_flops_per_token(cfg) == flops
+    assert decode.matmul_flops_per_token(cfg, 64) == flops - 2 * (cfg.vocab_size - 64) * cfg.hidden_size
     rates = run["matmul_rates"]
     assert rates["bf16"] > 0 and rates["int8"] > 0
     assert q["verify_floor_ms"] == max(res["floor_ms_per_step"], 1e3 * 2 * 4 * flops / rates["bf16"])
