@@ -1027,11 +1027,15 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, set[str]]:
     explicit = {a.dest for a in ap._actions for arg in argv for opt in a.option_strings
                 if arg == opt or arg.startswith(opt + "=")}
     args.drafts = [d for d in args.drafts.split(",") if d]
+    seen: dict[DraftSpec, str] = {}
     for d in args.drafts:
         try:
-            parse_draft(d)
+            spec = parse_draft(d)
         except ValueError as e:
             ap.error(str(e))
+        if spec in seen:
+            ap.error(f"--drafts: {seen[spec]} and {d} are the same draft")
+        seen[spec] = d
     if args.trace_contexts and not args.record_trace:
         ap.error("--trace-contexts goes with --record-trace")
     args.ar = [m for m in args.ar.split(",") if m]

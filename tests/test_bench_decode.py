@@ -591,7 +591,9 @@ def test_parse_draft_grammar(rng):
                 "w4a8/int8", "w4a16", "w4a8/head", "w4a8/head0", "w4a8/headq8", "w4a8/head8/kv8"):
         with pytest.raises(ValueError, match=r"expected MODE\[/kvBITS\]\[/winSIZE\[\+SINKS\]\]\[/head"):
             decode.parse_draft(bad)
-    with pytest.raises(SystemExit):  # a draft head's speed is not what this benchmark times
+    with pytest.raises(SystemExit):  # two spellings of one draft would be compiled and timed twice
+        decode.parse_args(["--drafts", f"w4a8/win{size},w4a8/win{size}+{decode.DEFAULT_SINKS}"])
+    with pytest.raises(SystemExit, match="needs --trace"):  # random weights replay a trace's acceptance
         decode.main(["--drafts", "w4a8/headq4", "--models", "smoke"])
 
 
