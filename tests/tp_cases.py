@@ -85,3 +85,32 @@ def test_tp_sampling_and_window_views_run_sharded(rng):
     res = generate(model, prompts, max_new_tokens=10, method="qspec", gamma=2, temperature=0.8, seed=3,
                    eos_token_id=-1, tensor_parallel=4)
     assert len(res.sequences[0]) == 10 and res.stats["drafted"] > 0
+
+
+def test_tp_benchmark_times_each_method_on_two_shards_and_one_device(tmp_path, monkeypatch, rng):
+    """bench.tp at TP 2: W4A16 and QSPEC (replayed) timed on 2 shards and on one device, the efficiency
+    their ratio / 2, the same replayed rounds at both degrees, the all-reduce floor from the ring bytes."""
+    import json
+
+    import pytest
+
+    from bench import shapes, tp as bench_tp
+
+    monkeypatch.setitem(shapes.MODELS, "tp-tiny", LlamaConfig(256, 128, 512, 2, 8, 2, 32, max_position_embeddings=256))
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"source": "test trace", "w4a8": {"2": rng.integers(0, 3, size=(5, 3)).tolist()}}))
+    bench_tp.main(["--tp", "2", "--models", "tp-tiny", "--batches", "2", "--contexts", "32", "--new", "8", "--gammas",
+                   "2", "--drafts", "w4a8", "--trace", str(trace), "--kernels", "reference", "--out", str(tmp_path)])
+    run = json.loads((tmp_path / "tp.json").read_text())
+    (r,) = run["results"]
+    assert set(r["methods"]) == {"w4a16", "qspec w4a8 g=2"} and run["tp"] == 2
+    for e in r["methods"].values():
+        assert e["tokens_per_s_tp2"] > 0 and e["tokens_per_s_tp1"] > 0
+        assert e["efficiency"] == pytest.approx(e["tokens_per_s_tp2"] / e["tokens_per_s_tp1"] / 2)
+    q = r["methods"]["qspec w4a8 g=2"]
+    assert q["tokens_per_round_tp2"] == q["tokens_per_round_tp1"] > 1
+    assert q["vs_w4a16"] == pytest.approx(q["tokens_per_s_tp2"] / r["methods"]["w4a16"]["tokens_per_s_tp2"])
+    ring = 2 * (2 - 1) / 2 * 2 * 128 * 4  # per psum: 2 (N - 1) / N x [batch, hidden] float32
+    assert r["allreduce_floor_ms"] == pytest.approx(1e3 * 2 * 2 * ring / run["bus_bandwidth"])
+    assert r["allreduce_ms_per_step"] > 0
+    assert "| tp-tiny | 32 | 2 | qspec w4a8 g=2 |" in (tmp_path / "tp.md").read_text()
