@@ -831,7 +831,9 @@ def trace_markdown(trace: dict) -> str:
              f"{trace.get('source', '')}.", "", f"`{trace.get('command', 'command not recorded')}`", "",
              "Tokens per round = 1 + the mean accepted drafts per round and sequence (rounds kept until the "
              "first sequence of the batch is done). A draft `MODE/kvBITS` reads an INT8 / INT4 shadow of the KV "
-             "cache; `/winSIZE+SINKS` attends over the first SINKS and the last SIZE positions only.", ""]
+             "cache; `/winSIZE+SINKS` attends over the first SINKS and the last SIZE positions only; `/headROWS` "
+             "computes the draft's logits over the ROWS most frequent tokens only (`q4`: from an INT4 copy of the "
+             "head).", ""]
     # every table gets every draft and gamma any table holds: one missing from a table says so
     drafts = list(dict.fromkeys(d for t in tables.values() for d, r in t.items() if isinstance(r, dict)))
     gammas = sorted({int(g) for t in tables.values() for r in t.values() if isinstance(r, dict) for g in r})
