@@ -24,7 +24,10 @@ from qspec_jax.config import LlamaConfig
 ROWS_PER_TILE = 64  # token rows an INT4 matmul tile multiplies per dequantized weight tile
 RETILE = 1.2  # extra weight reads per further tile of rows (a 64-row verify reads its weights 2.2 times)
 OVERHEAD = 0.25  # the non-matmul kernels of a forward, as a fraction of its weight reads
-PRIOR_ALPHA, PRIOR_DRAFTS = 0.8, 4  # acceptance assumed before any draft of a sequence was verified
+PRIOR_ALPHA, PRIOR_DRAFTS = 0.8, 4  # acceptance added to each sequence's observed drafts (a prior)
+# until the running sequences had this many drafts verified each (on average), γ is chosen as if every draft
+# were accepted: a prior alone could pick γ = 0 forever, never observing the acceptance that would pay
+EXPLORE_DRAFTS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,11 +101,13 @@ def choose_gamma(costs: CostModel, gamma_max: int, accepted: jax.Array, drafted:
                  running: jax.Array) -> jax.Array:
     """The γ (int32 scalar) with the most expected tokens per byte over the ``running`` sequences,
     each with its own acceptance so far (``accepted / drafted`` after a prior of
-    :data:`PRIOR_DRAFTS` drafts at :data:`PRIOR_ALPHA`)."""
-    alpha = (accepted + PRIOR_ALPHA * PRIOR_DRAFTS) / (drafted + PRIOR_DRAFTS)
+    :data:`PRIOR_DRAFTS` drafts at :data:`PRIOR_ALPHA`); every draft counted as accepted until they
+    had :data:`EXPLORE_DRAFTS` drafts verified each on average (so γ >= 1 is tried wherever it could pay)."""
     g = jnp.arange(gamma_max + 1, dtype=jnp.float32)
     weight = running.astype(jnp.float32)
-    tokens = jnp.sum(expected_tokens(alpha[:, None], g[None, :]) * weight[:, None], axis=0)
     n = jnp.maximum(jnp.sum(weight), 1.0)
+    explore = jnp.sum(drafted * weight) < EXPLORE_DRAFTS * n
+    alpha = jnp.where(explore, 1.0, (accepted + PRIOR_ALPHA * PRIOR_DRAFTS) / (drafted + PRIOR_DRAFTS))
+    tokens = jnp.sum(expected_tokens(alpha[:, None], g[None, :]) * weight[:, None], axis=0)
     context = jnp.sum(lengths * weight) / n
     return jnp.argmax(tokens / costs.round_costs(gamma_max, n, context)).astype(jnp.int32)

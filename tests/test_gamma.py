@@ -22,8 +22,9 @@ from tests.conftest import TINY, memory_model, prefilled, random_source
 def _choice64(c: gm.CostModel, gmax: int, accepted, drafted, lengths, running) -> int:
     """The γ with the most expected tokens per byte, from the definitions in float64."""
     run = running.astype(bool)
-    alpha = (accepted + gm.PRIOR_ALPHA * gm.PRIOR_DRAFTS) / (drafted + gm.PRIOR_DRAFTS)
     n, ctx = run.sum(), lengths[run].mean()
+    alpha = (np.ones(len(run)) if drafted[run].mean() < gm.EXPLORE_DRAFTS  # too few drafts seen: all accepted
+             else (accepted + gm.PRIOR_ALPHA * gm.PRIOR_DRAFTS) / (drafted + gm.PRIOR_DRAFTS))
     seen = ctx if c.window is None else min(ctx, c.window)
 
     def fwd(rows, kv_tokens, head, kvb):
@@ -42,7 +43,8 @@ def _choice64(c: gm.CostModel, gmax: int, accepted, drafted, lengths, running) -
 def test_choice_matches_float64_and_follows_acceptance(rng):
     """Random models, batches and acceptance histories: the jitted choice equals the float64 brute force
     wherever the best two rates are not within float32 rounding; no acceptance at all picks γ = 0;
-    near-perfect acceptance with cheap drafts (a small window over a long context) picks γ > 0."""
+    near-perfect acceptance with cheap drafts (a small window over a long context) picks γ > 0, and so
+    do too few drafts seen, even without an accept among them."""
     choose = jax.jit(gm.choose_gamma, static_argnums=(0, 1))
     agreed = 0
     for _ in range(40):
@@ -51,7 +53,7 @@ def test_choice_matches_float64_and_follows_acceptance(rng):
                          draft_kv_bytes=float(rng.uniform(1e3, 1e6)),
                          window=None if rng.random() < 0.5 else int(rng.integers(64, 2048)))
         b = int(rng.integers(1, 33))
-        drafted = rng.integers(0, 400, b).astype(np.float32)
+        drafted = rng.integers(0, 400 if rng.random() < 0.7 else 12, b).astype(np.float32)
         accepted = np.floor(drafted * rng.uniform(0, 1, b)).astype(np.float32)
         lengths = rng.integers(16, 8192, b).astype(np.float32)
         running = rng.random(b) < 0.8
@@ -64,6 +66,8 @@ def test_choice_matches_float64_and_follows_acceptance(rng):
     ones, lens = jnp.ones(8, bool), jnp.full(8, 4000.0)
     assert int(choose(c, 4, jnp.zeros(8), jnp.full(8, 1000.0), lens, ones)) == 0
     assert int(choose(c, 4, jnp.full(8, 999.0), jnp.full(8, 1000.0), lens, ones)) > 0
+    few = gm.EXPLORE_DRAFTS * 8 - 1  # in all: the running sequences' mean just below the threshold
+    assert int(choose(c, 4, jnp.zeros(8), jnp.full(8, few / 8), lens, ones)) > 0
 
 
 def test_auto_loop_switches_on_the_cost_model(rng):
