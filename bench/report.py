@@ -333,6 +333,8 @@ def tables(results: Path = RESULTS) -> dict[str, str]:
     makers: dict[str, tuple[str, Callable[[dict], str]]] = {
         "decode": ("decode.json", render_decode),
         "decode-views": ("decode_views.json", lambda d: render_decode(d, "decode_views.json")),
+        "decode-gamma5": ("decode_gamma5.json", lambda d: render_decode(d, "decode_gamma5.json")),
+        "decode-heads": ("decode_heads.json", lambda d: render_decode(d, "decode_heads.json")),
         "kernels": ("kernels.json", render_kernels),
         "fidelity": ("fidelity.json", render_fidelity),
         "fidelity-window": ("fidelity_window.json", lambda d: render_fidelity(d, "fidelity_window.json")),
