@@ -122,8 +122,8 @@ def w4a16_int4_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array, *, spli
                 def _step(j):
                     st = lax.rem(j, stages)
                     plgpu.barrier_wait(loaded.at[st])
-                    w = plgpu.load(w_smem.at[st, ns], (), layout=_UPCAST_4X)
-                    s = plgpu.load(s_smem.at[st, ns], (), layout=_WGMMA_ROW)
+                    w = plgpu.load(w_smem.at[st, ns], layout=_UPCAST_4X)
+                    s = plgpu.load(s_smem.at[st, ns], layout=_WGMMA_ROW)
                     w = plgpu.layout_cast(w, _WGMMA).astype(jnp.bfloat16)
                     plgpu.wgmma(acc, w * lax.broadcast_in_dim(s, w.shape, [0]), x_smem.at[st].T)
                     plgpu.wgmma_wait(0)
