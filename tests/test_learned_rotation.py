@@ -37,9 +37,11 @@ def trained():
     seed = int(rng.integers(2**31))
     print(f"trained: seed {seed}")
     src = random_source(TINY, rng)
-    src.embed[:] += 8 * random_hadamard(TINY.hidden_size, seed)[:, 0]
+    # an outlier of 24 and 24 steps: with a smaller outlier or fewer steps the loss's rounding noise can hide
+    # the descent on some seeds
+    src.embed[:] += 24 * random_hadamard(TINY.hidden_size, seed)[:, 0]
     tokens = rng.integers(0, TINY.vocab_size, (4, 24))
-    learned = learn_rotation(src, tokens, SCHEME, seed, LearnOptions(steps=12, lr=1e-2, n_samples=4, seq_len=24,
+    learned = learn_rotation(src, tokens, SCHEME, seed, LearnOptions(steps=24, lr=1e-2, n_samples=4, seq_len=24,
                                                                      batch=4), progress=False)
     return src, tokens, seed, learned
 
@@ -60,10 +62,10 @@ def test_learned_rotation_is_orthogonal_and_moved_from_its_hadamard(trained):
 
 def test_training_lowers_the_loss(trained):
     loss = trained[3].record["loss"]
-    assert len(loss) == 12 and all(np.isfinite(loss))
+    assert len(loss) == 24 and all(np.isfinite(loss))
     # the quantized loss jumps as roundings flip (a tiny model has few channels): the best step, and the
     # second half's best, not each step
-    assert min(loss[1:]) < 0.99 * loss[0] and min(loss[6:]) < loss[0], loss
+    assert min(loss[1:]) < 0.99 * loss[0] and min(loss[12:]) < loss[0], loss
 
 
 def test_training_forward_is_the_model(trained, rng):
