@@ -82,9 +82,14 @@ def _psum_loop(tp: int, count: int):
     return jax.jit(jax.shard_map(body, mesh=sharding.mesh(tp), in_specs=P(), out_specs=P(), check_vma=False))
 
 
+def probe_bytes() -> int:
+    """Bytes of the large all-reduce :func:`bus_bandwidth` times on this backend."""
+    return 4 * LARGE_ALLREDUCE.get(jax.default_backend(), LARGE_ALLREDUCE["cpu"])
+
+
 def bus_bandwidth(tp: int) -> float:
     """Bytes per second a ring all-reduce moves per device (2 (N - 1) / N x the message) on a large message."""
-    x = jnp.ones((LARGE_ALLREDUCE.get(jax.default_backend(), LARGE_ALLREDUCE["cpu"]),), jnp.float32)
+    x = jnp.ones((probe_bytes() // 4,), jnp.float32)
     f = _psum_loop(tp, 10)
     return 10 * ring_bytes(x.nbytes, tp) / best_seconds(lambda _: f(x))
 
@@ -121,7 +126,8 @@ def measure(name: str, context: int, batch: int, args, table: dict, bus_bw: floa
             del host
         for method, loop in loops(cfg, tp, args, table).items():
             bits = parse_draft(method.split()[1]).kv if method.startswith("qspec ") else None
-            make = lambda bits=bits, tp=tp: placed(fresh_state(cfg, batch, context, args.new, gmax, 0, bits), tp)  # noqa: E731
+            def make(bits=bits, tp=tp):
+                return placed(fresh_state(cfg, batch, context, args.new, gmax, 0, bits), tp)
             secs, out = time_loop(loop, params, make, args.new, args.reps)
             entry = res["methods"].setdefault(method, {})
             entry[f"tokens_per_s_tp{tp}"] = batch * args.new / secs
@@ -211,10 +217,10 @@ def main(argv: list[str] | None = None) -> None:
             if missing := [g for g in args.gammas if str(g) not in (draft_rounds(table, d) or {})]:
                 raise SystemExit(f"the trace {args.trace} has no {d} rounds for gamma {missing} at context {c}")
     bus_bw, limit = bus_bandwidth(args.tp), memory_limit()
-    probe = LARGE_ALLREDUCE.get(jax.default_backend(), LARGE_ALLREDUCE["cpu"]) * 4
     run = {"command": command_line("bench.tp", argv), "device": jax.devices()[0].device_kind, "tp": args.tp,
            "date": utc_now(), "commit": git_commit(), "jax": jax.__version__, "kernels": resolve_kernels(args.kernels),
-           "trace_source": trace.get("source", "-"), "bus_bandwidth": bus_bw, "bus_probe_bytes": probe, "results": []}
+           "trace_source": trace.get("source", "-"), "bus_bandwidth": bus_bw, "bus_probe_bytes": probe_bytes(),
+           "results": []}
     args.out.mkdir(parents=True, exist_ok=True)
     for name in args.models:
         for context in args.contexts:
