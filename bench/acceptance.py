@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
         for g in gammas:
             t = time.time()
             res = generate(model, questions, max_new_tokens=args.max_new_tokens, method="qspec", draft=draft,
-                           gamma=g, chat=True)
+                           gamma=g, draft_window=None, chat=True)
             same = all(np.array_equal(a, b) for a, b in zip(res.sequences, ref.sequences))
             identical &= same
             rows.append((draft, g, res.stats, same))

@@ -90,7 +90,8 @@ def run_method(model: Model, questions: list[str], method: str, draft: DraftSpec
     seqs, texts = [], []
     tot = dict(rounds=0, drafted=0, accepted=0, in_rounds=0, seconds=0.0)
     for i in range(0, len(questions), batch):
-        qspec = {} if draft is None else {"draft": draft.mode, "gamma": gamma, "draft_kv": draft.kv}
+        qspec = {} if draft is None else {"draft": draft.mode, "gamma": gamma, "draft_kv": draft.kv,
+                                          "draft_window": None}  # the spec's views only
         if draft is not None and draft.window is not None:
             qspec |= {"draft_window": draft.window.size, "draft_sinks": draft.window.sinks}
         if draft is not None and draft.head:

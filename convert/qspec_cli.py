@@ -68,14 +68,16 @@ def read_prompts(args) -> list:
     return prompts
 
 
-def _gamma(text: str) -> int | str:
-    """``--gamma``: ``auto`` or an integer (generate() checks its range)."""
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or an integer, got {text!r}") from None
+def _int_or(word: str):
+    """An argparse type: ``word`` or an integer (generate() checks its range)."""
+    def parse(text: str) -> int | str:
+        if text == word:
+            return text
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {word!r} or an integer, got {text!r}") from None
+    return parse
 
 
 def _checkpoint(args) -> Path:
@@ -90,6 +92,8 @@ def cmd_generate(args) -> None:
                   "draft_window": args.draft_window, "draft_sinks": args.draft_sinks, "draft_head": args.draft_head,
                   "draft_head_bits": args.draft_head_bits}
     qspec_only = {name: value for name, value in qspec_only.items() if value is not None}  # unset: generate()'s defaults
+    if qspec_only.get("draft_window") == "none":
+        qspec_only["draft_window"] = None
     if args.method != "qspec" and qspec_only:  # refused, not silently ignored
         flags = ", ".join("--" + name.replace("_", "-") for name in qspec_only)
         raise ValueError(f"{flags} {'applies' if len(qspec_only) == 1 else 'apply'} to --method qspec only, "
@@ -168,7 +172,7 @@ def cmd_demo(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from qspec_jax.api import DEFAULT_DRAFT, DEFAULT_GAMMA, DEFAULT_SINKS, DRAFTS, METHODS
+    from qspec_jax.api import DEFAULT_DRAFT, DEFAULT_GAMMA, DEFAULT_SINKS, DEFAULT_WINDOW, DRAFTS, METHODS
 
     fmt = argparse.ArgumentDefaultsHelpFormatter
     ap = argparse.ArgumentParser(prog="qspec-jax", description=__doc__, formatter_class=fmt)
@@ -178,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name, help=text, description=text, formatter_class=fmt)
         p.add_argument("--checkpoint", type=Path, default=None, help="converted checkpoint (none: the embedded SmolLM2)")
         p.add_argument("--max-new-tokens", type=int, default=96, help="tokens to generate at most")
-    sub.choices["demo"].add_argument("--gamma", type=_gamma, default=DEMO_GAMMA,
+    sub.choices["demo"].add_argument("--gamma", type=_int_or("auto"), default=DEMO_GAMMA,
                                      help="drafted tokens per round, or 'auto' (which, with plain drafts, drafts "
                                           "nothing: their steps read as many bytes as W4A16's)")
     g = sub.choices["generate"]
@@ -191,14 +195,15 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--json", action="store_true",
                    help="print one JSON object per prompt (index, text, tokens, finish_reason[, logprobs])")
     g.add_argument("--method", choices=METHODS, default="qspec", help="qspec, or an autoregressive baseline")
-    g.add_argument("--gamma", type=_gamma, default=None,
+    g.add_argument("--gamma", type=_int_or("auto"), default=None,
                    help=f"qspec: drafted tokens per round, or 'auto' (none: {DEFAULT_GAMMA})")
     g.add_argument("--draft", choices=DRAFTS, default=None,
                    help=f"qspec: the drafts' activation precision (none: {DEFAULT_DRAFT})")
     g.add_argument("--draft-kv", type=int, choices=(8, 4), default=None,
                    help="qspec: the drafts read an INT8 / INT4 copy of the KV cache")
-    g.add_argument("--draft-window", type=int, default=None,
-                   help="qspec: the drafts attend over the first --draft-sinks slots and the last this many only")
+    g.add_argument("--draft-window", type=_int_or("none"), default=None,
+                   help="qspec: the drafts attend over the first --draft-sinks slots and the last this many only; "
+                        f"'none': the whole cache (none given: {DEFAULT_WINDOW})")
     g.add_argument("--draft-sinks", type=int, default=None,
                    help=f"qspec, with --draft-window: slots always seen (none: {DEFAULT_SINKS})")
     g.add_argument("--draft-head", type=int, default=None,

@@ -29,6 +29,9 @@ METHODS = ("qspec", *(p.name for p in AR_PRECISIONS))
 DRAFTS = tuple(p.name for p in DRAFT_PRECISIONS)
 DEFAULT_DRAFT, DEFAULT_GAMMA = W4A8.name, "auto"  # generate()'s, also the CLI's
 DEFAULT_SINKS = 64  # a draft window's first slots (one KV block of the attention kernel)
+# generate()'s draft window: no memory, a draft reads at most this many cached tokens; the acceptance it
+# keeps at long context is in bench/results/acceptance_contexts.md
+DEFAULT_WINDOW = 1024
 # Prompts are padded to a multiple of PROMPT_MULTIPLE and the room for new tokens rounded up to one of
 # NEW_TOKENS_MULTIPLE: calls in one bucket share the compiled prefill and decode loop (pad tokens sit
 # after a sequence's last position, unused slots past its budget: invisible to it)
@@ -169,14 +172,19 @@ def seed_key(seed: int) -> jax.Array:
 
 
 def _draft_window(method: str, size: int | None, sinks: int) -> reference.AttentionWindow | None:
-    """generate()'s ``draft_window`` / ``draft_sinks`` as the drafts' attention window (None: none)."""
+    """generate()'s ``draft_window`` / ``draft_sinks`` as the drafts' attention window (None: none; the
+    autoregressive methods take only the defaults, which do not apply to them)."""
+    if method != "qspec":
+        if size not in (None, DEFAULT_WINDOW) or sinks != DEFAULT_SINKS:
+            raise ValueError(f"draft_window and draft_sinks apply to method 'qspec' only; got draft_window={size!r}, "
+                             f"draft_sinks={sinks!r} with method {method!r}")
+        return None
     if size is None:
         if sinks != DEFAULT_SINKS:
             raise ValueError(f"draft_sinks={sinks!r} needs a draft_window")
         return None
-    if method != "qspec" or not is_integer(size) or size < 1:
-        raise ValueError(f"draft_window must be None or an integer >= 1, with method 'qspec'; got "
-                         f"draft_window={size!r} with method {method!r}")
+    if not is_integer(size) or size < 1:
+        raise ValueError(f"draft_window must be None or an integer >= 1, got {size!r}")
     if not is_integer(sinks) or sinks < 0:
         raise ValueError(f"draft_sinks must be an integer >= 0, got {sinks!r}")
     return reference.AttentionWindow(int(sinks), int(size))
@@ -185,7 +193,8 @@ def _draft_window(method: str, size: int | None, sinks: int) -> reference.Attent
 def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]] | np.ndarray, *,
              max_new_tokens: int | Sequence[int], method: str = "qspec", draft: str | None = None,
              gamma: int | str | None = None,
-             draft_kv: int | None = None, draft_window: int | None = None, draft_sinks: int = DEFAULT_SINKS,
+             draft_kv: int | None = None, draft_window: int | None = DEFAULT_WINDOW,
+             draft_sinks: int = DEFAULT_SINKS,
              draft_head: int | None = None, draft_head_bits: int = 16,
              temperature: float | Sequence[float] = 0.0, top_k: int | Sequence[int | None] | None = None,
              top_p: float | Sequence[float | None] | None = None, seed: int = 0,
@@ -201,8 +210,9 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
     autoregressively in that mode and refuse ``draft`` / ``gamma``. ``draft_kv`` (8 or 4, ``qspec`` only):
     the drafts attend over an INT8 / INT4 copy of the KV cache kept beside it, reading fewer bytes
     per draft step; the verifier still reads only its own float cache, so the output is unchanged.
-    ``draft_window`` (``qspec`` only): the drafts attend over the first ``draft_sinks`` slots and the
-    ``draft_window`` slots ending at their own position only (alone or with ``draft_kv``).
+    ``draft_window`` (``qspec`` only; default :data:`DEFAULT_WINDOW`, None: the whole cache): the drafts
+    attend over the first ``draft_sinks`` slots and the ``draft_window`` slots ending at their own
+    position only (alone or with ``draft_kv``); it costs no memory and changes nothing below that length.
     ``draft_head`` (``qspec`` only, a checkpoint converted with ``--draft-vocab``): the drafts compute
     logits for that many of the calibration text's most frequent tokens only, from a copy of those
     lm_head rows; the verifier keeps the full head. ``draft_head_bits`` 4 (``qspec`` only): that copy

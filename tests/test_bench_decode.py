@@ -411,10 +411,10 @@ def test_decode_bench_real_model(tmp_path, monkeypatch):
         path.write_text("\n".join(json.dumps(r) for r in part))
     out = tmp_path / "out"
     decode.main(["--models", "smollm2", "--gsm8k", str(dev), "--gsm8k-train", str(train), "--batches", "2",
-                 "--contexts", "192", "--new", "8", "--gammas", "2", "--drafts", "w4a8", "--ar", "w4a16",
+                 "--contexts", "128", "--new", "8", "--gammas", "2", "--drafts", "w4a8", "--ar", "w4a16",
                  "--kernels", "reference", "--reps", "1", "--out", str(out)])
     (res,) = json.loads((out / "decode.json").read_text())["results"]
-    assert res["acceptance"] == "measured" and 100 < res["prompt_tokens"] <= 192
+    assert res["acceptance"] == "measured" and 64 < res["prompt_tokens"] <= 128
     q = res["methods"]["qspec w4a8 g=2"]
     assert 1 <= q["tokens_per_round"] <= 3 and q["speedup_vs_w4a16"] > 0
     assert "(measured)" in (out / "decode.md").read_text()
@@ -428,12 +428,11 @@ def test_record_trace_on_the_real_model(tmp_path, capsys):
                              for i in range(3)))
     out = tmp_path / "trace.json"
     decode.main(["--record-trace", str(out), "--gsm8k", str(dev), "--prompts", "2", "--new", "8",
-                 "--gammas", "2", "--drafts", "w4a8,w4a8/headq4", "--kernels", "reference"])
-    for draft in ("w4a8", "w4a8/headq4"):
-        rounds = json.loads(out.read_text())[draft]["2"]
-        assert rounds and all(len(r) == 2 and all(0 <= a <= 2 for a in r) for r in rounds)
-        for seq in zip(*rounds):
-            assert sum(a + 1 for a in seq) <= 8
+                 "--gammas", "2", "--drafts", "w4a8/headq4", "--kernels", "reference"])
+    rounds = json.loads(out.read_text())["w4a8/headq4"]["2"]  # drafts from an INT4 copy of the head
+    assert rounds and all(len(r) == 2 and all(0 <= a <= 2 for a in r) for r in rounds)
+    for seq in zip(*rounds):
+        assert sum(a + 1 for a in seq) <= 8
     with pytest.raises(SystemExit, match="no token ranking"):  # the embedded checkpoint has none
         decode.main(["--record-trace", str(out), "--gsm8k", str(dev), "--prompts", "1", "--new", "2",
                      "--gammas", "1", "--drafts", "w4a8/head64", "--kernels", "reference"])
@@ -507,13 +506,13 @@ def test_preset_leaves_out_smollm2_without_its_files(tmp_path, monkeypatch, caps
 
 
 def test_smoke_preset_end_to_end_and_resume(tmp_path, monkeypatch, capsys):
-    """The smoke preset measures every configuration on the CPU with the headline's methods, records
+    """The smoke preset measures a configuration on the CPU with the headline's methods, records
     where and what measured it, and lists skipped ones; a call stopped by its budget says how many
     configurations remain, and --resume finishes them."""
     out = tmp_path / "a"
-    decode.main(["--preset", "smoke", "--out", str(out)])
+    decode.main(["--preset", "smoke", "--contexts", "32", "--out", str(out)])
     run = json.loads((out / "decode.json").read_text())
-    assert [(r["context"], r["batch"]) for r in run["results"]] == [(32, 2), (64, 2)]
+    assert [(r["context"], r["batch"]) for r in run["results"]] == [(32, 2)]
     for r in run["results"]:
         assert set(r["methods"]) == {"w4a16", "w4a8", "qspec w4a8 g=1", "qspec w4a8 g=3", "qspec w4a8 g=auto"}
         auto = r["methods"]["qspec w4a8 g=auto"]
@@ -521,7 +520,7 @@ def test_smoke_preset_end_to_end_and_resume(tmp_path, monkeypatch, capsys):
         assert {"gpu", "date", "commit", "command"} <= set(r)
     md = (out / "decode.md").read_text()
     assert "qspec w4a8 g=3" in md and "best γ (w4a8)" in md
-    assert "0 of 2 configurations remain" in capsys.readouterr().out
+    assert "0 of 1 configurations remain" in capsys.readouterr().out
     _fake_timing(monkeypatch)
     monkeypatch.setattr(decode, "config_cost_s", lambda name, context, batch, *_: 1e-3 if context == 32 else 1e6)
     monkeypatch.setattr(decode, "MEM_LIMIT", 1e12)

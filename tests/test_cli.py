@@ -55,11 +55,16 @@ def test_generate_flags_reach_generate(monkeypatch, capsys, rng):
     keys = ("gamma", "draft_window", "draft_sinks", "draft_head", "draft_head_bits")
     assert {k: calls[-1][2][k] for k in keys} == dict(
         gamma="auto", draft_window=512, draft_sinks=4, draft_head=4096, draft_head_bits=4)
+    assert cli.main(["generate", "--prompt", "hi", "--draft-window", "none"]) == 0
+    assert calls[-1][2]["draft_window"] is None  # drafts over the whole cache
     assert cli.main(["generate", "--prompt", "hi", "--method", "w4a16", "--draft-head-bits", "4"]) == 2
     assert "--draft-head-bits applies to --method qspec only" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["generate", "--prompt", "hi", "--gamma", "three"])
     assert "expected 'auto' or an integer" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--prompt", "hi", "--draft-window", "all"])
+    assert "expected 'none' or an integer" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags,message", [(["--top-k", "5"], "temperature=0"), (["--gamma", "0"], "gamma"),
