@@ -55,10 +55,11 @@ def placed(state: DecodeState, tp: int) -> DecodeState:
 
 
 def loops(cfg, tp: int, args, table: dict) -> dict:
-    """``{method: jitted f(params, state) -> state}`` at degree ``tp``: W4A16 AR and QSPEC for each draft
-    and gamma, its accept decisions replayed from the trace ``table``."""
+    """``{method: (jitted f(params, state) -> state, the KV shadow's bits or None)}`` at degree ``tp``:
+    W4A16 AR and QSPEC for each draft and gamma, its accept decisions replayed from the trace ``table``."""
     rt = Runtime(cfg, dtype=jnp.bfloat16, execution=Execution.decode(args.kernels))
-    out = {"w4a16": jax.jit(lambda q, s: decode(q, Decoder(rt, W4A16, tensor_parallel=tp), s), donate_argnums=1)}
+    out = {"w4a16": (jax.jit(lambda q, s: decode(q, Decoder(rt, W4A16, tensor_parallel=tp), s), donate_argnums=1),
+                     None)}
     for draft in args.drafts:
         spec = parse_draft(draft)
         rt_d = spec.runtime(rt)
@@ -71,7 +72,7 @@ def loops(cfg, tp: int, args, table: dict) -> dict:
 
             run = ((lambda q, s, body=body, r=replay: sharding.run_sharded(body, tp, q, s, r)) if tp > 1
                    else (lambda q, s, body=body, r=replay: body(q, s, r)))
-            out[f"qspec {draft} g={g}"] = jax.jit(run, donate_argnums=1)
+            out[f"qspec {draft} g={g}"] = (jax.jit(run, donate_argnums=1), spec.kv)
     return out
 
 
@@ -124,8 +125,7 @@ def measure(name: str, context: int, batch: int, args, table: dict, bus_bw: floa
             del params
             params = sharding.shard_params(host, cfg, tp)
             del host
-        for method, loop in loops(cfg, tp, args, table).items():
-            bits = parse_draft(method.split()[1]).kv if method.startswith("qspec ") else None
+        for method, (loop, bits) in loops(cfg, tp, args, table).items():
             def make(bits=bits, tp=tp):
                 return placed(fresh_state(cfg, batch, context, args.new, gmax, 0, bits), tp)
             secs, out = time_loop(loop, params, make, args.new, args.reps)
