@@ -21,7 +21,8 @@ random INT4 weights (and on SmolLM2's real weights and prompts).
         [--trace-contexts 512,3584 --gsm8k-train ../shared/data/gsm8k_train.jsonl]
 
 Presets: ``headline`` (Llama-2-7B, Llama-3-8B, Llama-2-13B x batch 1, 8, 16, 32 x context 512 and 4096,
-W4A16 and W4A8 AR, QSPEC with W4A8 drafts at gamma 1, 3 and "auto", plus SmolLM2 at context 512 when its
+W4A16 and W4A8 AR, QSPEC with ``generate``'s default draft (W4A8 over a window of 1024 + 64 sinks) at
+gamma 1, 3 and "auto", acceptance replayed from few-shot prompts of 512 and 3584 tokens, plus SmolLM2 at context 512 when its
 checkpoint and the GSM8K files are found: ``--gsm8k`` / ``--gsm8k-train``, else .carry/data or
 ../shared/data) and ``full`` (every model, batch 1-64, gamma 1, 3, 5, drafts W4A8, W4A4 and
 W4A8 over an INT8 KV shadow, the W16A16 baseline), both resumable.
@@ -83,7 +84,8 @@ from convert.embedded import default_checkpoint  # noqa: E402
 from pallas_kernels.layout import QuantizedWeight, dequantize  # noqa: E402
 from pallas_kernels.precision import W4A16, parse_precision  # noqa: E402
 from pallas_kernels.reference import KV_BITS, AttentionWindow  # noqa: E402
-from qspec_jax.api import DEFAULT_GAMMA, DEFAULT_SINKS, DRAFTS, METHODS, load  # noqa: E402
+from qspec_jax.api import (DEFAULT_DRAFT, DEFAULT_GAMMA, DEFAULT_SINKS, DEFAULT_WINDOW, DRAFTS, METHODS,  # noqa: E402
+                           load)
 from qspec_jax.config import LlamaConfig  # noqa: E402
 from qspec_jax.gamma import cost_model, expected_tokens  # noqa: E402
 from qspec_jax.kernels import KERNELS, Execution, resolve_kernels  # noqa: E402
@@ -94,6 +96,8 @@ from qspec_jax.model import DRAFT_HEAD_GROUP, init_cache, sync_shadow, with_draf
 GROUP = 128  # random weights: symmetric, group 128
 REAL_MODEL = "smollm2"  # the embedded model (or --checkpoint) with real prompts and real acceptance
 DEFAULT_TRACE = Path("bench/results/acceptance_trace.json")
+CONTEXT_TRACE = Path("bench/results/acceptance_contexts.json")  # few-shot prompts filling 512 and 3584 tokens
+DEFAULT_DRAFT_VIEW = f"{DEFAULT_DRAFT}/win{DEFAULT_WINDOW}+{DEFAULT_SINKS}"  # generate()'s default draft
 # a configuration runs only if its estimated bytes (memory_need) fit this share of the card's memory:
 # the estimate leaves out XLA's temporaries and the allocator's fragmentation
 MEM_HEADROOM = 0.87
@@ -962,14 +966,15 @@ DATA_DIRS = (ROOT / ".carry" / "data", ROOT.parent / "shared" / "data")
 CALIBRATION = ROOT / "bench" / "results" / "decode.json"  # recorded sections that calibrate the cost model
 PRESETS = {
     "headline": {"models": f"llama2-7b,llama3-8b,llama2-13b,{REAL_MODEL}", "batches": "1,8,16,32",
-                 "contexts": "512,4096", "new": "512", "gammas": "1,3", "drafts": "w4a8", "ar": "w4a16,w4a8",
-                 "auto": True, "trace": str(DEFAULT_TRACE), "phase_reps": "8", "real_contexts": "512"},
+                 "contexts": "512,4096", "new": "512", "gammas": "1,3", "drafts": DEFAULT_DRAFT_VIEW,
+                 "ar": "w4a16,w4a8", "auto": True, "trace": str(CONTEXT_TRACE), "phase_reps": "8", "real_contexts": "512"},
     "full": {"models": f"llama3-8b,llama2-7b,llama2-13b,llama2-70b,{REAL_MODEL}", "batches": "1,8,16,32,64",
              "contexts": "512,4096", "new": "512", "gammas": "1,3,5", "drafts": "w4a8,w4a4,w4a8/kv8",
              "ar": "w16a16,w4a16,w4a8,w4a4", "trace": str(DEFAULT_TRACE), "phase_reps": "16"},
     # the headline's methods on the tiny model, for a check of the whole tool on the CPU
-    "smoke": {"models": "smoke", "batches": "2", "contexts": "32,64", "new": "8", "gammas": "1,3", "drafts": "w4a8",
-              "ar": "w4a16,w4a8", "auto": True, "trace": str(DEFAULT_TRACE), "phase_reps": "2", "kernels": "reference"},
+    "smoke": {"models": "smoke", "batches": "2", "contexts": "32,64", "new": "8", "gammas": "1,3",
+              "drafts": DEFAULT_DRAFT_VIEW, "ar": "w4a16,w4a8", "auto": True, "trace": str(CONTEXT_TRACE),
+              "phase_reps": "2", "kernels": "reference"},
 }
 
 

@@ -479,7 +479,8 @@ def test_presets_expand_to_their_matrix():
     args, _ = decode.parse_args(["--preset", "headline"])
     assert args.models == ["llama2-7b", "llama3-8b", "llama2-13b", "smollm2"]
     assert (args.batches, args.contexts, args.new, args.gammas) == ([1, 8, 16, 32], [512, 4096], 512, [1, 3])
-    assert (args.ar, args.drafts, str(args.trace)) == (["w4a16", "w4a8"], ["w4a8"], str(decode.DEFAULT_TRACE))
+    assert (args.ar, args.drafts, str(args.trace)) == (["w4a16", "w4a8"], ["w4a8/win1024+64"],
+                                                        str(decode.CONTEXT_TRACE))  # generate()'s default draft
     assert args.real_contexts == [512] and args.auto
     args, _ = decode.parse_args(["--preset", "full"])
     assert args.models == ["llama3-8b", "llama2-7b", "llama2-13b", "llama2-70b", "smollm2"]
@@ -514,12 +515,13 @@ def test_smoke_preset_end_to_end_and_resume(tmp_path, monkeypatch, capsys):
     run = json.loads((out / "decode.json").read_text())
     assert [(r["context"], r["batch"]) for r in run["results"]] == [(32, 2)]
     for r in run["results"]:
-        assert set(r["methods"]) == {"w4a16", "w4a8", "qspec w4a8 g=1", "qspec w4a8 g=3", "qspec w4a8 g=auto"}
-        auto = r["methods"]["qspec w4a8 g=auto"]
+        draft = "qspec w4a8/win1024+64"
+        assert set(r["methods"]) == {"w4a16", "w4a8", f"{draft} g=1", f"{draft} g=3", f"{draft} g=auto"}
+        auto = r["methods"][f"{draft} g=auto"]
         assert 0 <= auto["mean_gamma"] <= decode.AUTO_GAMMA_MAX and auto["tokens_per_s"] > 0
         assert {"gpu", "date", "commit", "command"} <= set(r)
     md = (out / "decode.md").read_text()
-    assert "qspec w4a8 g=3" in md and "best γ (w4a8)" in md
+    assert "qspec w4a8/win1024+64 g=3" in md and "best γ (w4a8/win1024+64)" in md
     assert "0 of 1 configurations remain" in capsys.readouterr().out
     _fake_timing(monkeypatch)
     monkeypatch.setattr(decode, "config_cost_s", lambda name, context, batch, *_: 1e-3 if context == 32 else 1e6)
