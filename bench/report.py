@@ -11,6 +11,9 @@ One table per benchmark:
 |---|---|---|
 | ``decode`` | ``decode.json`` | ``bench/decode.py --preset headline`` |
 | ``decode-views`` | ``decode_views.json`` | ``bench/decode.py`` at long context, draft views of the cache |
+| ``decode-gamma5``, ``decode-heads`` | ``decode_gamma5.json``, ``decode_heads.json`` | ``bench/decode.py``: γ up to 5, draft heads |
+| ``decode-default`` | ``decode_default.json`` | ``bench/decode.py --preset headline`` on part of its matrix |
+| ``decode-long`` | ``decode_long.json`` | ``bench/decode.py`` at context 4096, batch 8-32, draft views |
 | ``kernels`` | ``kernels.json`` | ``bench/kernels.py`` |
 | ``fidelity`` | ``fidelity.json`` | ``bench/fidelity.py`` |
 | ``fidelity-window`` | ``fidelity_window.json`` | ``bench/fidelity.py`` with window drafts |
@@ -335,6 +338,8 @@ def tables(results: Path = RESULTS) -> dict[str, str]:
         "decode-views": ("decode_views.json", lambda d: render_decode(d, "decode_views.json")),
         "decode-gamma5": ("decode_gamma5.json", lambda d: render_decode(d, "decode_gamma5.json")),
         "decode-heads": ("decode_heads.json", lambda d: render_decode(d, "decode_heads.json")),
+        "decode-default": ("decode_default.json", lambda d: render_decode(d, "decode_default.json")),
+        "decode-long": ("decode_long.json", lambda d: render_decode(d, "decode_long.json")),
         "kernels": ("kernels.json", render_kernels),
         "fidelity": ("fidelity.json", render_fidelity),
         "fidelity-window": ("fidelity_window.json", lambda d: render_fidelity(d, "fidelity_window.json")),
