@@ -49,12 +49,11 @@ def test_fidelity_end_to_end_on_smollm2(tmp_path):
             {"question": "A pen costs 2 dollars. How much do 5 pens cost?", "answer": "#### 10"}]
     dev.write_text("\n".join(json.dumps(r) for r in rows))
     out = tmp_path / "fidelity.md"
-    fidelity.main(["--gsm8k", str(dev), "--max-new-tokens", "6", "--batch", "2", "--drafts", "w4a8,w4a8/win8+4",
+    fidelity.main(["--gsm8k", str(dev), "--max-new-tokens", "6", "--batch", "2", "--drafts", "w4a8/win8+4",
                    "--kernels", "reference", "--out", str(out)])
     doc = json.loads(out.with_suffix(".json").read_text())
-    assert set(doc["methods"]) == {*fidelity.AR_METHODS, "qspec-w4a8", "qspec-w4a8/win8+4"}
+    assert set(doc["methods"]) == {*fidelity.AR_METHODS, "qspec-w4a8/win8+4"}
     assert doc["methods"]["w4a16"]["identical"] == 2
-    for name in ("qspec-w4a8", "qspec-w4a8/win8+4"):
-        r = doc["methods"][name]
-        assert r["identical"] == 2 and 0 <= r["acceptance"] <= 1 and 1 <= r["tokens_per_round"] <= 4
-    assert "acceptance" not in doc["methods"]["w4a8"] and "| qspec-w4a8 |" in out.read_text()
+    r = doc["methods"]["qspec-w4a8/win8+4"]  # drafts over a window far shorter than the prompts
+    assert r["identical"] == 2 and 0 <= r["acceptance"] <= 1 and 1 <= r["tokens_per_round"] <= 4
+    assert "acceptance" not in doc["methods"]["w4a8"] and "| qspec-w4a8/win8+4 |" in out.read_text()
