@@ -183,8 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--checkpoint", type=Path, default=None, help="converted checkpoint (none: the embedded SmolLM2)")
         p.add_argument("--max-new-tokens", type=int, default=96, help="tokens to generate at most")
     sub.choices["demo"].add_argument("--gamma", type=_int_or("auto"), default=DEMO_GAMMA,
-                                     help="drafted tokens per round, or 'auto' (which, with plain drafts, drafts "
-                                          "nothing: their steps read as many bytes as W4A16's)")
+                                     help="drafted tokens per round, or 'auto' (which drafts nothing while a draft "
+                                          "step reads as many bytes as a W4A16 step: below the draft window's length)")
     g = sub.choices["generate"]
     g.add_argument("--prompt", action="append", default=None, help="a prompt (repeat for a batch)")
     g.add_argument("--input", default=None, help="a file of prompts, one per line ('-': stdin)")
