@@ -90,10 +90,11 @@ def run_method(model: Model, questions: list[str], method: str, draft: DraftSpec
     seqs, texts = [], []
     tot = dict(rounds=0, drafted=0, accepted=0, in_rounds=0, seconds=0.0)
     for i in range(0, len(questions), batch):
+        window = None if draft is None else draft.window  # the spec's views only: no window unless it names one
         qspec = {} if draft is None else {"draft": draft.mode, "gamma": gamma, "draft_kv": draft.kv,
-                                          "draft_window": None}  # the spec's views only
-        if draft is not None and draft.window is not None:
-            qspec |= {"draft_window": draft.window.size, "draft_sinks": draft.window.sinks}
+                                          "draft_window": None if window is None else window.size}
+        if window is not None:
+            qspec["draft_sinks"] = window.sinks
         if draft is not None and draft.head:
             qspec |= {"draft_head": draft.head_rows, "draft_head_bits": draft.head_bits}
         res = generate(model, questions[i:i + batch], max_new_tokens=max_new, method=method, chat=True,
