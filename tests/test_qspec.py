@@ -47,7 +47,7 @@ FALLBACK_PROMPTS = [
     "Name a colour.",
 ]
 NEW = 32  # greedy SmolLM2 tokens per sequence in the exactness tests
-FINISH_NEW = 40  # enough for the four sequences to finish in different rounds
+FINISH_NEW = 40  # enough for the four sequences to stop at three different points at least
 
 
 def gsm8k_prompts() -> list[str]:
