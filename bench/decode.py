@@ -46,7 +46,7 @@ docs/design.md §2, ``S = E[L] * T_w4a16 / (gamma * T_draft + T_verify + T_overh
 measured speed-up, and each phase beside its floor (bytes over the copy bandwidth, or matmul FLOPs over
 the dense matmul rate, both measured in the same run). Memory per method: the buffers its compiled loop
 needs (XLA's buffer assignment). A configuration whose estimated memory exceeds the card's is skipped
-and listed as such; a section whose rounds come out shorter than their phases is marked ``disturbed``
+and listed as such, and a draft whose KV shadow or head copy does not fit is left out of it (named); a section whose rounds come out shorter than their phases is marked ``disturbed``
 and measured again by the next ``--resume``.
 
 Writes ``decode.json`` / ``decode.md`` under ``--out`` (default ``$OUT``, else bench/results) after every
@@ -200,15 +200,17 @@ def config_cost_s(name: str, context: int, batch: int, args, bw: float = CARDS["
     :data:`STEP_FLOOR_FACTOR` x the W4A16 step's bytes floor (packed weights + the KV read at the mid
     context, over ``bw``) plus :data:`STEP_S`; 0 for one too large for ``limit`` (it is skipped).
     Scaled by the pace (:func:`calibrated_pace`, :class:`Budget`)."""
-    loops, programs = _programs(args)
     if name == REAL_MODEL:  # a 135M model: its steps are launch-bound
+        loops, programs = _programs(args)
         return COMPILE_S * programs + loops * args.new * STEP_S
     cfg = MODELS[name]
     packed = matmul_flops_per_token(cfg) / 4  # ~ the INT4 weights' bytes (half a byte per weight)
     limit = memory_limit() if limit is None else limit
     w16a16 = runs_w16a16(packed, cfg, args, limit)
-    if memory_need(packed, cfg, context, batch, args, w16a16) > limit:
+    args = fitting(args, packed, cfg, context, batch, w16a16, limit)[0]
+    if args is None:
         return 0.0
+    loops, programs = _programs(args)
     loops -= "w16a16" in args.ar and not w16a16
     step = STEP_FLOOR_FACTOR * (packed + kv_bytes(cfg, batch, context + args.new // 2)) / bw + STEP_S
     return COMPILE_S * programs + loops * args.new * step
@@ -233,14 +235,30 @@ def runs_w16a16(weight_bytes: float, cfg: LlamaConfig, args, limit: float) -> bo
 def memory_need(weight_bytes: float, cfg: LlamaConfig, context: int, batch: int, args,
                 w16a16: bool | None = None) -> float:
     """Device bytes one configuration needs, estimated: the weights (five times with the W16A16
-    baseline's bf16 copy, 2 bytes per weight against ~0.5), 1.5 x the KV cache (a state and a loop's
-    copy), the draft's shadow and the largest draft head copy."""
+    baseline's bf16 copy, 2 bytes per weight against ~0.5), the KV cache (each loop donates its state:
+    one is alive at a time), the largest draft shadow and the largest draft head copy."""
     kv = kv_bytes(cfg, batch, context + args.new + 64)
     shadow = max([parse_draft(d).kv or 0 for d in args.drafts] + [0]) / 16  # a shadow's bytes per cache byte
     if w16a16 is None:
         w16a16 = "w16a16" in args.ar
     heads = max([parse_draft(d).head_copy_bytes(cfg) for d in args.drafts] + [0.0])
-    return weight_bytes * (5 if w16a16 else 1) + 1.5 * kv + (kv * (shadow + 1 / 32) if shadow else 0) + heads
+    return weight_bytes * (5 if w16a16 else 1) + kv + (kv * (shadow + 1 / 32) if shadow else 0) + heads
+
+
+def fitting(args, weight_bytes: float, cfg: LlamaConfig, context: int, batch: int, w16a16: bool,
+            limit: float) -> tuple[argparse.Namespace | None, dict[str, str]]:
+    """``args`` without the drafts whose own memory (a shadow, a head copy) does not fit ``limit`` beside
+    the autoregressive methods, and ``{method: why}`` for each QSPEC loop so left out; (None, {}) where
+    the autoregressive methods alone do not fit."""
+    need = lambda drafts: memory_need(weight_bytes, cfg, context, batch,  # noqa: E731
+                                      argparse.Namespace(**{**vars(args), "drafts": drafts}), w16a16)
+    if need([]) > limit:
+        return None, {}
+    kept = [d for d in args.drafts if need([d]) <= limit]
+    gammas = [*args.gammas, *(["auto"] if args.auto else [])]
+    left_out = {f"qspec {d} g={g}": f"its draft needs ~{need([d]) / 1e9:.0f} GB, more than the {limit / 1e9:.0f} GB"
+                for d in args.drafts if d not in kept for g in gammas}
+    return argparse.Namespace(**{**vars(args), "drafts": kept}), left_out
 
 
 def _section_args(r: dict) -> argparse.Namespace:
@@ -900,6 +918,14 @@ def summary(run: dict) -> list[str]:
     return lines
 
 
+def _not_run_text(not_run: dict[str, str]) -> str:
+    """``{method: why}`` as sentences, the methods left out for one reason named together."""
+    by_why: dict[str, list[str]] = {}
+    for method, why in not_run.items():
+        by_why.setdefault(why, []).append(method)
+    return "".join(f"{', '.join(methods)} not measured: {why}. " for why, methods in by_why.items())
+
+
 def markdown(run: dict) -> str:
     lines = [f"# Decode throughput ({run['device']})", "", f"`{run['command']}`", "",
              f"Copy bandwidth {run['copy_bw'] / 1e12:.2f} TB/s (this call; each section's floor uses its own "
@@ -926,7 +952,7 @@ def markdown(run: dict) -> str:
         lines += [f"## {r['model']}, batch {r['batch']}, context {r['context']} + {r['new']}", "",
                   (f"Measured on {r['gpu']}, {r['date']}, commit {r['commit']}. " if "gpu" in r else "")
                   + (f"Note: {r['label']}. " if r.get("label") else "")
-                  + "".join(f"{m} not measured: {why}. " for m, why in r.get("not_run", {}).items())
+                  + _not_run_text(r.get("not_run", {}))
                   + f"W4A16 step floor {r['floor_ms_per_step']:.2f} ms; KV cache {r['cache_bytes'] / 1e9:.1f} GB"
                   + (f"; the process's peak GPU memory so far {r['peak_bytes'] / 1e9:.1f} GB" if r.get("peak_bytes") else "")
                   + prompt + "; QSPEC phases timed at context "
@@ -1173,7 +1199,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.rerun:  # measured again; each old section stays until its new one replaces it (record)
         done -= set(grid)
     if args.plan in CARDS:
-        bw, limit, device = *CARDS[args.plan], args.plan.upper() + " (assumed)"
+        (bw, card), device = CARDS[args.plan], args.plan.upper() + " (assumed)"
+        limit = MEM_HEADROOM * card  # as memory_limit() on that card
     else:
         bw, limit, device = copy_bandwidth(), memory_limit(), jax.devices()[0].device_kind
     median, budget.prior, source = prior_pace(old)
@@ -1189,7 +1216,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.plan:
         for t in todo:
             log(f"  {t[0]} ctx={t[1]} B={t[2]}: "
-                + (f"~{median * costs[t]:.0f} s" if costs[t] else "too large: skipped"))
+                + (f"~{median * costs[t]:.0f} s" + _plan_left_out(*t, args, limit) if costs[t] else "too large: skipped"))
         return
     rates = matmul_rates()
     run |= {"device": jax.devices()[0].device_kind, "copy_bw": bw, "matmul_rates": rates,
@@ -1199,7 +1226,8 @@ def main(argv: list[str] | None = None) -> None:
     meta = {"gpu": run["device"], "date": utc_now(), "commit": git_commit(), "command": command}
     for name, context, batch in too_large:  # on the estimate, without loading the model
         cfg, packed = MODELS[name], matmul_flops_per_token(MODELS[name]) / 4  # as config_cost_s estimates
-        need = memory_need(packed, cfg, context, batch, args, runs_w16a16(packed, cfg, args, limit))
+        ar_only = argparse.Namespace(**{**vars(args), "drafts": []})
+        need = memory_need(packed, cfg, context, batch, ar_only, runs_w16a16(packed, cfg, args, limit))
         _skip(run, name, context, batch, args, need, limit, meta)
     for name in names:
         todo_model = [(c, b) for c in _contexts(name, args) for b in batches
@@ -1215,6 +1243,16 @@ def main(argv: list[str] | None = None) -> None:
     log(f"{len(left)} of {len(grid)} configurations remain"
         + (f" (~{median * sum(config_cost_s(*t, args, bw, limit) for t in left) / 60:.1f} min): continue with "
            f"--resume {args.out / 'decode.json'}" if left else "") + (f"; {len(skipped)} skipped" if skipped else ""))
+
+
+def _plan_left_out(name: str, context: int, batch: int, args, limit: float) -> str:
+    """``--plan``'s note of the drafts a configuration leaves out for memory (as :func:`config_cost_s` estimates)."""
+    if name == REAL_MODEL:
+        return ""
+    cfg, packed = MODELS[name], matmul_flops_per_token(MODELS[name]) / 4
+    fit = fitting(args, packed, cfg, context, batch, runs_w16a16(packed, cfg, args, limit), limit)[0]
+    dropped = [d for d in args.drafts if d not in fit.drafts]
+    return f" (without {', '.join(dropped)}: too large)" if dropped else ""
 
 
 def _skip(run: dict, name: str, context: int, batch: int, args, need: float, limit: float, meta: dict) -> None:
@@ -1249,10 +1287,15 @@ def _bench_model(name: str, todo: list[tuple[int, int]], args, trace: dict, bw: 
     draft_params = {d: spec.with_head(params, cfg) if model is None else
                     _checkpoint_head_params(model, spec) for d, spec in heads.items()}
     for context, batch in todo:
-        need = memory_need(weight_bytes(params), cfg, context, batch, args, w16a16)
-        if need > limit:
+        fit, left_out = fitting(args, weight_bytes(params), cfg, context, batch, w16a16, limit)
+        if fit is None:
+            need = memory_need(weight_bytes(params), cfg, context, batch, argparse.Namespace(**{**vars(args), "drafts": []}),
+                               w16a16)
             _skip(run, name, context, batch, args, need, limit, meta)
             continue
+        if left_out:
+            log(f"{name} B={batch} ctx={context}: without {', '.join(d for d in args.drafts if d not in fit.drafts)} "
+                f"({next(iter(left_out.values()))})")
         estimate = config_cost_s(name, context, batch, args, bw, limit)
         if not budget.fits(estimate):
             log(f"{name} B={batch} ctx={context}: not started, ~{budget.pace() * estimate:.0f} s estimated, "
@@ -1260,14 +1303,14 @@ def _bench_model(name: str, todo: list[tuple[int, int]], args, trace: dict, bw: 
             continue
         log(f"{name} B={batch} ctx={context}")
         t0 = time.perf_counter()
-        c = plan_config(name, cfg, params, fparams, batch, context, args, trace if model is None else None, bw, model,
+        c = plan_config(name, cfg, params, fparams, batch, context, fit, trace if model is None else None, bw, model,
                         draft_params)
         compiled = compile_config(c, args.threads)
         waited = time.perf_counter() - t0
         log(f"  {len(compiled)} programs ready after {waited:.0f} s")
         t1 = time.perf_counter()
         try:
-            res = run_config(c, compiled, params, fparams, args, rates)
+            res = run_config(c, compiled, params, fparams, fit, rates)
         except jax.errors.JaxRuntimeError as e:  # one configuration out of memory: record it, go on
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
@@ -1280,7 +1323,8 @@ def _bench_model(name: str, todo: list[tuple[int, int]], args, trace: dict, bw: 
         del compiled  # its executables and buffers, before the next configuration's states
         res["bench_s"] = {"compile_wait": waited, "timing": time.perf_counter() - t1}  # the benchmark's own cost
         budget.measured(estimate, time.perf_counter() - t0)
-        res |= meta | ({"not_run": not_run} if not_run else {}) | ({"label": args.label} if args.label else {})
+        res |= meta | ({"not_run": not_run | left_out} if not_run or left_out else {}) | (
+            {"label": args.label} if args.label else {})
         record(run, res)
         save(run, args.out)
 

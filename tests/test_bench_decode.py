@@ -286,6 +286,33 @@ def test_phase_check_flags_rounds_shorter_than_their_phases(monkeypatch):
     assert reason and "20%" in reason and "qspec w4a8 g=2" in reason
 
 
+def test_decode_bench_leaves_out_a_draft_whose_shadow_does_not_fit(tmp_path, monkeypatch):
+    """Where a draft's KV shadow does not fit beside the cache, its loops are left out (named, with the
+    memory they need) and the other methods are still measured; a --resume counts the section as done;
+    a limit below the autoregressive methods' own need skips the configuration."""
+    _fake_timing(monkeypatch)
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"source": "constant test trace", "w4a8": {"1": [[0, 1]]}, "w4a8/kv8": {"1": [[0, 1]]}}))
+    cfg, args = decode.MODELS["smoke"], decode.parse_args([*SMOKE, "--drafts", "w4a8,w4a8/kv8"])[0]
+    weights = decode.weight_bytes(decode.random_params(cfg, jax.random.key(0)))
+    need = {d: decode.memory_need(weights, cfg, 64, 2, type(args)(**{**vars(args), "drafts": [d]})) for d in args.drafts}
+    kv = decode.kv_bytes(cfg, 2, 64 + 8 + 64)
+    assert need["w4a8/kv8"] - need["w4a8"] == pytest.approx(kv * (8 / 16 + 1 / 32))  # codes and a scale per vector
+    monkeypatch.setattr(decode, "MEM_LIMIT", (need["w4a8"] + need["w4a8/kv8"]) / 2)
+    common = [*SMOKE, "--drafts", "w4a8,w4a8/kv8", "--batches", "2", "--trace", str(trace)]
+    decode.main([*common, "--out", str(tmp_path / "a")])
+    (res,) = json.loads((tmp_path / "a" / "decode.json").read_text())["results"]
+    assert set(res["methods"]) == {"w4a16", "qspec w4a8 g=1"}
+    assert set(res["not_run"]) == {"qspec w4a8/kv8 g=1"} and "more than the" in res["not_run"]["qspec w4a8/kv8 g=1"]
+    assert "qspec w4a8/kv8 g=1 not measured: its draft needs ~" in (tmp_path / "a" / "decode.md").read_text()
+    decode.main([*common, "--resume", str(tmp_path / "a" / "decode.json"), "--out", str(tmp_path / "b")])
+    assert json.loads((tmp_path / "b" / "decode.json").read_text())["results"] == [res]  # done, not measured again
+    monkeypatch.setattr(decode, "MEM_LIMIT", need["w4a8"] * 0.99)
+    decode.main([*common, "--out", str(tmp_path / "c")])
+    (skipped,) = json.loads((tmp_path / "c" / "decode.json").read_text())["results"]
+    assert skipped["skip_reason"] == "memory"
+
+
 def test_decode_bench_budget_does_not_start_what_would_not_end(tmp_path, monkeypatch):
     """A configuration whose scaled estimate exceeds what is left of --budget-s is not started (and
     leaves no section); with a larger budget it runs."""
