@@ -32,6 +32,7 @@ import argparse
 import difflib
 import json
 import re
+import statistics
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -191,8 +192,34 @@ def render_decode(run: dict, source: str = "decode.json") -> str:
                     cells.append(f"{e['tokens_per_s']:.0f} ({ratio}mean γ {e['mean_gamma']:.1f})")
             lines.append("| " + " | ".join(cells) + " |")
     left = _left_out(run)
+    lines += _speedup_summary(sections)
     return "\n".join(lines + (["", f"Not shown (see [{Path(source).stem}.md](bench/results/{Path(source).stem}.md)): "
                                  + "; ".join(left) + "."] if left else []))
+
+
+def _speedup_summary(sections: list[dict]) -> list[str]:
+    """The mean, lowest and highest speed-up over W4A16 AR of QSPEC's best draft and fixed γ over the
+    Llama-shape configurations shown (replayed acceptance), and the lowest and highest of γ auto's over all."""
+    best, auto = [], []
+    for r in sections:
+        base = r["methods"].get("w4a16", {}).get("tokens_per_s")
+        if not base:
+            continue
+        where = f"{model_name(r['model'])} batch {r['batch']}, context {r['context']}"
+        fixed = [b[1]["tokens_per_s"] for d in _qspec_methods([r]) if (b := _best_gamma(r["methods"], d))]
+        if fixed and r.get("acceptance") == "replayed":
+            best.append((max(fixed) / base, where))
+        auto += [(e["tokens_per_s"] / base, where) for m, e in r["methods"].items()
+                 if m.endswith(" g=auto") and "tokens_per_s" in e]
+    out = []
+    if best:
+        out.append(f"QSPEC's best draft and fixed γ over W4A16 AR, over the {len(best)} Llama-shape configurations "
+                   f"shown: mean {_x(statistics.fmean(b for b, _ in best))}, lowest {_x(min(best)[0])} "
+                   f"({min(best)[1]}), highest {_x(max(best)[0])} ({max(best)[1]}).")
+    if auto:
+        out.append(f"γ auto over W4A16 AR, over the {len(auto)} configurations shown: lowest {_x(min(auto)[0])} ({min(auto)[1]}), "
+                   f"highest {_x(max(auto)[0])} ({max(auto)[1]}).")
+    return ["", " ".join(out)] if out else []
 
 
 def _left_out(run: dict) -> list[str]:
