@@ -41,12 +41,12 @@ class CostModel:
     draft_kv_bytes: float  # the same for what a draft reads (the cache, or its shadow)
     window: int | None = None  # slots a draft reads at most (a window's sinks + size)
 
-    @property
-    def drafts_read_less(self) -> bool:
-        """Whether a draft step can move fewer bytes than a W4A16 step (a smaller head, a cache view, a
-        window); if not, no γ >= 1 ever beats a W4A16 step and the choice is always γ = 0."""
+    def drafts_read_less(self, slots: int) -> bool:
+        """Whether a draft step over a cache of ``slots`` positions can move fewer bytes than a W4A16 step
+        (a smaller head, a cache view, a window shorter than the cache); if not, no γ >= 1 ever beats a
+        W4A16 step and the choice is always γ = 0."""
         return (self.draft_head_bytes < self.head_bytes or self.draft_kv_bytes < self.kv_bytes
-                or self.window is not None)
+                or (self.window is not None and self.window < slots))
 
     def forward(self, rows: jax.Array, kv_tokens: jax.Array, head_bytes: float, kv_bytes: float) -> jax.Array:
         """Bytes of one forward of ``rows`` token rows that reads ``kv_tokens`` cached tokens in all."""

@@ -102,8 +102,8 @@ def auto_round(params, state: DecodeState, rt: Runtime, gamma_max: int, draft: P
 def qspec_auto_loop(params, state: DecodeState, rounds: jax.Array | None, rt: Runtime, gamma_max: int,
                     draft: Precision, costs: CostModel, accept: Accept | None = None) -> DecodeState:
     """QSPEC decoding with γ chosen every round: one ``lax.while_loop`` of :func:`auto_round`. Drafts
-    that read as many bytes as a W4A16 step never win, so then it is the W4A16 loop itself (the same
-    choices, without a switch and a cost evaluation per step)."""
-    if not costs.drafts_read_less:
+    that read as many bytes as a W4A16 step never win (a window as long as the state's buffer included),
+    so then it is the W4A16 loop itself (the same choices, without a switch and a cost evaluation per step)."""
+    if not costs.drafts_read_less(state.tokens.shape[1]):
         return ar_loop(params, state, rounds, rt, TARGET)
     return run_loop(lambda s: auto_round(params, s, rt, gamma_max, draft, costs, accept), state, rounds)

@@ -86,7 +86,7 @@ def test_auto_loop_switches_on_the_cost_model(rng):
     base = gm.CostModel(1e6, 1e5, 1e5, 1e3, 1e3)
     free = dataclasses.replace(base, draft_head_bytes=0.0, draft_kv_bytes=0.0)
     for costs, drafts in ((free, True), (dataclasses.replace(base, draft_head_bytes=0.999e5), False)):
-        assert costs.drafts_read_less  # both run the switch over round bodies
+        assert costs.drafts_read_less(48)  # both run the switch over round bodies
         if drafts:  # a draft step then costs only its weights: make those vanish too
             costs = dataclasses.replace(costs, weight_bytes=1e-3)
         out = decode_jit(params, Decoder(rt, None, W4A8, None, costs), state())
@@ -101,13 +101,14 @@ def test_auto_loop_switches_on_the_cost_model(rng):
 def test_drafts_that_save_no_bytes_never_draft(rng):
     """Cost models whose drafts read no fewer bytes than a W4A16 step: the float64 brute force picks
     γ = 0 for every acceptance, batch and context, and the auto loop is then the W4A16 loop itself (the
-    same program, no switch); one byte less in the draft's head brings the switch back."""
+    same program, no switch), also with a window as long as the buffer; one byte less in the draft's
+    head, or a window one slot shorter, brings the switch back."""
     for _ in range(20):
         head, kv = float(rng.uniform(1e7, 1e9)), float(rng.uniform(1e4, 1e6))
         c = gm.CostModel(weight_bytes=float(rng.uniform(1e8, 1e10)), head_bytes=head,
                          draft_head_bytes=head * float(rng.uniform(1, 2)), kv_bytes=kv,
                          draft_kv_bytes=kv * float(rng.uniform(1, 2)))
-        assert not c.drafts_read_less
+        assert not c.drafts_read_less(int(rng.integers(16, 8192)))
         b = int(rng.integers(1, 33))
         drafted = rng.integers(0, 400, b).astype(np.float64)
         accepted = drafted if rng.random() < 0.5 else np.floor(drafted * rng.uniform(0, 1, b))
@@ -125,6 +126,9 @@ def test_drafts_that_save_no_bytes_never_draft(rng):
     assert program(Decoder(rt, None, W4A8, None, same)) == ar
     cheaper = program(Decoder(rt, None, W4A8, None, dataclasses.replace(same, draft_head_bytes=1e5 - 1)))
     assert cheaper != ar and "cond[" in cheaper
+    # a window reads less only where the buffer (40 positions here) is longer than the window
+    assert program(Decoder(rt, None, W4A8, None, dataclasses.replace(same, window=40))) == ar
+    assert "cond[" in program(Decoder(rt, None, W4A8, None, dataclasses.replace(same, window=39)))
 
 
 def test_generate_auto_gamma_equals_w4a16(rng):
