@@ -235,14 +235,15 @@ def runs_w16a16(weight_bytes: float, cfg: LlamaConfig, args, limit: float) -> bo
 def memory_need(weight_bytes: float, cfg: LlamaConfig, context: int, batch: int, args,
                 w16a16: bool | None = None) -> float:
     """Device bytes one configuration needs, estimated: the weights (five times with the W16A16
-    baseline's bf16 copy, 2 bytes per weight against ~0.5), the KV cache (each loop donates its state:
-    one is alive at a time), the largest draft shadow and the largest draft head copy."""
+    baseline's bf16 copy, 2 bytes per weight against ~0.5), 1.5 x the KV cache (a loop's run needs part
+    of a second copy: on an H100 one with a 57 GiB cache ran out of memory), the largest draft shadow
+    and the largest draft head copy."""
     kv = kv_bytes(cfg, batch, context + args.new + 64)
     shadow = max([parse_draft(d).kv or 0 for d in args.drafts] + [0]) / 16  # a shadow's bytes per cache byte
     if w16a16 is None:
         w16a16 = "w16a16" in args.ar
     heads = max([parse_draft(d).head_copy_bytes(cfg) for d in args.drafts] + [0.0])
-    return weight_bytes * (5 if w16a16 else 1) + kv + (kv * (shadow + 1 / 32) if shadow else 0) + heads
+    return weight_bytes * (5 if w16a16 else 1) + 1.5 * kv + (kv * (shadow + 1 / 32) if shadow else 0) + heads
 
 
 def fitting(args, weight_bytes: float, cfg: LlamaConfig, context: int, batch: int, w16a16: bool,
