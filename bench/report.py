@@ -12,7 +12,7 @@ One table per benchmark:
 | ``decode`` | ``decode.json`` | ``bench/decode.py --preset headline`` |
 | ``decode-views`` | ``decode_views.json`` | ``bench/decode.py`` at long context, draft views of the cache |
 | ``decode-gamma5``, ``decode-heads`` | ``decode_gamma5.json``, ``decode_heads.json`` | ``bench/decode.py``: γ up to 5, draft heads |
-| ``decode-default`` | ``decode_default.json`` | ``bench/decode.py --preset headline`` on part of its matrix |
+| ``decode-default`` | ``decode_default.json`` | ``bench/decode.py --preset headline`` on its Llama shapes |
 | ``decode-long`` | ``decode_long.json`` | ``bench/decode.py`` at context 4096, batch 8-32, draft views |
 | ``kernels`` | ``kernels.json`` | ``bench/kernels.py`` |
 | ``fidelity`` | ``fidelity.json`` | ``bench/fidelity.py`` |
