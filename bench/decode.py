@@ -235,15 +235,15 @@ def runs_w16a16(weight_bytes: float, cfg: LlamaConfig, args, limit: float) -> bo
 def memory_need(weight_bytes: float, cfg: LlamaConfig, context: int, batch: int, args,
                 w16a16: bool | None = None) -> float:
     """Device bytes one configuration needs, estimated: the weights (five times with the W16A16
-    baseline's bf16 copy, 2 bytes per weight against ~0.5), 1.5 x the KV cache (a loop's run needs part
-    of a second copy: on an H100 one with a 57 GiB cache ran out of memory), the largest draft shadow
-    and the largest draft head copy."""
+    baseline's bf16 copy, 2 bytes per weight against ~0.5), the KV cache (each loop donates its state:
+    XLA's buffer assignment holds one), the largest draft shadow and the largest draft head copy. A
+    method that still runs out of memory is recorded as such (:func:`run_config`)."""
     kv = kv_bytes(cfg, batch, context + args.new + 64)
     shadow = max([parse_draft(d).kv or 0 for d in args.drafts] + [0]) / 16  # a shadow's bytes per cache byte
     if w16a16 is None:
         w16a16 = "w16a16" in args.ar
     heads = max([parse_draft(d).head_copy_bytes(cfg) for d in args.drafts] + [0.0])
-    return weight_bytes * (5 if w16a16 else 1) + 1.5 * kv + (kv * (shadow + 1 / 32) if shadow else 0) + heads
+    return weight_bytes * (5 if w16a16 else 1) + kv + (kv * (shadow + 1 / 32) if shadow else 0) + heads
 
 
 def fitting(args, weight_bytes: float, cfg: LlamaConfig, context: int, batch: int, w16a16: bool,
@@ -632,8 +632,17 @@ def phase_check(res: dict) -> str | None:
             "the phases were slowed while they were timed")
 
 
+OUT_OF_MEMORY = "out of GPU memory while timing"
+
+
+def out_of_memory(e: Exception) -> bool:
+    """Whether ``e`` is XLA's allocation failure (a method that did not fit), not a bug to raise."""
+    return isinstance(e, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(e)
+
+
 def run_config(c: Config, compiled: dict, params: dict, fparams: dict | None, args, rates: dict[str, float]) -> dict:
-    """Times ``c``'s compiled programs one by one: each method's decode loop, QSPEC's phases."""
+    """Times ``c``'s compiled programs one by one: each method's decode loop, QSPEC's phases. A method
+    whose buffers do not fit at run time is named in ``res["not_run"]`` and the others still run."""
     res, make, batch, ahead = c.res, c.makes[None], c.res["batch"], c.ahead
     floor_ms = res["floor_ms_per_step"]
 
@@ -653,57 +662,83 @@ def run_config(c: Config, compiled: dict, params: dict, fparams: dict | None, ar
         carry = forward_carry(c.makes[bits](), tokens, ahead)
         return time_forward(compiled[key], params if p is None else p, carry, args.phase_reps)
 
+    def skip(methods: list[str], e: Exception) -> None:
+        if not out_of_memory(e):
+            raise e
+        log(f"  {', '.join(methods)}: out of GPU memory: {str(e).splitlines()[0][:160]}")
+        res.setdefault("not_run", {}).update({m: OUT_OF_MEMORY for m in methods})
+
     for method in _ar_methods(args, fparams):
         # [0]: the loop's final state is dropped at once (held in a variable, a 70 GB cache would
         # still be alive when the next method makes its state: out of memory at 7B, batch 32, 3584)
-        secs = time_loop(compiled["ar", method], fparams if method == "w16a16" else params, make, args.new,
-                         args.reps)[0]
+        try:
+            secs = time_loop(compiled["ar", method], fparams if method == "w16a16" else params, make, args.new,
+                             args.reps)[0]
+        except Exception as e:  # noqa: BLE001 (skip re-raises all but an allocation failure)
+            skip([method], e)
+            continue
         res["methods"][method] = {"tokens_per_s": batch * args.new / secs, "ms_per_step": 1e3 * secs / args.new,
                                   "memory_bytes": loop_memory_bytes(compiled["ar", method])}
         log(f"  {method}: {res['methods'][method]['ms_per_step']:.2f} ms/step, "
             f"{res['methods'][method]['tokens_per_s']:.0f} tok/s (floor {floor_ms:.2f} ms/step)")
     base = res["methods"].get("w4a16", {}).get("ms_per_step")
     target_key = ("fwd", "w4a16", 1, None, None)
-    t_target = forward_ms(target_key, 1) if target_key in compiled else None
+    try:
+        t_target = forward_ms(target_key, 1) if target_key in compiled else None
+    except Exception as e:  # noqa: BLE001
+        skip(["w4a16 phase forward"], e)
+        t_target = None
     for draft in args.drafts:
-        spec = parse_draft(draft)
-        mode, bits, p_d = spec.mode, spec.kv, c.draft_params[draft]
-        t_draft = forward_ms(("draft", draft), 1, bits, p_d)
-        # a draft head: its bytes read instead of the lm_head's
-        draft_weights = res["weight_bytes"] + (draft_head_bytes(p_d) - lm_head_bytes(params) if spec.head else 0)
-        for g in args.gammas:
-            secs, out = time_loop(compiled["qspec", draft, g], p_d, c.makes[bits], args.new, args.reps)
-            # a sequence counts the rounds it ran in; the loop runs until its slowest sequence is done
-            rounds = np.asarray(out.rounds)
-            alpha = int(np.asarray(out.accepted).sum()) / max(int(np.asarray(out.drafted).sum()), 1)
-            del out  # its cache: the forward timings below make states of their own
-            iterations, tail = int(rounds.max()), float(rounds.max() / rounds.mean())
-            t_round = 1e3 * secs / iterations
-            t_verify = forward_ms(("fwd", "w4a16", g + 1, bits, None), g + 1, bits)
-            overhead = t_round - g * t_draft - t_verify
-            tpr = args.new / float(rounds.mean())
-            entry = {"tokens_per_s": batch * args.new / secs, "ms_per_round": t_round, "tokens_per_round": tpr,
-                     "iterations": iterations, "tail": tail, "alpha": alpha,
-                     "draft_ms": t_draft, "verify_ms": t_verify, "overhead_ms": overhead,
-                     "draft_floor_ms": phase_floor_ms(batch, "int8", bits, spec.window, draft_weights, spec.head_rows),
-                     "verify_floor_ms": phase_floor_ms(batch * (g + 1), "bf16"),
-                     "memory_bytes": loop_memory_bytes(compiled["qspec", draft, g])}
-            if base and t_target:
-                entry["speedup_vs_w4a16"] = base * args.new / (1e3 * secs)
-                # docs/design.md §2: E[L] * T_target / (gamma * T_draft + T_verify + T_overhead), that sum being t_round
-                entry["model_speedup"] = tpr * t_target / t_round
-                entry["model_speedup_alpha"] = float(expected_tokens(alpha, g)) * t_target / t_round
-            res["methods"][f"qspec {draft} g={g}"] = entry
-            log(f"  qspec {draft} g={g}: {t_round:.2f} ms/round ({g} x {t_draft:.2f} draft + {t_verify:.2f} verify + "
-                f"{overhead:.2f}), {tpr:.2f} tok/round, batch tail x{tail:.2f}, {entry['tokens_per_s']:.0f} tok/s, "
-                f"x{entry.get('speedup_vs_w4a16', float('nan')):.2f} vs w4a16 ({res['acceptance']} acceptance)")
-        if args.auto:
-            res["methods"][f"qspec {draft} g=auto"] = entry = _time_auto(compiled["qspec", draft, "auto"], p_d,
-                                                                          c.makes[bits], args, base)
-            log(f"  qspec {draft} g=auto: mean gamma {entry['mean_gamma']:.2f}, {entry['tokens_per_round']:.2f} "
-                f"tok/round, {entry['tokens_per_s']:.0f} tok/s, "
-                f"x{entry.get('speedup_vs_w4a16', float('nan')):.2f} vs w4a16 ({res['acceptance']} acceptance)")
+        gammas = [*args.gammas, *(["auto"] if args.auto else [])]
+        try:
+            _run_draft(c, compiled, params, draft, args, res, base, t_target, forward_ms, phase_floor_ms)
+        except Exception as e:  # noqa: BLE001
+            skip([m for m in (f"qspec {draft} g={g}" for g in gammas) if m not in res["methods"]], e)
     return res
+
+
+def _run_draft(c: Config, compiled: dict, params: dict, draft: str, args, res: dict, base: float | None,
+               t_target: float | None, forward_ms: Callable, phase_floor_ms: Callable) -> None:
+    """:func:`run_config`'s QSPEC loops and phases of one draft (``params``: the target's), each loop's
+    entry added to ``res["methods"]`` as soon as it is timed."""
+    batch = res["batch"]
+    spec = parse_draft(draft)
+    mode, bits, p_d = spec.mode, spec.kv, c.draft_params[draft]
+    t_draft = forward_ms(("draft", draft), 1, bits, p_d)
+    # a draft head: its bytes read instead of the lm_head's
+    draft_weights = res["weight_bytes"] + (draft_head_bytes(p_d) - lm_head_bytes(params) if spec.head else 0)
+    for g in args.gammas:
+        secs, out = time_loop(compiled["qspec", draft, g], p_d, c.makes[bits], args.new, args.reps)
+        # a sequence counts the rounds it ran in; the loop runs until its slowest sequence is done
+        rounds = np.asarray(out.rounds)
+        alpha = int(np.asarray(out.accepted).sum()) / max(int(np.asarray(out.drafted).sum()), 1)
+        del out  # its cache: the forward timings below make states of their own
+        iterations, tail = int(rounds.max()), float(rounds.max() / rounds.mean())
+        t_round = 1e3 * secs / iterations
+        t_verify = forward_ms(("fwd", "w4a16", g + 1, bits, None), g + 1, bits)
+        overhead = t_round - g * t_draft - t_verify
+        tpr = args.new / float(rounds.mean())
+        entry = {"tokens_per_s": batch * args.new / secs, "ms_per_round": t_round, "tokens_per_round": tpr,
+                 "iterations": iterations, "tail": tail, "alpha": alpha,
+                 "draft_ms": t_draft, "verify_ms": t_verify, "overhead_ms": overhead,
+                 "draft_floor_ms": phase_floor_ms(batch, "int8", bits, spec.window, draft_weights, spec.head_rows),
+                 "verify_floor_ms": phase_floor_ms(batch * (g + 1), "bf16"),
+                 "memory_bytes": loop_memory_bytes(compiled["qspec", draft, g])}
+        if base and t_target:
+            entry["speedup_vs_w4a16"] = base * args.new / (1e3 * secs)
+            # docs/design.md §2: E[L] * T_target / (gamma * T_draft + T_verify + T_overhead), that sum being t_round
+            entry["model_speedup"] = tpr * t_target / t_round
+            entry["model_speedup_alpha"] = float(expected_tokens(alpha, g)) * t_target / t_round
+        res["methods"][f"qspec {draft} g={g}"] = entry
+        log(f"  qspec {draft} g={g}: {t_round:.2f} ms/round ({g} x {t_draft:.2f} draft + {t_verify:.2f} verify + "
+            f"{overhead:.2f}), {tpr:.2f} tok/round, batch tail x{tail:.2f}, {entry['tokens_per_s']:.0f} tok/s, "
+            f"x{entry.get('speedup_vs_w4a16', float('nan')):.2f} vs w4a16 ({res['acceptance']} acceptance)")
+    if args.auto:
+        res["methods"][f"qspec {draft} g=auto"] = entry = _time_auto(compiled["qspec", draft, "auto"], p_d,
+                                                                      c.makes[bits], args, base)
+        log(f"  qspec {draft} g=auto: mean gamma {entry['mean_gamma']:.2f}, {entry['tokens_per_round']:.2f} "
+            f"tok/round, {entry['tokens_per_s']:.0f} tok/s, "
+            f"x{entry.get('speedup_vs_w4a16', float('nan')):.2f} vs w4a16 ({res['acceptance']} acceptance)")
 
 
 def _time_auto(loop, params: dict, make, args, base_ms: float | None) -> dict:
@@ -1312,11 +1347,13 @@ def _bench_model(name: str, todo: list[tuple[int, int]], args, trace: dict, bw: 
         t1 = time.perf_counter()
         try:
             res = run_config(c, compiled, params, fparams, fit, rates)
-        except jax.errors.JaxRuntimeError as e:  # one configuration out of memory: record it, go on
-            if "RESOURCE_EXHAUSTED" not in str(e):
+        except Exception as e:  # noqa: BLE001 (one configuration out of memory: record it, go on)
+            if not out_of_memory(e):
                 raise
             log(f"  out of GPU memory: {str(e).splitlines()[0][:200]}")
-            res = {**c.res, "skipped": "out of GPU memory while timing", "skip_reason": "memory"}
+            res = {**c.res, "methods": {}}
+        if not res["methods"]:
+            res = {**res, "skipped": OUT_OF_MEMORY, "skip_reason": "memory"}
         reason = phase_check(res)
         if reason:
             log(f"  not a valid measurement: {reason}")
@@ -1324,7 +1361,8 @@ def _bench_model(name: str, todo: list[tuple[int, int]], args, trace: dict, bw: 
         del compiled  # its executables and buffers, before the next configuration's states
         res["bench_s"] = {"compile_wait": waited, "timing": time.perf_counter() - t1}  # the benchmark's own cost
         budget.measured(estimate, time.perf_counter() - t0)
-        res |= meta | ({"not_run": not_run | left_out} if not_run or left_out else {}) | (
+        not_run_here = not_run | left_out | res.pop("not_run", {})
+        res |= meta | ({"not_run": not_run_here} if not_run_here else {}) | (
             {"label": args.label} if args.label else {})
         record(run, res)
         save(run, args.out)

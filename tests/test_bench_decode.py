@@ -313,6 +313,43 @@ def test_decode_bench_leaves_out_a_draft_whose_shadow_does_not_fit(tmp_path, mon
     assert skipped["skip_reason"] == "memory"
 
 
+def test_decode_bench_records_a_method_out_of_memory_and_runs_the_others(tmp_path, monkeypatch):
+    """A decode loop that runs out of GPU memory is named in the section's ``not_run`` and the other
+    methods of its configuration are still measured; where the W4A16 baseline itself does not fit, the
+    QSPEC loops are timed without a speed-up; any other runtime error stops the run."""
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"source": "constant test trace", "w4a8": {"1": [[0, 1]]}, "w4a8/kv8": {"1": [[0, 1]]}}))
+    common = [*SMOKE, "--drafts", "w4a8,w4a8/kv8", "--batches", "2", "--trace", str(trace)]
+    real, calls = decode.time_loop, []
+
+    def failing(error: str, at: int):
+        def time_loop(*a, **k):  # the loops run in order: w4a16, qspec w4a8, qspec w4a8/kv8
+            calls.append(None)
+            if len(calls) == at:
+                raise jax.errors.JaxRuntimeError(f"{error}: Out of memory while trying to allocate 28.50GiB")
+            return real(*a, **k)
+        return time_loop
+
+    monkeypatch.setattr(decode, "time_loop", failing("RESOURCE_EXHAUSTED", 3))
+    decode.main([*common, "--out", str(tmp_path / "a")])
+    (res,) = json.loads((tmp_path / "a" / "decode.json").read_text())["results"]
+    assert set(res["methods"]) == {"w4a16", "qspec w4a8 g=1"} and "skipped" not in res
+    assert res["not_run"] == {"qspec w4a8/kv8 g=1": decode.OUT_OF_MEMORY}
+    assert "speedup_vs_w4a16" in res["methods"]["qspec w4a8 g=1"]
+    assert f"qspec w4a8/kv8 g=1 not measured: {decode.OUT_OF_MEMORY}" in (tmp_path / "a" / "decode.md").read_text()
+    calls.clear()
+    monkeypatch.setattr(decode, "time_loop", failing("RESOURCE_EXHAUSTED", 1))
+    decode.main([*common, "--out", str(tmp_path / "b")])
+    (res,) = json.loads((tmp_path / "b" / "decode.json").read_text())["results"]
+    assert set(res["methods"]) == {"qspec w4a8 g=1", "qspec w4a8/kv8 g=1"} and res["not_run"] == {
+        "w4a16": decode.OUT_OF_MEMORY}
+    assert not any("speedup_vs_w4a16" in e for e in res["methods"].values())
+    calls.clear()
+    monkeypatch.setattr(decode, "time_loop", failing("INTERNAL", 2))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
+        decode.main([*common, "--out", str(tmp_path / "c")])
+
+
 def test_decode_bench_budget_does_not_start_what_would_not_end(tmp_path, monkeypatch):
     """A configuration whose scaled estimate exceeds what is left of --budget-s is not started (and
     leaves no section); with a larger budget it runs."""
