@@ -58,6 +58,7 @@ starts that would not end in time (estimated from the cost model, calibrated on 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -640,6 +641,20 @@ def out_of_memory(e: Exception) -> bool:
     return isinstance(e, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(e)
 
 
+@contextlib.contextmanager
+def memory_recorded(res: dict, methods: list[str]):
+    """Runs the block; where it runs out of GPU memory, the ``methods`` it had not measured yet are named
+    in ``res["not_run"]`` instead (any other error is raised)."""
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as e:
+        if not out_of_memory(e):
+            raise
+        missing = [m for m in methods if m not in res["methods"]]
+        log(f"  {', '.join(missing)}: out of GPU memory: {str(e).splitlines()[0][:160]}")
+        res.setdefault("not_run", {}).update({m: OUT_OF_MEMORY for m in missing})
+
+
 def run_config(c: Config, compiled: dict, params: dict, fparams: dict | None, args, rates: dict[str, float]) -> dict:
     """Times ``c``'s compiled programs one by one: each method's decode loop, QSPEC's phases. A method
     whose buffers do not fit at run time is named in ``res["not_run"]`` and the others still run."""
@@ -662,38 +677,24 @@ def run_config(c: Config, compiled: dict, params: dict, fparams: dict | None, ar
         carry = forward_carry(c.makes[bits](), tokens, ahead)
         return time_forward(compiled[key], params if p is None else p, carry, args.phase_reps)
 
-    def skip(methods: list[str], e: Exception) -> None:
-        if not out_of_memory(e):
-            raise e
-        log(f"  {', '.join(methods)}: out of GPU memory: {str(e).splitlines()[0][:160]}")
-        res.setdefault("not_run", {}).update({m: OUT_OF_MEMORY for m in methods})
-
     for method in _ar_methods(args, fparams):
         # [0]: the loop's final state is dropped at once (held in a variable, a 70 GB cache would
         # still be alive when the next method makes its state: out of memory at 7B, batch 32, 3584)
-        try:
+        with memory_recorded(res, [method]):
             secs = time_loop(compiled["ar", method], fparams if method == "w16a16" else params, make, args.new,
                              args.reps)[0]
-        except Exception as e:  # noqa: BLE001 (skip re-raises all but an allocation failure)
-            skip([method], e)
-            continue
-        res["methods"][method] = {"tokens_per_s": batch * args.new / secs, "ms_per_step": 1e3 * secs / args.new,
-                                  "memory_bytes": loop_memory_bytes(compiled["ar", method])}
-        log(f"  {method}: {res['methods'][method]['ms_per_step']:.2f} ms/step, "
-            f"{res['methods'][method]['tokens_per_s']:.0f} tok/s (floor {floor_ms:.2f} ms/step)")
+            res["methods"][method] = {"tokens_per_s": batch * args.new / secs, "ms_per_step": 1e3 * secs / args.new,
+                                      "memory_bytes": loop_memory_bytes(compiled["ar", method])}
+            log(f"  {method}: {res['methods'][method]['ms_per_step']:.2f} ms/step, "
+                f"{res['methods'][method]['tokens_per_s']:.0f} tok/s (floor {floor_ms:.2f} ms/step)")
     base = res["methods"].get("w4a16", {}).get("ms_per_step")
     target_key = ("fwd", "w4a16", 1, None, None)
-    try:
+    t_target = None
+    with memory_recorded(res, ["w4a16 phase forward"]):
         t_target = forward_ms(target_key, 1) if target_key in compiled else None
-    except Exception as e:  # noqa: BLE001
-        skip(["w4a16 phase forward"], e)
-        t_target = None
     for draft in args.drafts:
-        gammas = [*args.gammas, *(["auto"] if args.auto else [])]
-        try:
+        with memory_recorded(res, [f"qspec {draft} g={g}" for g in [*args.gammas, *(["auto"] if args.auto else [])]]):
             _run_draft(c, compiled, params, draft, args, res, base, t_target, forward_ms, phase_floor_ms)
-        except Exception as e:  # noqa: BLE001
-            skip([m for m in (f"qspec {draft} g={g}" for g in gammas) if m not in res["methods"]], e)
     return res
 
 
@@ -1345,14 +1346,8 @@ def _bench_model(name: str, todo: list[tuple[int, int]], args, trace: dict, bw: 
         waited = time.perf_counter() - t0
         log(f"  {len(compiled)} programs ready after {waited:.0f} s")
         t1 = time.perf_counter()
-        try:
-            res = run_config(c, compiled, params, fparams, fit, rates)
-        except Exception as e:  # noqa: BLE001 (one configuration out of memory: record it, go on)
-            if not out_of_memory(e):
-                raise
-            log(f"  out of GPU memory: {str(e).splitlines()[0][:200]}")
-            res = {**c.res, "methods": {}}
-        if not res["methods"]:
+        res = run_config(c, compiled, params, fparams, fit, rates)
+        if not res["methods"]:  # every method ran out of memory
             res = {**res, "skipped": OUT_OF_MEMORY, "skip_reason": "memory"}
         reason = phase_check(res)
         if reason:
