@@ -940,7 +940,9 @@ def test_logprobs_match_a_float64_recomputation(tiny_model, rng):
         qs = generate(tiny_model, prompts, method="qspec", gamma=gamma, **kw)
         for a, b in zip(ar.logprobs, qs.logprobs):
             np.testing.assert_array_equal(a, b)
-    for method, precision in (("w4a16", W4A16), ("w16a16", W16A16)):  # prefill and steps in one precision
+    # W4A16 rounds each matmul input to bf16: the decode's and the one forward's float32 sums, added in
+    # other orders, can round one input element to neighbouring bf16 values (2**-8 apart); W16A16 rounds none
+    for method, precision, tol in (("w4a16", W4A16, 5e-3), ("w16a16", W16A16, 1e-4)):  # prefill and steps alike
         res = ar if method == "w4a16" else generate(tiny_model, prompts, method=method, **kw)
         for p, seq, lp in zip(prompts, res.sequences, res.logprobs):
             full = np.array(p + seq.tolist(), np.int32)
@@ -950,7 +952,7 @@ def test_logprobs_match_a_float64_recomputation(tiny_model, rng):
             x -= x.max(-1, keepdims=True)
             want = x[np.arange(len(seq)), seq] - np.log(np.exp(x).sum(-1))
             assert lp.shape == seq.shape and lp.dtype == np.float32
-            np.testing.assert_allclose(lp, want, rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(lp, want, rtol=tol, atol=tol)
     assert generate(tiny_model, prompts, max_new_tokens=3).logprobs is None
     with pytest.raises(ValueError, match="return_logprobs"):
         generate(tiny_model, prompts, max_new_tokens=3, return_logprobs=1)
