@@ -247,6 +247,11 @@ def memory_need(weight_bytes: float, cfg: LlamaConfig, context: int, batch: int,
     return weight_bytes * (5 if w16a16 else 1) + kv + (kv * (shadow + 1 / 32) if shadow else 0) + heads
 
 
+def qspec_methods(draft: str, args) -> list[str]:
+    """The names of ``draft``'s QSPEC loops a run measures: one per fixed gamma, and ``g=auto`` with ``--auto``."""
+    return [f"qspec {draft} g={g}" for g in [*args.gammas, *(["auto"] if args.auto else [])]]
+
+
 def fitting(args, weight_bytes: float, cfg: LlamaConfig, context: int, batch: int, w16a16: bool,
             limit: float) -> tuple[argparse.Namespace | None, dict[str, str]]:
     """``args`` without the drafts whose own memory (a shadow, a head copy) does not fit ``limit`` beside
@@ -257,9 +262,8 @@ def fitting(args, weight_bytes: float, cfg: LlamaConfig, context: int, batch: in
     if need([]) > limit:
         return None, {}
     kept = [d for d in args.drafts if need([d]) <= limit]
-    gammas = [*args.gammas, *(["auto"] if args.auto else [])]
-    left_out = {f"qspec {d} g={g}": f"its draft needs ~{need([d]) / 1e9:.0f} GB, more than the {limit / 1e9:.0f} GB"
-                for d in args.drafts if d not in kept for g in gammas}
+    left_out = {m: f"its draft needs ~{need([d]) / 1e9:.0f} GB, more than the {limit / 1e9:.0f} GB"
+                for d in args.drafts if d not in kept for m in qspec_methods(d, args)}
     return argparse.Namespace(**{**vars(args), "drafts": kept}), left_out
 
 
@@ -636,11 +640,6 @@ def phase_check(res: dict) -> str | None:
 OUT_OF_MEMORY = "out of GPU memory while timing"
 
 
-def out_of_memory(e: Exception) -> bool:
-    """Whether ``e`` is XLA's allocation failure (a method that did not fit), not a bug to raise."""
-    return isinstance(e, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(e)
-
-
 @contextlib.contextmanager
 def memory_recorded(res: dict, methods: list[str]):
     """Runs the block; where it runs out of GPU memory, the ``methods`` it had not measured yet are named
@@ -648,7 +647,7 @@ def memory_recorded(res: dict, methods: list[str]):
     try:
         yield
     except jax.errors.JaxRuntimeError as e:
-        if not out_of_memory(e):
+        if "RESOURCE_EXHAUSTED" not in str(e):  # XLA's allocation failure; anything else is a bug
             raise
         missing = [m for m in methods if m not in res["methods"]]
         log(f"  {', '.join(missing)}: out of GPU memory: {str(e).splitlines()[0][:160]}")
@@ -693,7 +692,7 @@ def run_config(c: Config, compiled: dict, params: dict, fparams: dict | None, ar
     with memory_recorded(res, ["w4a16 phase forward"]):
         t_target = forward_ms(target_key, 1) if target_key in compiled else None
     for draft in args.drafts:
-        with memory_recorded(res, [f"qspec {draft} g={g}" for g in [*args.gammas, *(["auto"] if args.auto else [])]]):
+        with memory_recorded(res, qspec_methods(draft, args)):
             _run_draft(c, compiled, params, draft, args, res, base, t_target, forward_ms, phase_floor_ms)
     return res
 
@@ -1374,8 +1373,7 @@ def _lacks(r: dict, args) -> str | None:
         return f"of {r.get('new')} new tokens, not {args.new}"
     if r.get("kernels", KERNELS_MEASURED) != resolve_kernels(args.kernels):  # older sections: the Pallas kernels
         return f"of the {r['kernels']} kernels"
-    gammas = [*args.gammas, *(["auto"] if args.auto else [])]
-    want = {*args.ar, *(f"qspec {d} g={g}" for d in args.drafts for g in gammas)}
+    want = {*args.ar, *(m for d in args.drafts for m in qspec_methods(d, args))}
     if missing := sorted(want - set(r.get("methods", {})) - set(r.get("not_run", {}))):
         return f"without {', '.join(missing)}"
     return None
