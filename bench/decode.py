@@ -1,8 +1,8 @@
 """End-to-end decode throughput of QSPEC against autoregressive decoding, on Llama-shaped models with
 random INT4 weights (and on SmolLM2's real weights and prompts).
 
-    # the headline matrix (~16 min on one H100 / H200), over calls of at most 9 minutes each; every call
-    # prints the configurations left and the --resume that continues:
+    # the headline matrix (~16 min on one H100 / H200) in resumable parts of at most --budget-s seconds;
+    # each part prints the configurations left and the --resume that continues:
     PYTHONPATH=. python3 -m bench.decode --preset headline --budget-s 540 --out $OUT
     PYTHONPATH=. python3 -m bench.decode --preset headline --budget-s 540 --resume PREV/decode.json --out $OUT
     # what a preset measures, what fits the card and how long it should take, without measuring:
@@ -23,7 +23,7 @@ random INT4 weights (and on SmolLM2's real weights and prompts).
 Presets: ``headline`` (Llama-2-7B, Llama-3-8B, Llama-2-13B x batch 1, 8, 16, 32 x context 512 and 4096,
 W4A16 and W4A8 AR, QSPEC with ``generate``'s default draft (W4A8 over a window of 1024 + 64 sinks) at
 gamma 1, 3 and "auto", acceptance replayed from few-shot prompts of 512 and 3584 tokens, plus SmolLM2 at context 512 when its
-checkpoint and the GSM8K files are found: ``--gsm8k`` / ``--gsm8k-train``, else .carry/data or
+checkpoint and the GSM8K files are found: ``--gsm8k`` / ``--gsm8k-train``, else ``$QSPEC_JAX_DATA`` or
 ../shared/data) and ``full`` (every model, batch 1-64, gamma 1, 3, 5, drafts W4A8, W4A4 and
 W4A8 over an INT8 KV shadow, the W16A16 baseline), both resumable.
 
@@ -1023,8 +1023,8 @@ def markdown(run: dict) -> str:
 
 AR = tuple(m for m in METHODS if m != "qspec")  # the autoregressive methods
 ROOT = Path(__file__).resolve().parent.parent
-# where a preset looks for the GSM8K files SmolLM2's prompts come from (scripts/gpu_carry.sh's copy first)
-DATA_DIRS = (ROOT / ".carry" / "data", ROOT.parent / "shared" / "data")
+# where a preset looks for the GSM8K files SmolLM2's prompts come from ($QSPEC_JAX_DATA first)
+DATA_DIRS = tuple(Path(d) for d in [os.environ.get("QSPEC_JAX_DATA")] if d) + (ROOT.parent / "shared" / "data",)
 CALIBRATION = ROOT / "bench" / "results" / "decode.json"  # recorded sections that calibrate the cost model
 PRESETS = {
     "headline": {"models": f"llama2-7b,llama3-8b,llama2-13b,{REAL_MODEL}", "batches": "1,8,16,32",

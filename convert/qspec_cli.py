@@ -1,5 +1,5 @@
 """qspec-jax: `generate` (prompts from the command line, a file or stdin, any method; text or JSON
-lines out) and `demo` (QSPEC next to W4A16 on the embedded SmolLM2, the README's main job). Converting a checkpoint is `qspec-convert`. It lives in ``convert``
+lines out) and `demo` (QSPEC next to W4A16 on the embedded SmolLM2, the README's first command). Converting a checkpoint is `qspec-convert`. It lives in ``convert``
 (not ``qspec_jax``) because its default model is the embedded SmolLM2, converted on first use."""
 
 from __future__ import annotations

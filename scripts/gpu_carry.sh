@@ -4,7 +4,8 @@
 #   there:      bash scripts/gpu_carry.sh stash      (after each part arrives in .carry: copies it to /tmp)
 #               bash scripts/gpu_carry.sh assemble   (after the last part: unpacks into $CACHE)
 # split also copies ../shared/data's GSM8K and WikiText-2 files to .carry/data: carry it with the last part.
-# then QSPEC_JAX_CACHE=/tmp/qspec-jax-cache finds it (convert.embedded.cache_dir).
+# then QSPEC_JAX_CACHE=/tmp/qspec-jax-cache finds the checkpoint (convert.embedded.cache_dir) and
+# QSPEC_JAX_DATA=.carry/data the data (bench.decode).
 set -euo pipefail
 NAME=smollm2-rtn-asym-g32
 PART_BYTES=55000000  # a part, the tree and .carry/data stay under 64 MiB
