@@ -16,7 +16,8 @@ from convert.quantize import QuantScheme
 from convert.rotate import rotate
 from qspec_jax.checkpoint import MANIFEST, load_checkpoint
 from qspec_jax.rotation import random_hadamard
-from tests.conftest import TINY, jit_forward, random_source, write_gguf
+from qspec_jax.api import generate
+from tests.conftest import TINY, jit_forward, memory_model, random_source, write_gguf
 from pallas_kernels.precision import W16A16
 
 SCHEME = QuantScheme(16, False)  # divides the tiny model's 48 and 80 input features
@@ -196,3 +197,17 @@ def test_learned_rotation_record_is_reused(trained):
     b, _, _ = convert_model(src, SCHEME, seed, learned=again)
     assert all(np.array_equal(x.packed, y.packed) for x, y in
                zip((a["layers"]["attn"]["qkv"]["w"],), (b["layers"]["attn"]["qkv"]["w"],)))
+
+
+def test_greedy_qspec_with_w4a4_drafts_equals_w4a16_on_a_learned_rotation(trained, rng):
+    """On a checkpoint with the learned R1 and R2 folded in (online transforms on), greedy QSPEC with W4A4
+    drafts commits bitwise the W4A16 tokens, and some drafts are accepted."""
+    src, _, seed, learned = trained
+    params, config, _ = convert_model(src, SCHEME, seed, learned=learned)
+    model = memory_model(params, config, rotation_seed=seed)
+    prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (5, 11, 8)]
+    ref = generate(model, prompts, max_new_tokens=24, method="w4a16", eos_token_id=-1)
+    got = generate(model, prompts, max_new_tokens=24, method="qspec", draft="w4a4", gamma=3, eos_token_id=-1)
+    for i, (a, b) in enumerate(zip(got.sequences, ref.sequences)):
+        assert np.array_equal(a, b), f"sequence {i}: {a} != {b}"
+    assert got.stats["accepted"] > 0, got.stats
