@@ -206,7 +206,7 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
 
     ``qspec`` drafts ``gamma`` tokens per round (default :data:`DEFAULT_GAMMA`) in ``draft`` precision
     (default :data:`DEFAULT_DRAFT`) and verifies them in W4A16 (``"auto"``: each round's γ in ``0..AUTO_GAMMA_MAX`` from a bytes cost model of the phases and the
-    acceptance so far, :mod:`qspec_jax.gamma`; γ = 0 is a W4A16 step); the other methods decode
+    acceptance so far, :mod:`qspec_jax.gamma`; γ = 0 runs ``AUTO_GAMMA_MAX + 1`` W4A16 steps); the other methods decode
     autoregressively in that mode and refuse ``draft`` / ``gamma``. ``draft_kv`` (8 or 4, ``qspec`` only):
     the drafts attend over an INT8 / INT4 copy of the KV cache kept beside it, reading fewer bytes
     per draft step; the verifier still reads only its own float cache, so the output is unchanged.

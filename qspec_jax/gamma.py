@@ -1,6 +1,6 @@
 """γ chosen round by round (``generate(gamma="auto")``): a bytes cost model of each phase and the
 acceptance observed so far pick the γ in ``0..gamma_max`` with the most tokens per unit of cost;
-γ = 0 is a plain W4A16 step (docs/design.md §2).
+γ = 0 is plain W4A16 steps (docs/design.md §2).
 
 Every forward of a decode step is memory-bound, so its cost is counted in bytes moved: the packed
 weights (read again, in part, for every extra tile of rows a verify pass multiplies them with),

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.precision import W4A16, Precision
-from qspec_jax.decode import DecodeState, Runtime, ar_loop, ar_step, commit, last_tokens, run_loop, token_logprobs
+from qspec_jax.decode import DecodeState, Runtime, ar_loop, commit, last_tokens, run_loop, token_logprobs
 from qspec_jax.gamma import CostModel, choose_gamma
 from qspec_jax.sampling import accept_greedy, accept_stochastic, choose
 
@@ -90,9 +90,10 @@ def qspec_loop(params, state: DecodeState, rounds: jax.Array | None, rt: Runtime
 
 def auto_round(params, state: DecodeState, rt: Runtime, gamma_max: int, draft: Precision, costs: CostModel,
                accept: Accept | None = None) -> DecodeState:
-    """One round with γ chosen by :func:`qspec_jax.gamma.choose_gamma`: a W4A16 step (γ = 0) or a
-    :func:`qspec_round` of 1..``gamma_max`` drafts (``accept`` as there), through ``lax.switch``."""
-    branches = [lambda s: ar_step(params, s, rt, TARGET)] + [
+    """One round with γ chosen by :func:`qspec_jax.gamma.choose_gamma`: ``gamma_max + 1`` W4A16 steps
+    (γ = 0; as many tokens as the longest round commits, so the choice and its switch are paid once for
+    them) or a :func:`qspec_round` of 1..``gamma_max`` drafts (``accept`` as there), through ``lax.switch``."""
+    branches = [lambda s: ar_loop(params, s, jnp.int32(gamma_max + 1), rt, TARGET)] + [
         functools.partial(lambda s, g: qspec_round(params, s, rt, g, draft, accept), g=g)
         for g in range(1, gamma_max + 1)]
     g = choose_gamma(costs, gamma_max, state.accepted, state.drafted, state.lengths, ~state.done)

@@ -72,8 +72,8 @@ def test_choice_matches_float64_and_follows_acceptance(rng):
 
 def test_auto_loop_switches_on_the_cost_model(rng):
     """Drafts that cost nothing: every round drafts ``gamma_max``; drafts that save a few bytes but whose
-    verify re-reads far more weights: no round drafts (the switch's W4A16 step every round). Either way
-    the greedy tokens are W4A16's."""
+    verify re-reads far more weights: no round drafts (the switch's ``gamma_max + 1`` W4A16 steps every
+    round, so one such round is that many W4A16 steps). Either way the greedy tokens are W4A16's."""
     params, cfg, _ = convert_model(random_source(TINY, rng), QuantScheme(16, True), None)
     rt = Runtime(cfg)
     lengths = rng.choice(np.arange(3, 9), 2, replace=False).astype(np.int32)
@@ -96,6 +96,12 @@ def test_auto_loop_switches_on_the_cost_model(rng):
             n = int(ref.lengths[i])
             assert int(out.lengths[i]) == n
             np.testing.assert_array_equal(np.asarray(out.tokens[i, :n]), np.asarray(ref.tokens[i, :n]))
+        if not drafts:
+            one = decode_jit(params, Decoder(rt, None, W4A8, None, costs), state(), jnp.int32(1))
+            steps = decode_jit(params, Decoder(rt, W4A16), state(), jnp.int32(AUTO_GAMMA_MAX + 1))
+            np.testing.assert_array_equal(np.asarray(one.lengths), np.asarray(steps.lengths))
+            np.testing.assert_array_equal(np.asarray(one.tokens), np.asarray(steps.tokens))
+            assert int((np.asarray(steps.lengths) - np.asarray(state().lengths)).max()) == AUTO_GAMMA_MAX + 1
 
 
 def test_drafts_that_save_no_bytes_never_draft(rng):
