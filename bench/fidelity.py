@@ -183,6 +183,11 @@ def main(argv: list[str] | None = None) -> None:
     write(out, args)
 
 
+def _number(v: float | None, digits: int) -> str:
+    """A table cell: ``v`` to ``digits`` decimals, or "–" where the method has no such number."""
+    return "–" if v is None else f"{v:.{digits}f}"
+
+
 def write(out: dict, args) -> None:
     n = out["problems"]
     lines = ["# Fidelity on SmolLM2-135M-Instruct: GSM8K-dev and WikiText-2", "",
@@ -199,8 +204,8 @@ def write(out: dict, args) -> None:
     for name, r in out["methods"].items():
         p = ppl.get("w4a16" if name.startswith("qspec") else name)
         lines.append(f"| {name} | {r['flexible_acc']:.3f} | {r['strict_acc']:.3f} | {r['token_agreement']:.4f} | "
-                     f"{r['identical']}/{n} | {r.get('acceptance', float('nan')):.3f} | "
-                     f"{r.get('tokens_per_round', float('nan')):.2f} | {'' if p is None else f'{p:.3f}'} |")
+                     f"{r['identical']}/{n} | {_number(r.get('acceptance'), 3)} | "
+                     f"{_number(r.get('tokens_per_round'), 2)} | {_number(p, 3)} |")
     lines += ["", "QSPEC's perplexity column is W4A16's: its committed tokens are W4A16's by construction "
               "(greedy: token-identical, see the identity column; sampled: the same distribution)."]
     args.out.parent.mkdir(parents=True, exist_ok=True)
