@@ -96,12 +96,12 @@ def test_auto_loop_switches_on_the_cost_model(rng):
             n = int(ref.lengths[i])
             assert int(out.lengths[i]) == n
             np.testing.assert_array_equal(np.asarray(out.tokens[i, :n]), np.asarray(ref.tokens[i, :n]))
-        if not drafts:
+        if not drafts:  # one round is AUTO_GAMMA_MAX + 1 W4A16 steps (fewer where a sequence ends)
             one = decode_jit(params, Decoder(rt, None, W4A8, None, costs), state(), jnp.int32(1))
-            steps = decode_jit(params, Decoder(rt, W4A16), state(), jnp.int32(AUTO_GAMMA_MAX + 1))
-            np.testing.assert_array_equal(np.asarray(one.lengths), np.asarray(steps.lengths))
-            np.testing.assert_array_equal(np.asarray(one.tokens), np.asarray(steps.tokens))
-            assert int((np.asarray(steps.lengths) - np.asarray(state().lengths)).max()) == AUTO_GAMMA_MAX + 1
+            start, end = np.asarray(state().lengths), np.asarray(one.lengths)
+            assert (end - start <= AUTO_GAMMA_MAX + 1).all() and (end - start).max() == AUTO_GAMMA_MAX + 1
+            for i in range(2):
+                np.testing.assert_array_equal(np.asarray(one.tokens[i, :end[i]]), np.asarray(ref.tokens[i, :end[i]]))
 
 
 def test_drafts_that_save_no_bytes_never_draft(rng):
