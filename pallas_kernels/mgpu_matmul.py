@@ -1,11 +1,14 @@
 """A W4A16 matmul as a Mosaic GPU kernel for Hopper, over signed INT4 codes in 128 x 128 tiles.
 
 The weights sit on the wgmma's M side (64 rows per compute warpgroup, two per block) and the call's
-tokens on its N side (8 to 256), so each weight tile is dequantized once for every token of the call;
-a third warpgroup streams the weight, scale and activation tiles through a ring of shared-memory
-stages with TMA. Each weight is ``bf16(q * s)`` (one rounding, as :func:`pallas_kernels.layout.w4a16_weights`),
-accumulated in float32 over K tiles of :data:`BLOCK_K` in order; the K splits are added left to
-right, so a token's result does not depend on the other tokens of the call.
+tokens on its N side (8 to 256), so each weight tile is dequantized once for every token of the call.
+The kernel is persistent: one program per SM walks its share of the (row tile, K stage) units in
+order while a third warpgroup streams their weight, scale and activation tiles through one ring of
+shared-memory stages with TMA, so the pipeline fills once per program and no wave is left half empty.
+Each weight is ``bf16(q * s)`` (one rounding, as :func:`pallas_kernels.layout.w4a16_weights`),
+accumulated in float32 over the K stages of a row tile in order; where a row tile's stages are cut
+between programs, the pieces are added left to right. The cuts depend on N, K and the program count
+only, so a token's result does not depend on the other tokens of the call.
 
 Its operands are not the packed layout's (:mod:`pallas_kernels.layout`): ``jnp.int4`` codes in tiles
 ``[N / 128, K / 128, 128, 128]`` (:func:`tile_codes`: each stage's weight tile one contiguous 8 KiB
@@ -16,6 +19,7 @@ the model does not call it yet.
 from __future__ import annotations
 
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +27,7 @@ from jax import lax
 from jax._src import dtypes
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+import numpy as np
 
 from pallas_kernels.launch import check_count
 
@@ -51,10 +56,18 @@ def token_tile(m: int) -> int:
     return max(8, 1 << (m - 1).bit_length())
 
 
-def default_split(n: int, k: int, sms: int) -> int:
-    """The fewest K splits (a divisor of the K stages) that give every SM a block."""
-    tiles, steps = n // (COMPUTE_WGS * BLOCK_N), k // BLOCK_K
-    return next(s for s in range(1, steps + 1) if steps % s == 0 and (tiles * s >= sms or s == steps))
+def first_program(unit, units: int, programs: int, div=operator.floordiv):
+    """The program whose share holds ``unit`` (``div``: floor division of non-negative ints): program p
+    takes units ``[p * units // programs, (p + 1) * units // programs)``."""
+    return div((unit + 1) * programs + units - 1, units) - 1
+
+
+def pieces(n: int, k: int, programs: int) -> np.ndarray:
+    """How many programs share each 128-row tile's K stages (its partial sums, added in order)."""
+    stages = k // BLOCK_K
+    units = n // (COMPUTE_WGS * BLOCK_N) * stages
+    first = np.arange(0, units, stages)
+    return first_program(first + stages - 1, units, programs) - first_program(first, units, programs) + 1
 
 
 def tile_codes(codes: jax.Array) -> jax.Array:
@@ -88,54 +101,62 @@ def check_operands(x: jax.Array, codes: jax.Array, scales: jax.Array) -> None:
         raise ValueError(f"1 to {MAX_TOKENS} tokens per call, got {m}")
 
 
-@functools.partial(jax.jit, static_argnames=("split_k", "stages"))
-def w4a16_int4_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array, *, split_k: int | None = None,
-                      stages: int | None = None) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("programs", "stages", "interpret"))
+def w4a16_int4_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array, *, programs: int | None = None,
+                      stages: int | None = None, interpret: bool = False) -> jax.Array:
     """``x[M, K] @ W.T`` in float32 with ``W[n, k] = bf16(q[n, k] * scales[k // group, n])``, ``codes`` the
     int4 ``q`` as :func:`tile_codes` arranges them.
-    ``split_k`` (a divisor of K / BLOCK_K; default :func:`default_split`, which M does not change) sets
-    the order of the partial sums; ``stages`` changes only timing."""
+    ``programs`` (default: the GPU's SM count, which M does not change) sets where a row tile's K
+    stages are cut, hence the order of its partial sums; ``stages`` changes only timing. ``interpret``:
+    run on the CPU in Mosaic GPU's interpret mode, whose wgmma reads its A operand only from shared
+    memory, so there the dequantized tile is stored to shared memory first."""
     check_operands(x, codes, scales)
     (m, k), n = x.shape, scales.shape[1]
     g = k // scales.shape[0]
     bm = token_tile(m)
     x = jnp.pad(x.astype(jnp.bfloat16), ((0, bm - m), (0, 0)))
-    split = default_split(n, k, jax.devices()[0].core_count) if split_k is None else split_k
-    check_count("split_k", split)
-    if (k // BLOCK_K) % split:
-        raise ValueError(f"split_k must divide the {k // BLOCK_K} K stages, got {split}")
-    steps = k // BLOCK_K // split
-    rows = COMPUTE_WGS * BLOCK_N
+    rows, steps = COMPUTE_WGS * BLOCK_N, k // BLOCK_K
+    units = n // rows * steps
+    programs = min(jax.devices()[0].core_count if programs is None else programs, units)
+    check_count("programs", programs)
+    shares = pieces(n, k, programs)
     stage_bytes = bm * BLOCK_K * 2 + rows * BLOCK_K // 2 + rows * 2
-    stages = min(MAX_STAGES, SMEM_BYTES // stage_bytes, steps) if stages is None else stages
+    stages = min(MAX_STAGES, SMEM_BYTES // stage_bytes) if stages is None else stages
     check_count("stages", stages)
 
-    def kernel(x_gmem, w_gmem, s_gmem, o_gmem, x_smem, w_smem, s_smem, loaded, consumed):
-        tile, part, wg = lax.axis_index("n"), lax.axis_index("s"), lax.axis_index("wg")
+    def kernel(x_gmem, w_gmem, s_gmem, o_gmem, x_smem, w_smem, s_smem, loaded, consumed, a_smem=None):
+        prog, wg = lax.axis_index("p"), lax.axis_index("wg")
+        start, end = lax.div(prog * units, programs), lax.div((prog + 1) * units, programs)
 
         @pl.when(wg < COMPUTE_WGS)
         def _compute():
-            ns = pl.ds(wg * BLOCK_N, BLOCK_N)
+            @pl.loop(lax.div(start, steps), lax.div(end - 1, steps) + 1)
+            def _tile(t):
+                def accumulate(acc):
+                    @pl.loop(jnp.maximum(start, t * steps), jnp.minimum(end, t * steps + steps))
+                    def _step(u):
+                        st = lax.rem(u - start, stages)
+                        plgpu.barrier_wait(loaded.at[st])
+                        w = plgpu.load(w_smem.at[st, pl.ds(wg * BLOCK_N, BLOCK_N)], layout=_UPCAST_4X)
+                        s = plgpu.load(s_smem.at[st, pl.ds(wg * BLOCK_N, BLOCK_N)], layout=_WGMMA_ROW)
+                        w = plgpu.layout_cast(w, _WGMMA).astype(jnp.bfloat16)
+                        a = w * lax.broadcast_in_dim(s, w.shape, [0])
+                        if interpret:
+                            a_smem[wg] = a
+                            plgpu.commit_smem()
+                            a = a_smem.at[wg]
+                        plgpu.wgmma(acc, a, x_smem.at[st].T)
+                        plgpu.wgmma_wait(0)
+                        plgpu.barrier_arrive(consumed.at[st])
+                    return acc[...]
 
-            def accumulate(acc):
-                @pl.loop(0, steps)
-                def _step(j):
-                    st = lax.rem(j, stages)
-                    plgpu.barrier_wait(loaded.at[st])
-                    w = plgpu.load(w_smem.at[st, ns], layout=_UPCAST_4X)
-                    s = plgpu.load(s_smem.at[st, ns], layout=_WGMMA_ROW)
-                    w = plgpu.layout_cast(w, _WGMMA).astype(jnp.bfloat16)
-                    plgpu.wgmma(acc, w * lax.broadcast_in_dim(s, w.shape, [0]), x_smem.at[st].T)
-                    plgpu.wgmma_wait(0)
-                    plgpu.barrier_arrive(consumed.at[st])
-                return acc[...]
-
-            acc = pl.run_scoped(accumulate, plgpu.ACC((BLOCK_N, bm), jnp.float32))
-            o_gmem.at[part, pl.ds(tile * rows + wg * BLOCK_N, BLOCK_N)][...] = acc
+                acc = pl.run_scoped(accumulate, plgpu.ACC((BLOCK_N, bm), jnp.float32))
+                piece = prog - first_program(t * steps, units, programs, lax.div)
+                o_gmem.at[piece, pl.ds(t * rows + wg * BLOCK_N, BLOCK_N)][...] = acc
 
         @pl.when(wg == COMPUTE_WGS)
         def _stream():
-            @pl.loop(0, steps)
+            @pl.loop(0, end - start)
             def _step(j):
                 st = lax.rem(j, stages)
 
@@ -143,18 +164,21 @@ def w4a16_int4_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array, *, spli
                 def _wait():
                     plgpu.barrier_wait(consumed.at[st])
 
-                kk = part * steps + j
-                ks = pl.ds(kk * BLOCK_K, BLOCK_K)
-                plgpu.copy_gmem_to_smem(x_gmem.at[:, ks], x_smem.at[st], loaded.at[st])
-                plgpu.copy_gmem_to_smem(w_gmem.at[tile, kk], w_smem.at[st], loaded.at[st])
-                plgpu.copy_gmem_to_smem(s_gmem.at[kk * BLOCK_K // g, pl.ds(tile * rows, rows)], s_smem.at[st],
+                t, kk = lax.div(start + j, steps), lax.rem(start + j, steps)
+                plgpu.copy_gmem_to_smem(x_gmem.at[:, pl.ds(kk * BLOCK_K, BLOCK_K)], x_smem.at[st], loaded.at[st])
+                plgpu.copy_gmem_to_smem(w_gmem.at[t, kk], w_smem.at[st], loaded.at[st])
+                plgpu.copy_gmem_to_smem(s_gmem.at[kk * BLOCK_K // g, pl.ds(t * rows, rows)], s_smem.at[st],
                                         loaded.at[st])
+
+            @pl.loop(jnp.maximum(end - start - stages, 0), end - start)
+            def _drain(j):  # the ring's last uses, so that every barrier phase is observed before exit
+                plgpu.barrier_wait(consumed.at[lax.rem(j, stages)])
 
     out = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((split, n, bm), jnp.float32),
-        grid=(n // rows, split),
-        grid_names=("n", "s"),
+        out_type=jax.ShapeDtypeStruct((int(shares.max()), n, bm), jnp.float32),
+        grid=(programs,),
+        grid_names=("p",),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         scratch_types=dict(
@@ -163,11 +187,13 @@ def w4a16_int4_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array, *, spli
             s_smem=plgpu.SMEM((stages, rows), jnp.bfloat16),
             loaded=plgpu.Barrier(num_arrivals=3, num_barriers=stages),
             consumed=plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
+            **({"a_smem": _smem((COMPUTE_WGS, BLOCK_N, BLOCK_K), jnp.bfloat16, "lhs")} if interpret else {}),
         ),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
                                              unsafe_no_auto_barriers=True),
+        interpret=plgpu.InterpretGPUParams(detect_races=True) if interpret else None,
     )(x, codes, scales)
     total = out[0]
-    for i in range(1, split):  # left to right, whatever M is
-        total = total + out[i]
+    for i in range(1, out.shape[0]):  # left to right; a tile of fewer pieces leaves the rest unwritten
+        total = total + jnp.where(np.repeat(shares > i, rows)[:, None], out[i], 0.0)
     return total[:, :m].T

@@ -937,3 +937,51 @@ def test_mosaic_w4a16_refuses_operands_it_cannot_take():
     for args, match in bad:
         with pytest.raises(ValueError, match=match):
             mgpu_matmul.w4a16_int4_matmul(*args)
+
+
+def test_mosaic_w4a16_interpret_against_float64_and_row_count_invariant(rng):
+    """The persistent Mosaic W4A16 kernel in Mosaic GPU's interpret mode (its barriers and shared
+    memory simulated, races detected): within float32 accumulation error of float64 numpy over the
+    bf16 weights ``bf16(q * s)``, with row tiles cut between programs, and each row bitwise the same
+    in calls of 10 and 13 rows (one token tile: the interpreter's wgmma is numpy's matmul, whose
+    order changes with the tile; across tiles tests/test_gpu.py checks it on the GPU)."""
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+
+    from pallas_kernels import mgpu_matmul
+
+    n, k = 128 * int(rng.integers(1, 4)), 128 * int(rng.integers(2, 6))
+    group = int(rng.choice([g for g in (128, 256, k) if k % g == 0]))
+    programs = int(rng.integers(2, n // 128 * k // 128 + 1))
+    q = rng.integers(-8, 8, (n, k))
+    s = np.asarray(jnp.asarray(0.002 + 0.02 * rng.random((k // group, n)), jnp.bfloat16).astype(jnp.float32))
+    w = np.asarray(jnp.asarray(q * np.repeat(s, group, axis=0).T, jnp.float32).astype(jnp.bfloat16), np.float64)
+    codes = mgpu_matmul.tile_codes(jnp.asarray(q, jnp.int8).astype(jnp.int4))
+    x = jnp.asarray(rng.standard_normal((13, k)), jnp.bfloat16)
+    call = functools.partial(mgpu_matmul.w4a16_int4_matmul, codes=codes, scales=jnp.asarray(s, jnp.bfloat16),
+                             programs=programs, interpret=True)
+    got = np.asarray(call(x))
+    x64 = np.asarray(x, np.float64)
+    assert np.all(np.abs(got - x64 @ w.T) <= 1e-5 * (np.abs(x64) @ np.abs(w).T) + 1e-30), (n, k, group, programs)
+    np.testing.assert_array_equal(np.asarray(call(x[3:])), got[3:])
+    assert not get_races().races_found
+
+
+@pytest.mark.parametrize("draw", range(3))
+def test_mosaic_w4a16_programs_share_the_units_in_order(draw):
+    """The persistent Mosaic kernel's schedule: the program shares cover every (row tile, K stage) unit
+    once, in order, and ``pieces`` counts the programs each row tile's stages meet, as a direct walk
+    over the shares finds them."""
+    from pallas_kernels import mgpu_matmul
+
+    rng = np.random.default_rng()
+    n = 128 * int(rng.integers(1, 40))
+    k = 128 * int(rng.integers(1, 60))
+    steps = k // 128
+    units = n // 128 * steps
+    programs = int(rng.integers(1, units + 1))
+    bounds = [p * units // programs for p in range(programs + 1)]
+    owner = np.repeat(np.arange(programs), np.diff(bounds))
+    assert len(owner) == units and np.all(np.diff(owner) >= 0)
+    np.testing.assert_array_equal(mgpu_matmul.first_program(np.arange(units), units, programs), owner)
+    walked = [len(set(owner[t * steps:(t + 1) * steps])) for t in range(n // 128)]
+    np.testing.assert_array_equal(mgpu_matmul.pieces(n, k, programs), walked)
