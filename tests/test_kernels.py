@@ -966,6 +966,20 @@ def test_mosaic_w4a16_interpret_against_float64_and_row_count_invariant(rng):
     assert not get_races().races_found
 
 
+def test_mosaic_w4a16_lowers_for_hopper_on_the_cpu():
+    """Every operation of the Mosaic kernel has a Mosaic GPU lowering rule: it lowers for CUDA here,
+    at a token count of each tile size and Llama-3-8B's qkv shape (row tiles cut between programs)."""
+    from pallas_kernels import mgpu_matmul
+
+    codes = jax.ShapeDtypeStruct((48, 32, 128, 128), jnp.int4)
+    scales = jax.ShapeDtypeStruct((32, 6144), jnp.bfloat16)
+    for m in (1, 16, 200):
+        x = jax.ShapeDtypeStruct((m, 4096), jnp.bfloat16)
+        fn = functools.partial(mgpu_matmul.w4a16_int4_matmul, programs=132)
+        text = jax.jit(fn).trace(x, codes, scales).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text, text[:500]
+
+
 @pytest.mark.parametrize("draw", range(3))
 def test_mosaic_w4a16_programs_share_the_units_in_order(draw):
     """The persistent Mosaic kernel's schedule: the program shares cover every (row tile, K stage) unit
