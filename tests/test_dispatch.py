@@ -67,10 +67,10 @@ def _check_kernel_path(params, cfg, toks, pos, cache, mode):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-# every mode on one of the two head sizes, W4A16 on both (not the whole product: CI's 30 minutes)
-@pytest.mark.parametrize("cfg,mode", [(KCFG, "w4a16"), (KCFG, "w4a4"), (KCFG64, "w4a16"), (KCFG64, "w4a8"),
-                                      (KCFG64, "w16a16")], ids=["head16-w4a16", "head16-w4a4", "head64-w4a16",
-                                                                 "head64-w4a8", "head64-w16a16"])
+# every mode on one of the two head sizes (not the whole product: CI's time); W4A16 on the head of 64, whose
+# cache of 128 slots has its attention's splits merged in o's bf16-plane prologue
+@pytest.mark.parametrize("cfg,mode", [(KCFG, "w4a4"), (KCFG64, "w4a16"), (KCFG64, "w4a8"), (KCFG64, "w16a16")],
+                         ids=["head16-w4a4", "head64-w4a16", "head64-w4a8", "head64-w16a16"])
 def test_kernel_path_matches_reference_and_is_row_count_invariant(rng, cfg, mode):
     params, cfg = _model(rng, cfg)  # head64: o's prologue merges the cache's splits (128 slots: several)
     _check_kernel_path(params, cfg, *_prefilled(rng, params, cfg, slots=128 if cfg.head_dim == 64 else 32), mode)
