@@ -1,7 +1,8 @@
 """One GPU run of the Pallas kernels against XLA. From the repository root:
 
     PYTHONPATH=. python3 -m bench.kernels [--parts check,attn,table] [--models llama3-8b,llama2-7b,llama2-13b]
-        [--ms 1,4,8,16,32,64,128,256] [--out DIR] [--resume OLD.json] [--budget-s 480] [--threads 8] [--smoke]
+        [--ms 1,4,8,16,32,64,128,256] [--kinds w4a16,mosaic_w4a16] [--out DIR] [--resume OLD.json]
+        [--budget-s 480] [--threads 8] [--smoke]
 
 Writes ``kernels.json`` and ``kernels.md`` under ``--out`` (default ``$OUT``, else bench/results; the
 json after every shape, so a killed run leaves what it measured). The md starts with the command
@@ -399,16 +400,16 @@ def _weight(family: str, n: int, k: int, seed: int) -> Any:
     return codes, scales
 
 
-def _matmul_jobs(n: int, k: int, ms: tuple[int, ...]) -> dict[tuple[int, str], Job]:
+def _matmul_jobs(n: int, k: int, ms: tuple[int, ...], kinds: tuple[str, ...]) -> dict[tuple[int, str], Job]:
     """A job per (M, kind) for one weight shape; the weights of each family rotated over copies."""
-    families = sorted(set(WEIGHT_OF.values()))
+    families = sorted({WEIGHT_OF[kind] for kind in kinds})
     copies = {f: _copies(_weight_bytes(f, n, k)) for f in families}
     weights = {f: [_weight(f, n, k, 10 + c) for c in range(copies[f])] for f in families}
     calls = max(CALLS, *copies.values())
     jobs = {}
     for m in ms:
         xs = [jax.random.normal(jax.random.key(1000 + i), (m, k), jnp.bfloat16) for i in range(calls)]
-        for kind in KINDS:
+        for kind in kinds:
             ws = weights[WEIGHT_OF[kind]]
             sets = [(xs[i], ws[i % len(ws)]) for i in range(calls)]
             jobs[m, kind] = Job(MATMULS[kind], sets, pallas=kind.startswith(("w4", "mosaic")))
@@ -419,9 +420,10 @@ def _matmul_bytes(kind: str, m: int, n: int, k: int) -> int:
     return _weight_bytes(WEIGHT_OF[kind], n, k) + m * k * 2 + m * n * OUT_BYTES.get(kind, 4)
 
 
-def matmul_table(res: dict, run_id: int, models: list[str], ms: tuple[int, ...], tmp: Path,
+def matmul_table(res: dict, run_id: int, models: list[str], ms: tuple[int, ...], kinds: tuple[str, ...], tmp: Path,
                  threads: int, deadline: float, save: Callable[[], None]) -> None:
-    """The ``table`` part: rows ``res["table"]["model/shape/M"]``, saved after each shape."""
+    """The ``table`` part: rows ``res["table"]["model/shape/M"]`` of ``kinds``' entries (a row measured again
+    replaces the old one), saved after each shape."""
     bw = res["runs"][run_id]["copy_bw"]
     for model in models:
         for shape, (n, k) in MODELS[model].items():
@@ -429,14 +431,14 @@ def matmul_table(res: dict, run_id: int, models: list[str], ms: tuple[int, ...],
                 log(f"time budget: {model} {shape} not run")
                 continue
             t = time.time()
-            jobs = _matmul_jobs(n, k, ms)
+            jobs = _matmul_jobs(n, k, ms, kinds)
             measure(list(jobs.values()), tmp, threads)
             for m in ms:
                 row = {"model": model, "shape": shape, "N": n, "K": k, "M": m, "run": run_id}
-                row.update({kind: _result(jobs[m, kind], _matmul_bytes(kind, m, n, k), bw) for kind in KINDS})
+                row.update({kind: _result(jobs[m, kind], _matmul_bytes(kind, m, n, k), bw) for kind in kinds})
                 res["table"][f"{model}/{shape}/{m}"] = row
                 log(f"{model} {shape} {n}x{k} M={m}: "
-                    + ", ".join(f"{kind} {_us(row[kind])} us ({_pct(row[kind])})" for kind in KINDS))
+                    + ", ".join(f"{kind} {_us(row[kind])} us ({_pct(row[kind])})" for kind in kinds))
             del jobs
             save()
             log(f"[{model} {shape}: {time.time() - t:.0f}s]")
@@ -627,19 +629,19 @@ def _model_table(rows: list[dict]) -> list[str]:
     lines = ["| shape (N×K) | M | " + " | ".join(head) + " |", "|---|---|" + "---|" * len(head)]
     notes: dict[str, list[str]] = {}
     for r in rows:
+        e = {kind: _entry(r, kind) for kind in KINDS}
         lines.append(f"| {r['shape']} {r['N']}×{r['K']} | {r['M']} | "
                      + " | ".join(_us(_entry(r, kind)) for kind in KINDS) + " | "
                      + " | ".join(_pct(_entry(r, kind)) for kind in KINDS) + " | "
-                     + f"{_ratio(r['xla_bf16'], r['w4a16'])} | {_ratio(r['xla_int4'], r['w4a16'])} | "
-                     + f"{_ratio(r['w4a16'], r['w4a4'])} | "
-                     + f"{_ratio(without_prep(r['w4a16'], 'w4a16'), without_prep(r['w4a4'], 'w4a4'))} | "
-                     + f"{_ratio(r['w4a16'], _entry(r, 'mosaic_w4a16'))} | "
-                     + f"{_ratio(r['w4a16'], _entry(r, 'tokamax_int4'))} |")
+                     + f"{_ratio(e['xla_bf16'], e['w4a16'])} | {_ratio(e['xla_int4'], e['w4a16'])} | "
+                     + f"{_ratio(e['w4a16'], e['w4a4'])} | "
+                     + f"{_ratio(without_prep(e['w4a16'], 'w4a16'), without_prep(e['w4a4'], 'w4a4'))} | "
+                     + f"{_ratio(e['w4a16'], e['mosaic_w4a16'])} | {_ratio(e['w4a16'], e['tokamax_int4'])} |")
         for kind in KINDS:
             if "error" in _entry(r, kind):
                 notes.setdefault(f"{kind} {r['shape']}: {_entry(r, kind)['error']}", []).append(str(r["M"]))
     notes_md = [f"- n/a: {note} (M = {', '.join(ms)})" for note, ms in notes.items()]
-    int4_kernels = sorted({name for r in rows for name in r["xla_int4"].get("kernels", {})})
+    int4_kernels = sorted({name for r in rows for name in _entry(r, "xla_int4").get("kernels", {})})
     if int4_kernels:
         notes_md.append("- kernels of the XLA int4 calls: " + ", ".join(f"`{n}`" for n in int4_kernels))
     return lines + ([""] + notes_md if notes_md else [])
@@ -675,7 +677,8 @@ def _run_line(run: dict) -> str:
     bw = f"{run['copy_bw'] / 1e12:.2f} TB/s" if "copy_bw" in run else "not measured"
     return (f"`{run['command']}`  \ncopy bandwidth {bw} (f32 `a + 1`, read + write, by {run['timing']}); "
             f"{run['device']}, jax {run['jax']}, {run['date']}; parts: {', '.join(run['parts'])}"
-            + (f"; models: {', '.join(run['models'])}" if "table" in run["parts"] else ""))
+            + (f"; models: {', '.join(run['models'])}" if "table" in run["parts"] else "")
+            + (f"; kinds: {', '.join(run['kinds'])}" if "table" in run["parts"] and "kinds" in run else ""))
 
 
 def markdown(res: dict) -> str:
@@ -720,9 +723,10 @@ def summary(res: dict) -> str:
     lines = [fmt.format(*head)] if res["table"] else []
     for r in res["table"].values():
         if r["M"] in SUMMARY_MS:
-            lines.append(fmt.format(r["model"], r["shape"], r["M"], _us(r["w4a16"]), _pct(r["w4a16"]),
-                                    _us(r["w4a4"]), _us(r["xla_bf16"]), _us(r["xla_int4"]),
-                                    _ratio(r["xla_bf16"], r["w4a16"]), _ratio(r["xla_int4"], r["w4a16"])))
+            e = {kind: _entry(r, kind) for kind in KINDS}
+            lines.append(fmt.format(r["model"], r["shape"], r["M"], _us(e["w4a16"]), _pct(e["w4a16"]),
+                                    _us(e["w4a4"]), _us(e["xla_bf16"]), _us(e["xla_int4"]),
+                                    _ratio(e["xla_bf16"], e["w4a16"]), _ratio(e["xla_int4"], e["w4a16"])))
     afmt = "attn B={:<3} ctx={:<5} T=1: kernel {:>7} us, {:>6} x floor, XLA {:>7} us ({} vs kernel); shadows {}"
     for r in res["attn"].values():
         if r["T"] == 1:
@@ -755,6 +759,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--models", default=None,
                     help=f"comma-separated, of {tuple(MODELS)} (default {','.join(DEFAULT_MODELS)})")
     ap.add_argument("--ms", type=int_list(), default=None, help=f"row counts (default {','.join(map(str, MS))})")
+    ap.add_argument("--kinds", default=",".join(KINDS), help=f"the table's matmuls, comma-separated, of {KINDS}")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench/results"))
     ap.add_argument("--resume", type=Path, default=None, help="an earlier kernels.json to merge into")
     ap.add_argument("--budget-s", type=positive_seconds, default=480.0, help="start no shape / batch after this")
@@ -777,9 +782,13 @@ def _args(argv: list[str]) -> argparse.Namespace:
         ap.error(f"--parts: give at least one of {PARTS}")
     args.models = args.models.split(",") if args.models else list(DEFAULT_MODELS)
     args.ms = tuple(args.ms) if args.ms else MS
-    for name, got, known in (("part", args.parts, PARTS), ("model", args.models, MODELS)):
+    kinds = [k for k in args.kinds.split(",") if k]
+    if not kinds:
+        ap.error(f"--kinds: give at least one of {KINDS}")
+    for name, got, known in (("part", args.parts, PARTS), ("model", args.models, MODELS), ("kind", kinds, KINDS)):
         if set(got) - set(known):
             ap.error(f"unknown {name}(s) {sorted(set(got) - set(known))}; known: {', '.join(known)}")
+    args.kinds = tuple(k for k in KINDS if k in kinds)  # in the table's order
     return args
 
 
@@ -806,7 +815,7 @@ def main(argv: list[str] | None = None) -> int:
     run = {"command": "PYTHONPATH=. " + command_line("bench.kernels", argv),
            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "device": jax.devices()[0].device_kind, "commit": git_commit(), "jax": jax.__version__, "seed": seed,
-           "parts": args.parts, "models": args.models,
+           "parts": args.parts, "models": args.models, "kinds": list(args.kinds),
            "timing": "GPU kernel time (CUPTI)" if ON_GPU else "host wall time"}
     res["runs"].append(run)
     run_id = len(res["runs"]) - 1
@@ -823,7 +832,7 @@ def main(argv: list[str] | None = None) -> int:
             copy_bandwidth(run, tmp, args.threads)
         steps = {"check": lambda: check(res, run_id, np.random.default_rng(seed)),
                  "attn": lambda: attention_table(res, run_id, tmp, args.threads, deadline, save),
-                 "table": lambda: matmul_table(res, run_id, args.models, args.ms, tmp, args.threads,
+                 "table": lambda: matmul_table(res, run_id, args.models, args.ms, args.kinds, tmp, args.threads,
                                                deadline, save)}
         for name in [p for p in PARTS if p in args.parts]:
             t = time.time()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from bench import kernels
 
@@ -32,6 +33,24 @@ def test_kernels_smoke_reports_every_part(tmp_path, monkeypatch):
             assert e["max_rel_diff"] < 1e-2  # against XLA over the dequantized shadow: float16 rounding only
     md = (tmp_path / "kernels.md").read_text()
     assert "INT8 shadow µs (× its floor)" in md and "GPU correctness checks" in md
+
+
+def test_kinds_limit_the_table_to_the_matmuls_named(tmp_path, monkeypatch, capsys):
+    """--kinds: the table's rows hold the kinds named only, the others shown as not measured; an unknown
+    kind is refused with the known ones listed."""
+    for name in ("MODELS", "DEFAULT_MODELS", "MS", "CHECK_CASES", "ATTN", "L2_BYTES", "CALLS", "COPY_ELEMS"):
+        monkeypatch.setattr(kernels, name, getattr(kernels, name))
+    monkeypatch.setattr(kernels, "KW", {})
+    kernels.main(["--smoke", "--parts", "table", "--kinds", "xla_int4,xla_bf16", "--out", str(tmp_path)])
+    res = json.loads((tmp_path / "kernels.json").read_text())
+    assert res["runs"][-1]["kinds"] == ["xla_bf16", "xla_int4"]
+    for row in res["table"].values():
+        assert set(kernels.KINDS) & set(row) == {"xla_bf16", "xla_int4"} and row["xla_bf16"]["us"] > 0
+    md = (tmp_path / "kernels.md").read_text()
+    assert "kinds: xla_bf16, xla_int4" in md and "n/a: w4a16 a: not measured" in md
+    with pytest.raises(SystemExit):
+        kernels.main(["--smoke", "--kinds", "w4a16,w5a16", "--out", str(tmp_path)])
+    assert "unknown kind(s) ['w5a16']" in capsys.readouterr().err
 
 
 def test_a_check_that_stops_early_is_not_reported_passed(tmp_path, monkeypatch):
