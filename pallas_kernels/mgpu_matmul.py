@@ -2,9 +2,10 @@
 
 The weights sit on the wgmma's M side (64 rows per compute warpgroup, two per block) and the call's
 tokens on its N side (8 to 256), so each weight tile is dequantized once for every token of the call.
-The kernel is persistent: one program per SM walks its share of the (row tile, K stage) units in
+The kernel is persistent: the (row tile, K stage) units are cut into one contiguous share per program
+(by default one program per SM), and each launched block walks the shares of one or more programs in
 order while a third warpgroup streams their weight, scale and activation tiles through one ring of
-shared-memory stages with TMA, so the pipeline fills once per program and no wave is left half empty.
+shared-memory stages with TMA, so the pipeline fills once per block and no wave is left half empty.
 Each weight is ``bf16(q * s)`` (one rounding, as :func:`pallas_kernels.layout.w4a16_weights`),
 accumulated in float32 over the K stages of a row tile in order; where a row tile's stages are cut
 between programs, the pieces are added left to right. The cuts depend on N, K and the program count
@@ -35,6 +36,7 @@ COMPUTE_WGS = 2  # compute warpgroups per block, BLOCK_N weight rows each
 BLOCK_N = 64  # weight rows per compute warpgroup (the wgmma's M)
 BLOCK_K = 128  # K per pipeline stage: a group of 128 has one scale per row and stage
 SMEM_BYTES = 200 * 1024  # shared memory the stages may take
+SM_SMEM_BYTES = 228 * 1024  # shared memory of one SM (Hopper), which resident blocks share
 MAX_STAGES = 6
 MAX_TOKENS = 256  # the wgmma's N at most
 
@@ -101,13 +103,22 @@ def check_operands(x: jax.Array, codes: jax.Array, scales: jax.Array) -> None:
         raise ValueError(f"1 to {MAX_TOKENS} tokens per call, got {m}")
 
 
-@functools.partial(jax.jit, static_argnames=("programs", "stages", "interpret"))
+def default_blocks(programs: int, sms: int, smem_bytes: int) -> int:
+    """The blocks to launch for ``programs`` shares: the most that fit the GPU at once (two per SM where
+    their shared memory fits, else one) and divide ``programs``."""
+    resident = sms * (2 if 2 * (smem_bytes + 1024) <= SM_SMEM_BYTES else 1)
+    return next(b for b in range(min(programs, resident), 0, -1) if programs % b == 0)
+
+
+@functools.partial(jax.jit, static_argnames=("programs", "blocks", "stages", "interpret"))
 def w4a16_int4_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array, *, programs: int | None = None,
-                      stages: int | None = None, interpret: bool = False) -> jax.Array:
+                      blocks: int | None = None, stages: int | None = None, interpret: bool = False) -> jax.Array:
     """``x[M, K] @ W.T`` in float32 with ``W[n, k] = bf16(q[n, k] * scales[k // group, n])``, ``codes`` the
     int4 ``q`` as :func:`tile_codes` arranges them.
     ``programs`` (default: the GPU's SM count, which M does not change) sets where a row tile's K
-    stages are cut, hence the order of its partial sums; ``stages`` changes only timing. ``interpret``:
+    stages are cut, hence the order of its partial sums; ``blocks`` (a divisor of ``programs``; default
+    :func:`default_blocks`) are launched, each running ``programs / blocks`` consecutive shares through one
+    pipeline, and ``stages`` change only timing. ``interpret``:
     run on the CPU in Mosaic GPU's interpret mode, whose wgmma reads its A operand only from shared
     memory, so there the dequantized tile is stored to shared memory first."""
     check_operands(x, codes, scales)
@@ -117,42 +128,55 @@ def w4a16_int4_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array, *, prog
     x = jnp.pad(x.astype(jnp.bfloat16), ((0, bm - m), (0, 0)))
     rows, steps = COMPUTE_WGS * BLOCK_N, k // BLOCK_K
     units = n // rows * steps
-    programs = min(jax.devices()[0].core_count if programs is None else programs, units)
+    sms = jax.devices()[0].core_count if programs is None or blocks is None else programs
+    programs = min(sms if programs is None else programs, units)
     check_count("programs", programs)
     shares = pieces(n, k, programs)
     stage_bytes = bm * BLOCK_K * 2 + rows * BLOCK_K // 2 + rows * 2
     stages = min(MAX_STAGES, SMEM_BYTES // stage_bytes) if stages is None else stages
     check_count("stages", stages)
+    blocks = default_blocks(programs, sms, stages * stage_bytes) if blocks is None else blocks
+    check_count("blocks", blocks)
+    if programs % blocks:
+        raise ValueError(f"blocks must divide the {programs} programs, got {blocks}")
+    per = programs // blocks
 
     def kernel(x_gmem, w_gmem, s_gmem, o_gmem, x_smem, w_smem, s_smem, loaded, consumed, a_smem=None):
-        prog, wg = lax.axis_index("p"), lax.axis_index("wg")
-        start, end = lax.div(prog * units, programs), lax.div((prog + 1) * units, programs)
+        block, wg = lax.axis_index("b"), lax.axis_index("wg")
+        first = lambda share: lax.div(share * units, programs)  # noqa: E731  (a share's first unit)
+        start, end = first(block * per), first(block * per + per)
+
+        def tile_part(prog, t):
+            """Row tile ``t``'s K stages in share ``prog``: accumulated in order, stored as one piece."""
+            def accumulate(acc):
+                @pl.loop(jnp.maximum(first(prog), t * steps), jnp.minimum(first(prog + 1), t * steps + steps))
+                def _step(u):
+                    st = lax.rem(u - start, stages)
+                    plgpu.barrier_wait(loaded.at[st])
+                    w = plgpu.load(w_smem.at[st, pl.ds(wg * BLOCK_N, BLOCK_N)], layout=_UPCAST_4X)
+                    s = plgpu.load(s_smem.at[st, pl.ds(wg * BLOCK_N, BLOCK_N)], layout=_WGMMA_ROW)
+                    w = plgpu.layout_cast(w, _WGMMA).astype(jnp.bfloat16)
+                    a = w * lax.broadcast_in_dim(s, w.shape, [0])
+                    if interpret:
+                        a_smem[wg] = a
+                        plgpu.commit_smem()
+                        a = a_smem.at[wg]
+                    plgpu.wgmma(acc, a, x_smem.at[st].T)
+                    plgpu.wgmma_wait(0)
+                    plgpu.barrier_arrive(consumed.at[st])
+                return acc[...]
+
+            acc = pl.run_scoped(accumulate, plgpu.ACC((BLOCK_N, bm), jnp.float32))
+            piece = prog - first_program(t * steps, units, programs, lax.div)
+            o_gmem.at[piece, pl.ds(t * rows + wg * BLOCK_N, BLOCK_N)][...] = acc
 
         @pl.when(wg < COMPUTE_WGS)
         def _compute():
-            @pl.loop(lax.div(start, steps), lax.div(end - 1, steps) + 1)
-            def _tile(t):
-                def accumulate(acc):
-                    @pl.loop(jnp.maximum(start, t * steps), jnp.minimum(end, t * steps + steps))
-                    def _step(u):
-                        st = lax.rem(u - start, stages)
-                        plgpu.barrier_wait(loaded.at[st])
-                        w = plgpu.load(w_smem.at[st, pl.ds(wg * BLOCK_N, BLOCK_N)], layout=_UPCAST_4X)
-                        s = plgpu.load(s_smem.at[st, pl.ds(wg * BLOCK_N, BLOCK_N)], layout=_WGMMA_ROW)
-                        w = plgpu.layout_cast(w, _WGMMA).astype(jnp.bfloat16)
-                        a = w * lax.broadcast_in_dim(s, w.shape, [0])
-                        if interpret:
-                            a_smem[wg] = a
-                            plgpu.commit_smem()
-                            a = a_smem.at[wg]
-                        plgpu.wgmma(acc, a, x_smem.at[st].T)
-                        plgpu.wgmma_wait(0)
-                        plgpu.barrier_arrive(consumed.at[st])
-                    return acc[...]
-
-                acc = pl.run_scoped(accumulate, plgpu.ACC((BLOCK_N, bm), jnp.float32))
-                piece = prog - first_program(t * steps, units, programs, lax.div)
-                o_gmem.at[piece, pl.ds(t * rows + wg * BLOCK_N, BLOCK_N)][...] = acc
+            @pl.loop(block * per, block * per + per)
+            def _share(prog):
+                @pl.loop(lax.div(first(prog), steps), lax.div(first(prog + 1) - 1, steps) + 1)
+                def _tile(t):
+                    tile_part(prog, t)
 
         @pl.when(wg == COMPUTE_WGS)
         def _stream():
@@ -177,8 +201,8 @@ def w4a16_int4_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array, *, prog
     out = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((int(shares.max()), n, bm), jnp.float32),
-        grid=(programs,),
-        grid_names=("p",),
+        grid=(blocks,),
+        grid_names=("b",),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         scratch_types=dict(

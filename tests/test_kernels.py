@@ -942,7 +942,8 @@ def test_mosaic_w4a16_refuses_operands_it_cannot_take():
 def test_mosaic_w4a16_interpret_against_float64_and_row_count_invariant(rng):
     """The persistent Mosaic W4A16 kernel in Mosaic GPU's interpret mode (its barriers and shared
     memory simulated, races detected): within float32 accumulation error of float64 numpy over the
-    bf16 weights ``bf16(q * s)``, with row tiles cut between programs, and each row bitwise the same
+    bf16 weights ``bf16(q * s)``, with row tiles cut between programs (a block running one or several
+    programs' shares through its pipeline), and each row bitwise the same
     in calls of 10 and 13 rows (one token tile: the interpreter's wgmma is numpy's matmul, whose
     order changes with the tile; across tiles tests/test_gpu.py checks it on the GPU)."""
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
@@ -952,16 +953,18 @@ def test_mosaic_w4a16_interpret_against_float64_and_row_count_invariant(rng):
     n, k = 128 * int(rng.integers(1, 4)), 128 * int(rng.integers(2, 6))
     group = int(rng.choice([g for g in (128, 256, k) if k % g == 0]))
     programs = int(rng.integers(2, n // 128 * k // 128 + 1))
+    blocks = int(rng.choice([b for b in range(1, programs + 1) if programs % b == 0]))  # each runs programs / blocks
     q = rng.integers(-8, 8, (n, k))
     s = np.asarray(jnp.asarray(0.002 + 0.02 * rng.random((k // group, n)), jnp.bfloat16).astype(jnp.float32))
     w = np.asarray(jnp.asarray(q * np.repeat(s, group, axis=0).T, jnp.float32).astype(jnp.bfloat16), np.float64)
     codes = mgpu_matmul.tile_codes(jnp.asarray(q, jnp.int8).astype(jnp.int4))
     x = jnp.asarray(rng.standard_normal((13, k)), jnp.bfloat16)
     call = functools.partial(mgpu_matmul.w4a16_int4_matmul, codes=codes, scales=jnp.asarray(s, jnp.bfloat16),
-                             programs=programs, interpret=True)
+                             programs=programs, blocks=blocks, interpret=True)
     got = np.asarray(call(x))
     x64 = np.asarray(x, np.float64)
-    assert np.all(np.abs(got - x64 @ w.T) <= 1e-5 * (np.abs(x64) @ np.abs(w).T) + 1e-30), (n, k, group, programs)
+    assert np.all(np.abs(got - x64 @ w.T) <= 1e-5 * (np.abs(x64) @ np.abs(w).T) + 1e-30), (n, k, group, programs,
+                                                                                          blocks)
     np.testing.assert_array_equal(np.asarray(call(x[3:])), got[3:])
     assert not get_races().races_found
 
@@ -975,7 +978,7 @@ def test_mosaic_w4a16_lowers_for_hopper_on_the_cpu():
     scales = jax.ShapeDtypeStruct((32, 6144), jnp.bfloat16)
     for m in (1, 16, 200):
         x = jax.ShapeDtypeStruct((m, 4096), jnp.bfloat16)
-        fn = functools.partial(mgpu_matmul.w4a16_int4_matmul, programs=132)
+        fn = functools.partial(mgpu_matmul.w4a16_int4_matmul, programs=264, blocks=132)  # two shares a block
         text = jax.jit(fn).trace(x, codes, scales).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text, text[:500]
 
@@ -999,3 +1002,7 @@ def test_mosaic_w4a16_programs_share_the_units_in_order(draw):
     np.testing.assert_array_equal(mgpu_matmul.first_program(np.arange(units), units, programs), owner)
     walked = [len(set(owner[t * steps:(t + 1) * steps])) for t in range(n // 128)]
     np.testing.assert_array_equal(mgpu_matmul.pieces(n, k, programs), walked)
+    # launched blocks: two per SM where two fit its shared memory, else one, each a divisor of the programs
+    half, most = (mgpu_matmul.SM_SMEM_BYTES // 2 - 1024, mgpu_matmul.SM_SMEM_BYTES // 2)
+    assert mgpu_matmul.default_blocks(264, 132, half) == 264 and mgpu_matmul.default_blocks(264, 132, most) == 132
+    assert mgpu_matmul.default_blocks(132, 132, half) == 132 and mgpu_matmul.default_blocks(7, 4, most) == 1
