@@ -1,7 +1,7 @@
 """One GPU run of the Pallas kernels against XLA. From the repository root:
 
     PYTHONPATH=. python3 -m bench.kernels [--parts check,attn,table] [--models llama3-8b,llama2-7b,llama2-13b]
-        [--ms 1,4,8,16,32,64,128,256] [--kinds w4a16,mosaic_w4a16] [--out DIR] [--resume OLD.json]
+        [--ms 1,4,8,16,32,64,128,256] [--kinds w4a16,mosaic_w4a16] [--mosaic-programs 264] [--out DIR] [--resume OLD.json]
         [--budget-s 480] [--threads 8] [--smoke]
 
 Writes ``kernels.json`` and ``kernels.md`` under ``--out`` (default ``$OUT``, else bench/results; the
@@ -102,6 +102,7 @@ CALLS = 16  # timed calls per configuration, at least
 GAP_S = 0.03  # idle time after each configuration in a trace; events are split at gaps > GAP_S / 3
 COPY_ELEMS = 1 << 30
 KW: dict = {}  # extra keyword arguments for every kernel call ({"interpret": True} in --smoke)
+MOSAIC_KW: dict = {}  # the Mosaic kernel's programs (--mosaic-programs)
 ON_GPU = jax.default_backend() == "gpu"
 Events = list[tuple[float, float, str]]  # (start_ns, duration_ns, kernel name)
 
@@ -368,7 +369,7 @@ MATMULS = {
     "w4a4": lambda x, w: gm.w4ax_matmul(x, w, 4, **KW),
     "xla_bf16": _dot_t,
     "xla_int4": xla_int4_matmul,
-    "mosaic_w4a16": lambda x, w: mgpu_matmul.w4a16_int4_matmul(x, *w),
+    "mosaic_w4a16": lambda x, w: mgpu_matmul.w4a16_int4_matmul(x, *w, **MOSAIC_KW),
     "tokamax_int4": tokamax_int4_matmul,
 }
 
@@ -760,6 +761,8 @@ def _args(argv: list[str]) -> argparse.Namespace:
                     help=f"comma-separated, of {tuple(MODELS)} (default {','.join(DEFAULT_MODELS)})")
     ap.add_argument("--ms", type=int_list(), default=None, help=f"row counts (default {','.join(map(str, MS))})")
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"the table's matmuls, comma-separated, of {KINDS}")
+    ap.add_argument("--mosaic-programs", type=positive_int, default=None,
+                    help="the Mosaic kernel's programs, which fix its K cuts (default: one per SM)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench/results"))
     ap.add_argument("--resume", type=Path, default=None, help="an earlier kernels.json to merge into")
     ap.add_argument("--budget-s", type=positive_seconds, default=480.0, help="start no shape / batch after this")
@@ -777,6 +780,8 @@ def _args(argv: list[str]) -> argparse.Namespace:
         gm.ROW_TILES = args.row_tiles
     if args.smoke:
         _smoke()
+    if args.mosaic_programs is not None:
+        MOSAIC_KW["programs"] = args.mosaic_programs
     args.parts = [p for p in args.parts.split(",") if p]
     if not args.parts:
         ap.error(f"--parts: give at least one of {PARTS}")

@@ -37,11 +37,14 @@ def test_kernels_smoke_reports_every_part(tmp_path, monkeypatch):
 
 def test_kinds_limit_the_table_to_the_matmuls_named(tmp_path, monkeypatch, capsys):
     """--kinds: the table's rows hold the kinds named only, the others shown as not measured; an unknown
-    kind is refused with the known ones listed."""
+    kind is refused with the known ones listed. --mosaic-programs reaches the Mosaic kernel's calls."""
     for name in ("MODELS", "DEFAULT_MODELS", "MS", "CHECK_CASES", "ATTN", "L2_BYTES", "CALLS", "COPY_ELEMS"):
         monkeypatch.setattr(kernels, name, getattr(kernels, name))
     monkeypatch.setattr(kernels, "KW", {})
-    kernels.main(["--smoke", "--parts", "table", "--kinds", "xla_int4,xla_bf16", "--out", str(tmp_path)])
+    monkeypatch.setattr(kernels, "MOSAIC_KW", {})
+    kernels.main(["--smoke", "--parts", "table", "--kinds", "xla_int4,xla_bf16", "--mosaic-programs", "3",
+                  "--out", str(tmp_path)])
+    assert kernels.MOSAIC_KW == {"programs": 3}
     res = json.loads((tmp_path / "kernels.json").read_text())
     assert res["runs"][-1]["kinds"] == ["xla_bf16", "xla_int4"]
     for row in res["table"].values():
@@ -51,6 +54,8 @@ def test_kinds_limit_the_table_to_the_matmuls_named(tmp_path, monkeypatch, capsy
     with pytest.raises(SystemExit):
         kernels.main(["--smoke", "--kinds", "w4a16,w5a16", "--out", str(tmp_path)])
     assert "unknown kind(s) ['w5a16']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        kernels.main(["--smoke", "--mosaic-programs", "0", "--out", str(tmp_path)])
 
 
 def test_a_check_that_stops_early_is_not_reported_passed(tmp_path, monkeypatch):
