@@ -632,15 +632,15 @@ def _model_table(rows: list[dict]) -> list[str]:
     for r in rows:
         e = {kind: _entry(r, kind) for kind in KINDS}
         lines.append(f"| {r['shape']} {r['N']}×{r['K']} | {r['M']} | "
-                     + " | ".join(_us(_entry(r, kind)) for kind in KINDS) + " | "
-                     + " | ".join(_pct(_entry(r, kind)) for kind in KINDS) + " | "
+                     + " | ".join(_us(e[kind]) for kind in KINDS) + " | "
+                     + " | ".join(_pct(e[kind]) for kind in KINDS) + " | "
                      + f"{_ratio(e['xla_bf16'], e['w4a16'])} | {_ratio(e['xla_int4'], e['w4a16'])} | "
                      + f"{_ratio(e['w4a16'], e['w4a4'])} | "
                      + f"{_ratio(without_prep(e['w4a16'], 'w4a16'), without_prep(e['w4a4'], 'w4a4'))} | "
                      + f"{_ratio(e['w4a16'], e['mosaic_w4a16'])} | {_ratio(e['w4a16'], e['tokamax_int4'])} |")
         for kind in KINDS:
-            if "error" in _entry(r, kind):
-                notes.setdefault(f"{kind} {r['shape']}: {_entry(r, kind)['error']}", []).append(str(r["M"]))
+            if "error" in e[kind]:
+                notes.setdefault(f"{kind} {r['shape']}: {e[kind]['error']}", []).append(str(r["M"]))
     notes_md = [f"- n/a: {note} (M = {', '.join(ms)})" for note, ms in notes.items()]
     int4_kernels = sorted({name for r in rows for name in _entry(r, "xla_int4").get("kernels", {})})
     if int4_kernels:
