@@ -32,7 +32,8 @@ zeroed KV cache: decode time does not depend on the values), then each method ge
 tokens in its jitted ``while_loop``. A configuration's programs are all compiled first and nothing
 compiles while anything is timed; each loop is timed on a fresh state after a short warm-up run.
 Reported: tokens/s, ms per step (AR) or per round (QSPEC), the ratio to W4A16 AR of the same run, the
-best fixed gamma, and gamma = ``generate``'s default marked "default". QSPEC's accept decisions are
+best fixed gamma, and gamma = ``generate``'s default marked "default"; gamma "auto" is timed alternately
+with the W4A16 AR loop (``--reps`` times each) and compared with those runs. QSPEC's accept decisions are
 **replayed** from a per-round trace recorded on SmolLM2 (every draft step and verify still runs; random
 weights would accept nothing); ``smollm2`` (real few-shot GSM8K prompts, prefilled) uses its own. A trace
 recorded per context is replayed from the recorded context nearest to the configuration's (the section
@@ -79,6 +80,7 @@ import numpy as np  # noqa: E402
 
 from bench.args import (command_line, git_commit, int_list, positive_int, positive_seconds, read_gsm8k,  # noqa: E402
                         read_json, utc_now)
+from bench.report import vs_w4a16  # noqa: E402
 from bench.hooks import acceptance_trace, replay_auto_loop, replay_loop, unstack_layers  # noqa: E402
 from bench.shapes import MODELS  # noqa: E402
 from convert.embedded import default_checkpoint  # noqa: E402
@@ -734,17 +736,27 @@ def _run_draft(c: Config, compiled: dict, params: dict, draft: str, args, res: d
             f"{overhead:.2f}), {tpr:.2f} tok/round, batch tail x{tail:.2f}, {entry['tokens_per_s']:.0f} tok/s, "
             f"x{entry.get('speedup_vs_w4a16', float('nan')):.2f} vs w4a16 ({res['acceptance']} acceptance)")
     if args.auto:
+        ar = (compiled["ar", "w4a16"], params, c.makes[None]) if ("ar", "w4a16") in compiled else None
         res["methods"][f"qspec {draft} g=auto"] = entry = _time_auto(compiled["qspec", draft, "auto"], p_d,
-                                                                      c.makes[bits], args, base)
+                                                                      c.makes[bits], args, ar)
         log(f"  qspec {draft} g=auto: mean gamma {entry['mean_gamma']:.2f}, {entry['tokens_per_round']:.2f} "
             f"tok/round, {entry['tokens_per_s']:.0f} tok/s, "
             f"x{entry.get('speedup_vs_w4a16', float('nan')):.2f} vs w4a16 ({res['acceptance']} acceptance)")
 
 
-def _time_auto(loop, params: dict, make, args, base_ms: float | None) -> dict:
+def _time_auto(loop, params: dict, make, args, ar: tuple | None) -> dict:
     """``gamma="auto"``'s decode loop timed whole: tokens/s, tokens per round (a W4A16 step counts as a
-    round of γ = 0), the mean γ chosen, the acceptance, and the speed-up over W4A16 AR."""
-    secs, out = time_loop(loop, params, make, args.new, args.reps)
+    round of γ = 0), the mean γ chosen, the acceptance, and, with ``ar = (compiled W4A16 AR loop, its params,
+    its state maker)``, the speed-up over that loop timed alternately with it (each best of ``--reps``), so
+    that a drift of the GPU's speed over the configuration's runs falls on both alike."""
+    secs = ar_secs = float("inf")
+    out = None
+    for _ in range(args.reps):
+        out = None  # the previous run's state is freed before the next one is made
+        if ar is not None:
+            ar_secs = min(ar_secs, time_loop(*ar, args.new)[0])
+        t, out = time_loop(loop, params, make, args.new)
+        secs = min(secs, t)
     rounds, drafted = np.asarray(out.rounds), int(np.asarray(out.drafted).sum())
     alpha = int(np.asarray(out.accepted).sum()) / max(drafted, 1)
     memory = loop_memory_bytes(loop)
@@ -752,8 +764,9 @@ def _time_auto(loop, params: dict, make, args, base_ms: float | None) -> dict:
     # rounds: the loop iterations each sequence ran in, its W4A16 steps (gamma 0) included
     entry = {"tokens_per_s": len(rounds) * args.new / secs, "mean_gamma": drafted / max(int(rounds.sum()), 1),
              "tokens_per_round": args.new / max(float(rounds.mean()), 1e-9), "alpha": alpha, "memory_bytes": memory}
-    if base_ms:
-        entry["speedup_vs_w4a16"] = base_ms * args.new / (1e3 * secs)
+    if ar is not None:
+        entry["w4a16_tokens_per_s_beside"] = len(rounds) * args.new / ar_secs
+        entry["speedup_vs_w4a16"] = ar_secs / secs
     return entry
 
 
@@ -941,7 +954,7 @@ def summary(run: dict) -> list[str]:
         cells = []
         for m in methods:
             e = r["methods"].get(m)
-            cells.append(f"{e['tokens_per_s'] / base:.2f}×" if e and base else "")
+            cells.append(f"{vs_w4a16(e, base):.2f}×" if e and base else "")
         best = best_gamma(r)
         cells += [f"γ={best[d][0].split('g=')[1]}: {best[d][1]:.2f}×" if d in best else "" for d in drafts]
         flag = " (not valid)" if r.get("disturbed") else ""
@@ -968,7 +981,8 @@ def markdown(run: dict) -> str:
              f"call's). Llama shapes: random weights (symmetric INT4, group {GROUP}), QSPEC acceptance "
              f"**replayed** from {run['trace_source']}; {REAL_MODEL}: real weights, few-shot GSM8K prompts, "
              "QSPEC's own (**measured**) acceptance. tok/s counts "
-             "generated tokens of the whole batch; speed-ups are against W4A16 AR in the same run; "
+             "generated tokens of the whole batch; speed-ups are against W4A16 AR in the same run (γ auto's: "
+             "against the W4A16 AR loop timed alternately with it); "
              "floor = bytes one W4A16 step moves (weights + KV read at the mid context) / copy bandwidth; "
              "`x floor`: each QSPEC phase over the larger of that and its matmul FLOPs at the dense matmul rate "
              "(bf16 for the verify, int8 for the draft)"

@@ -583,6 +583,8 @@ def test_smoke_preset_end_to_end_and_resume(tmp_path, monkeypatch, capsys):
         assert set(r["methods"]) == {"w4a16", "w4a8", f"{draft} g=1", f"{draft} g=3", f"{draft} g=auto"}
         auto = r["methods"][f"{draft} g=auto"]
         assert 0 <= auto["mean_gamma"] <= decode.AUTO_GAMMA_MAX and auto["tokens_per_s"] > 0
+        # against the W4A16 AR loop timed beside it, not the one timed first
+        assert auto["speedup_vs_w4a16"] == pytest.approx(auto["tokens_per_s"] / auto["w4a16_tokens_per_s_beside"])
         assert {"gpu", "date", "commit", "command"} <= set(r)
     md = (out / "decode.md").read_text()
     assert "qspec w4a8/win1024+64 g=3" in md and "best γ (w4a8/win1024+64)" in md
