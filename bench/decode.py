@@ -976,13 +976,15 @@ def _not_run_text(not_run: dict[str, str]) -> str:
 
 
 def markdown(run: dict) -> str:
+    beside = any("w4a16_tokens_per_s_beside" in e for r in run["results"] for e in r.get("methods", {}).values())
     lines = [f"# Decode throughput ({run['device']})", "", f"`{run['command']}`", "",
              f"Copy bandwidth {run['copy_bw'] / 1e12:.2f} TB/s (this call; each section's floor uses its own "
              f"call's). Llama shapes: random weights (symmetric INT4, group {GROUP}), QSPEC acceptance "
              f"**replayed** from {run['trace_source']}; {REAL_MODEL}: real weights, few-shot GSM8K prompts, "
              "QSPEC's own (**measured**) acceptance. tok/s counts "
-             "generated tokens of the whole batch; speed-ups are against W4A16 AR in the same run (γ auto's: "
-             "against the W4A16 AR loop timed alternately with it); "
+             "generated tokens of the whole batch; speed-ups are against W4A16 AR in the same run"
+             + ("" if not beside else " (γ auto's, where the section says so: against the W4A16 AR loop timed "
+                "alternately with it)") + "; "
              "floor = bytes one W4A16 step moves (weights + KV read at the mid context) / copy bandwidth; "
              "`x floor`: each QSPEC phase over the larger of that and its matmul FLOPs at the dense matmul rate "
              "(bf16 for the verify, int8 for the draft)"
@@ -1020,8 +1022,10 @@ def markdown(run: dict) -> str:
                 lines.append(f"| {m} | {e['tokens_per_s']:.0f} | {e['ms_per_step']:.2f} | 1 | | | | | {ratio:.2f}× "
                              f"| | | {mem} |")
             elif "mean_gamma" in e:  # gamma="auto": timed whole, no phases
+                timed = (f"; W4A16 AR beside it {e['w4a16_tokens_per_s_beside']:.0f} tok/s"
+                         if "w4a16_tokens_per_s_beside" in e else "")
                 lines.append(f"| {m} ({acceptance}) | {e['tokens_per_s']:.0f} | | {e['tokens_per_round']:.2f} "
-                             f"(mean γ {e['mean_gamma']:.2f}) | {e['alpha']:.3f} | | | | "
+                             f"(mean γ {e['mean_gamma']:.2f}{timed}) | {e['alpha']:.3f} | | | | "
                              f"{e.get('speedup_vs_w4a16', float('nan')):.2f}× | | | {mem} |")
             else:
                 tail = f"{e['tail']:.2f}" if "tail" in e else "(in overhead)"

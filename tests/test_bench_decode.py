@@ -588,6 +588,10 @@ def test_smoke_preset_end_to_end_and_resume(tmp_path, monkeypatch, capsys):
         assert {"gpu", "date", "commit", "command"} <= set(r)
     md = (out / "decode.md").read_text()
     assert "qspec w4a8/win1024+64 g=3" in md and "best γ (w4a8/win1024+64)" in md
+    assert "timed alternately" in md and "W4A16 AR beside it" in md
+    for e in run["results"][0]["methods"].values():  # a run recorded before auto was timed so says nothing of it
+        e.pop("w4a16_tokens_per_s_beside", None)
+    assert "alternately" not in decode.markdown(run)
     assert "0 of 1 configurations remain" in capsys.readouterr().out
     _fake_timing(monkeypatch)
     monkeypatch.setattr(decode, "config_cost_s", lambda name, context, batch, *_: 1e-3 if context == 32 else 1e6)
