@@ -80,8 +80,8 @@ import numpy as np  # noqa: E402
 
 from bench.args import (command_line, git_commit, int_list, positive_int, positive_seconds, read_gsm8k,  # noqa: E402
                         read_json, utc_now)
-from bench.report import vs_w4a16  # noqa: E402
 from bench.hooks import acceptance_trace, replay_auto_loop, replay_loop, unstack_layers  # noqa: E402
+from bench.report import vs_w4a16  # noqa: E402
 from bench.shapes import MODELS  # noqa: E402
 from convert.embedded import default_checkpoint  # noqa: E402
 from pallas_kernels.layout import QuantizedWeight, dequantize  # noqa: E402
