@@ -750,7 +750,6 @@ def _time_auto(loop, params: dict, make, args, ar: tuple | None) -> dict:
     its state maker)``, the speed-up over that loop timed alternately with it (each best of ``--reps``), so
     that a drift of the GPU's speed over the configuration's runs falls on both alike."""
     secs = ar_secs = float("inf")
-    out = None
     for _ in range(args.reps):
         out = None  # the previous run's state is freed before the next one is made
         if ar is not None:
