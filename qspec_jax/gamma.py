@@ -28,6 +28,9 @@ PRIOR_ALPHA, PRIOR_DRAFTS = 0.8, 4  # acceptance added to each sequence's observ
 # until the running sequences had this many drafts verified each (on average), γ is chosen as if every draft
 # were accepted: a prior alone could pick γ = 0 forever, never observing the acceptance that would pay
 EXPLORE_DRAFTS = 8
+# each sequence's acceptance is taken this many standard deviations (its estimate's) above its mean:
+# γ = 0 observes nothing, so a low estimate from a few early rejections would otherwise never be revised
+OPTIMISM = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,13 +104,16 @@ def choose_gamma(costs: CostModel, gamma_max: int, accepted: jax.Array, drafted:
                  running: jax.Array) -> jax.Array:
     """The γ (int32 scalar) with the most expected tokens per byte over the ``running`` sequences,
     each with its own acceptance so far (``accepted / drafted`` after a prior of
-    :data:`PRIOR_DRAFTS` drafts at :data:`PRIOR_ALPHA`); every draft counted as accepted until they
-    had :data:`EXPLORE_DRAFTS` drafts verified each on average (so γ >= 1 is tried wherever it could pay)."""
+    :data:`PRIOR_DRAFTS` drafts at :data:`PRIOR_ALPHA`, plus :data:`OPTIMISM` standard deviations of
+    that estimate); every draft counted as accepted until they had :data:`EXPLORE_DRAFTS` drafts
+    verified each on average (so γ >= 1 is tried wherever it could pay)."""
     g = jnp.arange(gamma_max + 1, dtype=jnp.float32)
     weight = running.astype(jnp.float32)
     n = jnp.maximum(jnp.sum(weight), 1.0)
     explore = jnp.sum(drafted * weight) < EXPLORE_DRAFTS * n
-    alpha = jnp.where(explore, 1.0, (accepted + PRIOR_ALPHA * PRIOR_DRAFTS) / (drafted + PRIOR_DRAFTS))
+    seen = drafted + PRIOR_DRAFTS
+    mean = (accepted + PRIOR_ALPHA * PRIOR_DRAFTS) / seen
+    alpha = jnp.where(explore, 1.0, jnp.minimum(mean + OPTIMISM * jnp.sqrt(mean * (1 - mean) / seen), 1.0))
     tokens = jnp.sum(expected_tokens(alpha[:, None], g[None, :]) * weight[:, None], axis=0)
     context = jnp.sum(lengths * weight) / n
     return jnp.argmax(tokens / costs.round_costs(gamma_max, n, context)).astype(jnp.int32)

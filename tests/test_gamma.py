@@ -23,8 +23,10 @@ def _choice64(c: gm.CostModel, gmax: int, accepted, drafted, lengths, running) -
     """The γ with the most expected tokens per byte, from the definitions in float64."""
     run = running.astype(bool)
     n, ctx = run.sum(), lengths[run].mean()
+    seen = drafted.astype(np.float64) + gm.PRIOR_DRAFTS
+    mean = (accepted + gm.PRIOR_ALPHA * gm.PRIOR_DRAFTS) / seen
     alpha = (np.ones(len(run)) if drafted[run].mean() < gm.EXPLORE_DRAFTS  # too few drafts seen: all accepted
-             else (accepted + gm.PRIOR_ALPHA * gm.PRIOR_DRAFTS) / (drafted + gm.PRIOR_DRAFTS))
+             else np.minimum(mean + gm.OPTIMISM * np.sqrt(mean * (1 - mean) / seen), 1.0))
     seen = ctx if c.window is None else min(ctx, c.window)
 
     def fwd(rows, kv_tokens, head, kvb):
@@ -68,6 +70,12 @@ def test_choice_matches_float64_and_follows_acceptance(rng):
     assert int(choose(c, 4, jnp.full(8, 999.0), jnp.full(8, 1000.0), lens, ones)) > 0
     few = gm.EXPLORE_DRAFTS * 8 - 1  # in all: the running sequences' mean just below the threshold
     assert int(choose(c, 4, jnp.zeros(8), jnp.full(8, few / 8), lens, ones)) > 0
+    # a Llama-2-13B-like step (batch 1, context 3600, a 1088-slot draft window): 6 of 8 drafts accepted
+    # leaves room for a better acceptance, so γ >= 1 runs again; 600 of 800 does not
+    c = gm.CostModel(7.93e9, 3.28e8, 3.28e8, 819200.0, 819200.0, window=1088)
+    one, at = jnp.ones(1, bool), jnp.full(1, 3600.0)
+    assert int(choose(c, 4, jnp.full(1, 6.0), jnp.full(1, 8.0), at, one)) > 0
+    assert int(choose(c, 4, jnp.full(1, 600.0), jnp.full(1, 800.0), at, one)) == 0
 
 
 def test_auto_loop_switches_on_the_cost_model(rng):
