@@ -133,9 +133,7 @@ def w4a16_int4_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array, *, prog
     (m, k), n = x.shape, scales.shape[1]
     g = k // scales.shape[0]
     bm = token_tile(m)
-    # on the GPU the token tile's rows past M are TMA's zero fill of an out-of-bounds box; the
-    # interpreter slices strictly, so there they are padding
-    x = jnp.pad(x.astype(jnp.bfloat16), ((0, bm - m if interpret else 0), (0, 0)))
+    x = jnp.pad(x.astype(jnp.bfloat16), ((0, bm - m), (0, 0)))
     wgs = compute_warpgroups(bm)
     rows, steps = wgs * BLOCK_N, k // BLOCK_K  # rows of one pass; a row tile takes TILE_ROWS // rows passes
     passes = TILE_ROWS // rows
@@ -213,7 +211,7 @@ def w4a16_int4_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array, *, prog
                             plgpu.barrier_wait(consumed.at[st])
 
                         kk = u - t * steps
-                        plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(0, bm), pl.ds(kk * BLOCK_K, BLOCK_K)], x_smem.at[st],
+                        plgpu.copy_gmem_to_smem(x_gmem.at[:, pl.ds(kk * BLOCK_K, BLOCK_K)], x_smem.at[st],
                                                 loaded.at[st])
                         plgpu.copy_gmem_to_smem(w_gmem.at[t, kk, pl.ds(h * rows, rows)], w_smem.at[st],
                                                 loaded.at[st])
