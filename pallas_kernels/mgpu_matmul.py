@@ -1,20 +1,19 @@
-"""A W4A16 matmul as a Mosaic GPU kernel for Hopper, over signed INT4 codes in 256 x 128 tiles.
+"""A W4A16 matmul as a Mosaic GPU kernel for Hopper, over signed INT4 codes in 128 x 128 tiles.
 
-The weights sit on the wgmma's M side (64 rows per compute warpgroup) and the call's tokens on its N
-side (8 to 256), so each weight tile is dequantized once for every token of the call. Up to 64 tokens,
-four compute warpgroups take a 256-row tile at once; above, the accumulators leave registers for two,
-which take the tile in two 128-row passes over the same K stages. The kernel is persistent: the (row
-tile, K stage) units are cut into one contiguous share per program (by default one program per SM),
-and each launched block walks the shares of one or more programs in order while one more warpgroup
-streams their weight, scale and activation tiles through one ring of shared-memory stages with TMA.
+The weights sit on the wgmma's M side (64 rows per compute warpgroup, two per block) and the call's
+tokens on its N side (8 to 256), so each weight tile is dequantized once for every token of the call.
+The kernel is persistent: the (row tile, K stage) units are cut into one contiguous share per program
+(by default one program per SM), and each launched block walks the shares of one or more programs in
+order while a third warpgroup streams their weight, scale and activation tiles through one ring of
+shared-memory stages with TMA, so the pipeline fills once per block and no wave is left half empty.
 Each weight is ``bf16(q * s)`` (one rounding, as :func:`pallas_kernels.layout.w4a16_weights`),
 accumulated in float32 over the K stages of a row tile in order; where a row tile's stages are cut
 between programs, the pieces are added left to right. The cuts depend on N, K and the program count
 only, so a token's result does not depend on the other tokens of the call.
 
 Its operands are not the packed layout's (:mod:`pallas_kernels.layout`): ``jnp.int4`` codes in tiles
-``[N / 256, K / 128, 256, 128]`` (:func:`tile_codes`: each stage's weight tile one contiguous block,
-which TMA streams faster than 64-byte pieces of many rows) and bfloat16 scales ``[K // group, N]``;
+``[N / 128, K / 128, 128, 128]`` (:func:`tile_codes`: each stage's weight tile one contiguous 8 KiB
+block, which TMA streams faster than 64-byte pieces of 128 rows) and bfloat16 scales ``[K // group, N]``;
 the model does not call it yet.
 """
 
@@ -33,10 +32,9 @@ import numpy as np
 
 from pallas_kernels.launch import check_count
 
+COMPUTE_WGS = 2  # compute warpgroups per block, BLOCK_N weight rows each
 BLOCK_N = 64  # weight rows per compute warpgroup (the wgmma's M)
-TILE_ROWS = 256  # weight rows per tile: the unit of the schedule and of the layout
 BLOCK_K = 128  # K per pipeline stage: a group of 128 has one scale per row and stage
-WIDE_TOKENS = 64  # up to this wgmma N, four compute warpgroups' accumulators fit the registers; above, two
 SMEM_BYTES = 200 * 1024  # shared memory the stages may take
 SM_SMEM_BYTES = 228 * 1024  # shared memory of one SM (Hopper), which resident blocks share
 MAX_STAGES = 6
@@ -66,24 +64,18 @@ def first_program(unit, units: int, programs: int, div=operator.floordiv):
     return div((unit + 1) * programs + units - 1, units) - 1
 
 
-def compute_warpgroups(bm: int) -> int:
-    """Compute warpgroups per block for a token tile of ``bm``: four where their float32 accumulators
-    ``[64, bm]`` fit the registers beside the dequantized tile, else two (two passes per row tile)."""
-    return 4 if bm <= WIDE_TOKENS else 2
-
-
 def pieces(n: int, k: int, programs: int) -> np.ndarray:
-    """How many programs share each row tile's K stages (its partial sums, added in order)."""
+    """How many programs share each 128-row tile's K stages (its partial sums, added in order)."""
     stages = k // BLOCK_K
-    units = n // TILE_ROWS * stages
+    units = n // (COMPUTE_WGS * BLOCK_N) * stages
     first = np.arange(0, units, stages)
     return first_program(first + stages - 1, units, programs) - first_program(first, units, programs) + 1
 
 
 def tile_codes(codes: jax.Array) -> jax.Array:
-    """int4 codes ``[N, K]`` as the kernel's tiles ``[N / 256, K / 128, 256, 128]``."""
+    """int4 codes ``[N, K]`` as the kernel's tiles ``[N / 128, K / 128, 128, 128]``."""
     n, k = codes.shape
-    rows = TILE_ROWS
+    rows = COMPUTE_WGS * BLOCK_N
     if n % rows or k % BLOCK_K:
         raise ValueError(f"codes [N, K] need N a multiple of {rows} and K of {BLOCK_K}, got {codes.shape}")
     return codes.reshape(n // rows, rows, k // BLOCK_K, BLOCK_K).transpose(0, 2, 1, 3)
@@ -94,7 +86,7 @@ def check_operands(x: jax.Array, codes: jax.Array, scales: jax.Array) -> None:
     if x.ndim != 2 or codes.ndim != 4 or scales.ndim != 2:
         raise ValueError(f"x and scales must be 2-D and codes tiled (tile_codes), got {x.shape}, {codes.shape}, "
                          f"{scales.shape}")
-    rows = TILE_ROWS
+    rows = COMPUTE_WGS * BLOCK_N
     if codes.shape[2:] != (rows, BLOCK_K):
         raise ValueError(f"codes must be tiles [N / {rows}, K / {BLOCK_K}, {rows}, {BLOCK_K}] (tile_codes), "
                          f"got {codes.shape}")
@@ -134,10 +126,8 @@ def w4a16_int4_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array, *, prog
     g = k // scales.shape[0]
     bm = token_tile(m)
     x = jnp.pad(x.astype(jnp.bfloat16), ((0, bm - m), (0, 0)))
-    wgs = compute_warpgroups(bm)
-    rows, steps = wgs * BLOCK_N, k // BLOCK_K  # rows of one pass; a row tile takes TILE_ROWS // rows passes
-    passes = TILE_ROWS // rows
-    units = n // TILE_ROWS * steps
+    rows, steps = COMPUTE_WGS * BLOCK_N, k // BLOCK_K
+    units = n // rows * steps
     sms = jax.devices()[0].core_count if programs is None or blocks is None else programs
     programs = min(sms if programs is None else programs, units)
     check_count("programs", programs)
@@ -156,72 +146,55 @@ def w4a16_int4_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array, *, prog
         first = lambda share: lax.div(share * units, programs)  # noqa: E731  (a share's first unit)
         start, end = first(block * per), first(block * per + per)
 
-        def parts(body):
-            """``body(prog, t, lo, hi)`` for each row tile ``t`` met by the block's shares, in order:
-            share ``prog`` holds its K stages ``[lo, hi)`` (as units)."""
+        def tile_part(prog, t):
+            """Row tile ``t``'s K stages in share ``prog``: accumulated in order, stored as one piece."""
+            def accumulate(acc):
+                @pl.loop(jnp.maximum(first(prog), t * steps), jnp.minimum(first(prog + 1), t * steps + steps))
+                def _step(u):
+                    st = lax.rem(u - start, stages)
+                    plgpu.barrier_wait(loaded.at[st])
+                    w = plgpu.load(w_smem.at[st, pl.ds(wg * BLOCK_N, BLOCK_N)], layout=_UPCAST_4X)
+                    s = plgpu.load(s_smem.at[st, pl.ds(wg * BLOCK_N, BLOCK_N)], layout=_WGMMA_ROW)
+                    w = plgpu.layout_cast(w, _WGMMA).astype(jnp.bfloat16)
+                    a = w * lax.broadcast_in_dim(s, w.shape, [0])
+                    if interpret:
+                        a_smem[wg] = a
+                        plgpu.commit_smem()
+                        a = a_smem.at[wg]
+                    plgpu.wgmma(acc, a, x_smem.at[st].T)
+                    plgpu.wgmma_wait(0)
+                    plgpu.barrier_arrive(consumed.at[st])
+                return acc[...]
+
+            acc = pl.run_scoped(accumulate, plgpu.ACC((BLOCK_N, bm), jnp.float32))
+            piece = prog - first_program(t * steps, units, programs, lax.div)
+            o_gmem.at[piece, pl.ds(t * rows + wg * BLOCK_N, BLOCK_N)][...] = acc
+
+        @pl.when(wg < COMPUTE_WGS)
+        def _compute():
             @pl.loop(block * per, block * per + per)
             def _share(prog):
                 @pl.loop(lax.div(first(prog), steps), lax.div(first(prog + 1) - 1, steps) + 1)
                 def _tile(t):
-                    body(prog, t, jnp.maximum(first(prog), t * steps), jnp.minimum(first(prog + 1), t * steps + steps))
+                    tile_part(prog, t)
 
-        def load_index(lo, hi, h, u):
-            """The ring position of unit ``u``'s pass ``h`` (each unit is streamed once per pass)."""
-            return passes * (lo - start) + h * (hi - lo) + u - lo
-
-        @pl.when(wg < wgs)
-        def _compute():
-            def part(prog, t, lo, hi):
-                piece = prog - first_program(t * steps, units, programs, lax.div)
-                for h in range(passes):
-                    def accumulate(acc, h=h):
-                        @pl.loop(lo, hi)
-                        def _step(u):
-                            st = lax.rem(load_index(lo, hi, h, u), stages)
-                            plgpu.barrier_wait(loaded.at[st])
-                            w = plgpu.load(w_smem.at[st, pl.ds(wg * BLOCK_N, BLOCK_N)], layout=_UPCAST_4X)
-                            s = plgpu.load(s_smem.at[st, pl.ds(wg * BLOCK_N, BLOCK_N)], layout=_WGMMA_ROW)
-                            w = plgpu.layout_cast(w, _WGMMA).astype(jnp.bfloat16)
-                            a = w * lax.broadcast_in_dim(s, w.shape, [0])
-                            if interpret:
-                                a_smem[wg] = a
-                                plgpu.commit_smem()
-                                a = a_smem.at[wg]
-                            plgpu.wgmma(acc, a, x_smem.at[st].T)
-                            plgpu.wgmma_wait(0)
-                            plgpu.barrier_arrive(consumed.at[st])
-                        return acc[...]
-
-                    acc = pl.run_scoped(accumulate, plgpu.ACC((BLOCK_N, bm), jnp.float32))
-                    o_gmem.at[piece, pl.ds(t * TILE_ROWS + h * rows + wg * BLOCK_N, BLOCK_N)][...] = acc
-
-            parts(part)
-
-        @pl.when(wg == wgs)
+        @pl.when(wg == COMPUTE_WGS)
         def _stream():
-            def part(prog, t, lo, hi):
-                for h in range(passes):
-                    @pl.loop(lo, hi)
-                    def _step(u, h=h):
-                        j = load_index(lo, hi, h, u)
-                        st = lax.rem(j, stages)
+            @pl.loop(0, end - start)
+            def _step(j):
+                st = lax.rem(j, stages)
 
-                        @pl.when(j >= stages)
-                        def _wait():
-                            plgpu.barrier_wait(consumed.at[st])
+                @pl.when(j >= stages)
+                def _wait():
+                    plgpu.barrier_wait(consumed.at[st])
 
-                        kk = u - t * steps
-                        plgpu.copy_gmem_to_smem(x_gmem.at[:, pl.ds(kk * BLOCK_K, BLOCK_K)], x_smem.at[st],
-                                                loaded.at[st])
-                        plgpu.copy_gmem_to_smem(w_gmem.at[t, kk, pl.ds(h * rows, rows)], w_smem.at[st],
-                                                loaded.at[st])
-                        plgpu.copy_gmem_to_smem(s_gmem.at[kk * BLOCK_K // g, pl.ds(t * TILE_ROWS + h * rows, rows)],
-                                                s_smem.at[st], loaded.at[st])
+                t, kk = lax.div(start + j, steps), lax.rem(start + j, steps)
+                plgpu.copy_gmem_to_smem(x_gmem.at[:, pl.ds(kk * BLOCK_K, BLOCK_K)], x_smem.at[st], loaded.at[st])
+                plgpu.copy_gmem_to_smem(w_gmem.at[t, kk], w_smem.at[st], loaded.at[st])
+                plgpu.copy_gmem_to_smem(s_gmem.at[kk * BLOCK_K // g, pl.ds(t * rows, rows)], s_smem.at[st],
+                                        loaded.at[st])
 
-            parts(part)
-            loads = passes * (end - start)
-
-            @pl.loop(jnp.maximum(loads - stages, 0), loads)
+            @pl.loop(jnp.maximum(end - start - stages, 0), end - start)
             def _drain(j):  # the ring's last uses, so that every barrier phase is observed before exit
                 plgpu.barrier_wait(consumed.at[lax.rem(j, stages)])
 
@@ -230,15 +203,15 @@ def w4a16_int4_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array, *, prog
         out_type=jax.ShapeDtypeStruct((int(shares.max()), n, bm), jnp.float32),
         grid=(blocks,),
         grid_names=("b",),
-        num_threads=wgs + 1,
+        num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         scratch_types=dict(
             x_smem=_smem((stages, bm, BLOCK_K), jnp.bfloat16, "rhs"),
             w_smem=_smem((stages, rows, BLOCK_K), jnp.int4, "lhs"),
             s_smem=plgpu.SMEM((stages, rows), jnp.bfloat16),
             loaded=plgpu.Barrier(num_arrivals=3, num_barriers=stages),
-            consumed=plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
-            **({"a_smem": _smem((wgs, BLOCK_N, BLOCK_K), jnp.bfloat16, "lhs")} if interpret else {}),
+            consumed=plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
+            **({"a_smem": _smem((COMPUTE_WGS, BLOCK_N, BLOCK_K), jnp.bfloat16, "lhs")} if interpret else {}),
         ),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
                                              unsafe_no_auto_barriers=True),
@@ -246,5 +219,5 @@ def w4a16_int4_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array, *, prog
     )(x, codes, scales)
     total = out[0]
     for i in range(1, out.shape[0]):  # left to right; a tile of fewer pieces leaves the rest unwritten
-        total = total + jnp.where(np.repeat(shares > i, TILE_ROWS)[:, None], out[i], 0.0)
+        total = total + jnp.where(np.repeat(shares > i, rows)[:, None], out[i], 0.0)
     return total[:, :m].T
