@@ -28,6 +28,9 @@ PRIOR_ALPHA, PRIOR_DRAFTS = 0.8, 4  # acceptance added to each sequence's observ
 # until the running sequences had this many drafts verified each (on average), γ is chosen as if every draft
 # were accepted: a prior alone could pick γ = 0 forever, never observing the acceptance that would pay
 EXPLORE_DRAFTS = 8
+# drafting is tried only where it could gain more than this with every draft accepted: less cannot repay
+# the auto loop's own cost (its W4A16 rounds inside a switch, the exploration; docs/design.md §2.5)
+MIN_GAIN = 0.05
 # each sequence's acceptance is taken this many standard deviations (its estimate's) above its mean:
 # γ = 0 observes nothing, so a low estimate from a few early rejections would otherwise never be revised
 OPTIMISM = 1.0
@@ -44,12 +47,14 @@ class CostModel:
     draft_kv_bytes: float  # the same for what a draft reads (the cache, or its shadow)
     window: int | None = None  # slots a draft reads at most (a window's sinks + size)
 
-    def drafts_read_less(self, slots: int) -> bool:
-        """Whether a draft step over a cache of ``slots`` positions can move fewer bytes than a W4A16 step
-        (a smaller head, a cache view, a window shorter than the cache); if not, no γ >= 1 ever beats a
-        W4A16 step and the choice is always γ = 0."""
-        return (self.draft_head_bytes < self.head_bytes or self.draft_kv_bytes < self.kv_bytes
-                or (self.window is not None and self.window < slots))
+    def best_gain(self, gamma_max: int, batch: int, slots: int) -> float:
+        """The most any γ >= 1 can gain over W4A16 steps, every draft accepted: its tokens per byte over a
+        W4A16 step's, for ``batch`` sequences at ``slots`` cached positions (the longest context, where a
+        draft's views save the most). At most 1 where drafts read as many bytes as a W4A16 step (no
+        smaller head, no cache view, no window shorter than ``slots``)."""
+        with jax.ensure_compile_time_eval():  # constants, also while a loop is traced
+            cost = np.asarray(self.round_costs(gamma_max, float(batch), float(slots)), np.float64)
+        return float(np.max(np.arange(2, gamma_max + 2) / cost[1:]) * cost[0])
 
     def forward(self, rows: jax.Array, kv_tokens: jax.Array, head_bytes: float, kv_bytes: float) -> jax.Array:
         """Bytes of one forward of ``rows`` token rows that reads ``kv_tokens`` cached tokens in all."""

@@ -79,51 +79,52 @@ def test_choice_matches_float64_and_follows_acceptance(rng):
 
 
 def test_auto_loop_switches_on_the_cost_model(rng):
-    """Drafts that cost nothing: every round drafts ``gamma_max``; drafts that save a few bytes but whose
-    verify re-reads far more weights: no round drafts (the switch's ``gamma_max + 1`` W4A16 steps every
-    round, so one such round is that many W4A16 steps). Either way the greedy tokens are W4A16's."""
+    """Drafts that cost nothing: every round drafts ``gamma_max``; drafts that could gain but whose
+    sequences had every one of 1000 drafts rejected: no round drafts (the switch's ``gamma_max + 1``
+    W4A16 steps every round, so one such round is that many W4A16 steps). Either way the greedy tokens
+    are W4A16's."""
     params, cfg, _ = convert_model(random_source(TINY, rng), QuantScheme(16, True), None)
     rt = Runtime(cfg)
     lengths = rng.choice(np.arange(3, 9), 2, replace=False).astype(np.int32)
     prompts = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 8)), jnp.int32)
 
-    def state():
-        return prefilled(params, rt, prompts, lengths, 20, 40, 48)
+    def state(rejected: bool):
+        s = prefilled(params, rt, prompts, lengths, 20, 40, 48)
+        return dataclasses.replace(s, drafted=jnp.full(2, 1000, jnp.int32)) if rejected else s
 
-    ref = decode_jit(params, Decoder(rt, W4A16), state())
-    base = gm.CostModel(1e6, 1e5, 1e5, 1e3, 1e3)
-    free = dataclasses.replace(base, draft_head_bytes=0.0, draft_kv_bytes=0.0)
-    for costs, drafts in ((free, True), (dataclasses.replace(base, draft_head_bytes=0.999e5), False)):
-        assert costs.drafts_read_less(48)  # both run the switch over round bodies
-        if drafts:  # a draft step then costs only its weights: make those vanish too
-            costs = dataclasses.replace(costs, weight_bytes=1e-3)
-        out = decode_jit(params, Decoder(rt, None, W4A8, None, costs), state())
+    ref = decode_jit(params, Decoder(rt, W4A16), state(False))
+    free = gm.CostModel(1e-3, 1e5, 0.0, 1e3, 0.0)
+    cheap = gm.CostModel(1e5, 1e5, 0.0, 1e3, 1e3)  # a draft head that reads nothing: could gain
+    for costs, drafts in ((free, True), (cheap, False)):
+        assert costs.best_gain(AUTO_GAMMA_MAX, 2, 48) > 1 + gm.MIN_GAIN  # both run the switch over round bodies
+        out = decode_jit(params, Decoder(rt, None, W4A8, None, costs), state(not drafts))
         d, r = np.asarray(out.drafted), np.asarray(out.rounds)
-        assert (d == AUTO_GAMMA_MAX * r).all() if drafts else (d == 0).all(), (d, r)
+        assert (d == AUTO_GAMMA_MAX * r).all() if drafts else (d == 1000).all(), (d, r)
         for i in range(2):
             n = int(ref.lengths[i])
             assert int(out.lengths[i]) == n
             np.testing.assert_array_equal(np.asarray(out.tokens[i, :n]), np.asarray(ref.tokens[i, :n]))
         if not drafts:  # one round is AUTO_GAMMA_MAX + 1 W4A16 steps (fewer where a sequence ends)
-            one = decode_jit(params, Decoder(rt, None, W4A8, None, costs), state(), jnp.int32(1))
-            start, end = np.asarray(state().lengths), np.asarray(one.lengths)
+            one = decode_jit(params, Decoder(rt, None, W4A8, None, costs), state(True), jnp.int32(1))
+            start, end = np.asarray(state(True).lengths), np.asarray(one.lengths)
             assert (end - start <= AUTO_GAMMA_MAX + 1).all() and (end - start).max() == AUTO_GAMMA_MAX + 1
             for i in range(2):
                 np.testing.assert_array_equal(np.asarray(one.tokens[i, :end[i]]), np.asarray(ref.tokens[i, :end[i]]))
 
 
-def test_drafts_that_save_no_bytes_never_draft(rng):
-    """Cost models whose drafts read no fewer bytes than a W4A16 step: the float64 brute force picks
-    γ = 0 for every acceptance, batch and context, and the auto loop is then the W4A16 loop itself (the
-    same program, no switch), also with a window as long as the buffer; one byte less in the draft's
-    head, or a window one slot shorter, brings the switch back."""
+def test_drafts_that_cannot_gain_enough_never_draft(rng):
+    """Cost models whose drafts read no fewer bytes than a W4A16 step gain nothing at any γ, and the
+    float64 brute force picks γ = 0 for every acceptance, batch and context; the auto loop is the W4A16
+    loop itself (the same program, no switch) wherever drafting could gain at most ``MIN_GAIN``: drafts
+    as costly, a window as long as the buffer, a draft head that saves only a little; a draft head that
+    reads nothing, or a window of 8 slots, brings the switch back."""
     for _ in range(20):
         head, kv = float(rng.uniform(1e7, 1e9)), float(rng.uniform(1e4, 1e6))
         c = gm.CostModel(weight_bytes=float(rng.uniform(1e8, 1e10)), head_bytes=head,
                          draft_head_bytes=head * float(rng.uniform(1, 2)), kv_bytes=kv,
                          draft_kv_bytes=kv * float(rng.uniform(1, 2)))
-        assert not c.drafts_read_less(int(rng.integers(16, 8192)))
         b = int(rng.integers(1, 33))
+        assert c.best_gain(5, b, int(rng.integers(16, 8192))) <= 1 + 1e-12
         drafted = rng.integers(0, 400, b).astype(np.float64)
         accepted = drafted if rng.random() < 0.5 else np.floor(drafted * rng.uniform(0, 1, b))
         assert _choice64(c, 5, accepted, drafted, rng.integers(16, 8192, b), np.ones(b, bool)) == 0
@@ -131,18 +132,22 @@ def test_drafts_that_save_no_bytes_never_draft(rng):
     rt = Runtime(cfg)
     state = prefilled(params, rt, jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 8)), jnp.int32),
                       jnp.asarray([5, 8], jnp.int32), 20, 40, 48)
-    same = gm.CostModel(1e6, 1e5, 1e5, 1e3, 1e3)
+    slots = state.tokens.shape[1]
 
-    def program(decoder):
+    def program(costs):
+        decoder = Decoder(rt, W4A16) if costs is None else Decoder(rt, None, W4A8, None, costs)
         return str(jax.make_jaxpr(lambda s: decode_jit.__wrapped__(params, decoder, s))(state))
 
-    ar = program(Decoder(rt, W4A16))
-    assert program(Decoder(rt, None, W4A8, None, same)) == ar
-    cheaper = program(Decoder(rt, None, W4A8, None, dataclasses.replace(same, draft_head_bytes=1e5 - 1)))
-    assert cheaper != ar and "cond[" in cheaper
-    # a window reads less only where the buffer (40 positions here) is longer than the window
-    assert program(Decoder(rt, None, W4A8, None, dataclasses.replace(same, window=40))) == ar
-    assert "cond[" in program(Decoder(rt, None, W4A8, None, dataclasses.replace(same, window=39)))
+    ar = program(None)
+    same = gm.CostModel(1e5, 1e5, 1e5, 1e3, 1e3)
+    little = dataclasses.replace(same, weight_bytes=1e6, draft_head_bytes=0.0)  # weights dominate: ~1.5% at best
+    assert 1 < little.best_gain(AUTO_GAMMA_MAX, 2, slots) < 1 + gm.MIN_GAIN
+    for costs in (same, little, dataclasses.replace(same, window=slots)):
+        assert program(costs) == ar
+    for costs in (dataclasses.replace(same, draft_head_bytes=0.0), dataclasses.replace(same, window=8)):
+        assert costs.best_gain(AUTO_GAMMA_MAX, 2, slots) > 1 + gm.MIN_GAIN
+        got = program(costs)
+        assert got != ar and "cond[" in got
 
 
 def test_generate_auto_gamma_equals_w4a16(rng):
