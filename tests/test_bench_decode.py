@@ -585,10 +585,15 @@ def test_smoke_preset_end_to_end_and_resume(tmp_path, monkeypatch, capsys):
         assert 0 <= auto["mean_gamma"] <= decode.AUTO_GAMMA_MAX and auto["tokens_per_s"] > 0
         # against the W4A16 AR loop timed beside it, not the one timed first
         assert auto["speedup_vs_w4a16"] == pytest.approx(auto["tokens_per_s"] / auto["w4a16_tokens_per_s_beside"])
+        # a window of 1088 slots over a 32-token context reads the whole cache: drafting gains nothing, so
+        # the auto loop is W4A16's
+        assert set(r["auto_best_gain"]) == {"w4a8/win1024+64"}
+        assert r["auto_best_gain"]["w4a8/win1024+64"] <= 1 and auto["mean_gamma"] == 0
         assert {"gpu", "date", "commit", "command"} <= set(r)
     md = (out / "decode.md").read_text()
     assert "qspec w4a8/win1024+64 g=3" in md and "best γ (w4a8/win1024+64)" in md
     assert "timed alternately" in md and "W4A16 AR beside it" in md
+    assert "(< 1 + MIN_GAIN: the W4A16 loop)" in md
     for e in run["results"][0]["methods"].values():  # a run recorded before auto was timed so says nothing of it
         e.pop("w4a16_tokens_per_s_beside", None)
     assert "alternately" not in decode.markdown(run)
