@@ -92,7 +92,9 @@ class GenerationResult:
     ``finish_reasons``: ``"stop"`` (an EOS token or a stop string) or ``"length"``.
     ``stats``: ``generated`` tokens (by the decode loop, before any stop-string cut), ``wall_time_s`` (prefill + decode, and compilation on the first
     call of a shape), ``tokens_per_s``; QSPEC adds ``rounds``, ``drafted``, ``accepted``,
-    ``acceptance_rate`` and ``tokens_per_round``, an autoregressive method ``steps``."""
+    ``acceptance_rate`` and ``tokens_per_round``, and with ``gamma="auto"`` ``best_gain`` (the most
+    drafting could gain over W4A16 steps by the cost model, every draft accepted: under
+    ``1 + MIN_GAIN`` no round drafts), an autoregressive method ``steps``."""
 
     sequences: list[np.ndarray]
     prompt_lengths: np.ndarray
@@ -206,7 +208,8 @@ def generate(model: Model, prompts: str | Sequence[str] | Sequence[Sequence[int]
 
     ``qspec`` drafts ``gamma`` tokens per round (default :data:`DEFAULT_GAMMA`) in ``draft`` precision
     (default :data:`DEFAULT_DRAFT`) and verifies them in W4A16 (``"auto"``: each round's γ in ``0..AUTO_GAMMA_MAX`` from a bytes cost model of the phases and the
-    acceptance so far, :mod:`qspec_jax.gamma`; γ = 0 runs ``AUTO_GAMMA_MAX + 1`` W4A16 steps); the other methods decode
+    acceptance so far, :mod:`qspec_jax.gamma`; γ = 0 runs ``AUTO_GAMMA_MAX + 1`` W4A16 steps; where drafting could
+    gain less than :data:`qspec_jax.gamma.MIN_GAIN` with every draft accepted, every round is γ = 0); the other methods decode
     autoregressively in that mode and refuse ``draft`` / ``gamma``. ``draft_kv`` (8 or 4, ``qspec`` only):
     the drafts attend over an INT8 / INT4 copy of the KV cache kept beside it, reading fewer bytes
     per draft step; the verifier still reads only its own float cache, so the output is unchanged.
@@ -409,6 +412,8 @@ def _generation(model: Model, prompts, chunk_rounds: int | None, *, max_new_toke
     gen = np.array([len(x) for x in seqs], np.int32)
     reasons = [FINISH_REASONS[int(f)] for f in finish]
     stats = _stats((n_rounds, drafted, accepted, lens - lengths), wall, ar is None)
+    if decoder.costs is not None:
+        stats["best_gain"] = decoder.costs.best_gain(AUTO_GAMMA_MAX, b, state.tokens.shape[1])
     logprobs = [lp[i, lengths[i]:lengths[i] + gen[i]] for i in range(b)] if return_logprobs else None
     final = None if tok is None else full
     yield dataclasses.replace(update, result=GenerationResult(seqs, lengths, gen, reasons, final, stats, logprobs))
