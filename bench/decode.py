@@ -90,7 +90,7 @@ from pallas_kernels.reference import KV_BITS, AttentionWindow  # noqa: E402
 from qspec_jax.api import (DEFAULT_DRAFT, DEFAULT_GAMMA, DEFAULT_SINKS, DEFAULT_WINDOW, DRAFTS, METHODS,  # noqa: E402
                            load)
 from qspec_jax.config import LlamaConfig  # noqa: E402
-from qspec_jax.gamma import MIN_GAIN, cost_model, expected_tokens  # noqa: E402
+from qspec_jax.gamma import MIN_GAIN, cost_model, drafting_can_pay, expected_tokens  # noqa: E402
 from qspec_jax.kernels import KERNELS, Execution, resolve_kernels  # noqa: E402
 from qspec_jax.core import AUTO_GAMMA_MAX, Decoder, decode, init_state, prefill_jit  # noqa: E402
 from qspec_jax.decode import DecodeState, Runtime  # noqa: E402
@@ -583,7 +583,6 @@ def plan_config(name: str, cfg: LlamaConfig, params: dict, fparams: dict | None,
                                                         (params, carry(g + 1, bits)))
         if args.auto:
             costs = cost_model(p_d, cfg, jnp.bfloat16, bits, spec.window)
-            # the most drafting could gain with every draft accepted; under 1 + MIN_GAIN the loop is W4A16's
             res.setdefault("auto_best_gain", {})[draft] = costs.best_gain(AUTO_GAMMA_MAX, batch, state.tokens.shape[1])
             replay = None if trace is None else jnp.asarray(auto_rounds(draft_rounds(rows, draft)), jnp.int32)
             jobs["qspec", draft, "auto"] = (jax.jit(lambda q, s, p=parse_precision(mode), rt_d=rt_d, replay=replay,
@@ -1030,7 +1029,7 @@ def markdown(run: dict) -> str:
                 gain = r.get("auto_best_gain", {}).get(m.removeprefix("qspec ").removesuffix(" g=auto"))
                 if gain is not None:
                     timed += f"; best gain {gain:.3f}" + (" (< 1 + MIN_GAIN: the W4A16 loop)"
-                                                          if gain < 1 + MIN_GAIN else "")
+                                                          if not drafting_can_pay(gain) else "")
                 lines.append(f"| {m} ({acceptance}) | {e['tokens_per_s']:.0f} | | {e['tokens_per_round']:.2f} "
                              f"(mean γ {e['mean_gamma']:.2f}{timed}) | {e['alpha']:.3f} | | | | "
                              f"{e.get('speedup_vs_w4a16', float('nan')):.2f}× | | | {mem} |")

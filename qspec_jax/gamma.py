@@ -98,6 +98,12 @@ def _head_bytes(w: QuantizedWeight | jax.Array, itemsize: int) -> float:
     return float(np.prod(w.shape)) * itemsize
 
 
+def drafting_can_pay(gain: float) -> bool:
+    """Whether a best gain (:meth:`CostModel.best_gain`) is worth the auto loop's switch over round
+    bodies; if not, every round is γ = 0 and the loop is the W4A16 loop itself."""
+    return gain >= 1 + MIN_GAIN
+
+
 def expected_tokens(alpha: jax.Array, gamma: jax.Array) -> jax.Array:
     """Tokens a round commits when each draft is accepted independently with probability ``alpha``:
     ``(1 - alpha**(gamma+1)) / (1 - alpha)``."""

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.precision import W4A16, Precision
 from qspec_jax.decode import DecodeState, Runtime, ar_loop, commit, last_tokens, run_loop, token_logprobs
-from qspec_jax.gamma import MIN_GAIN, CostModel, choose_gamma
+from qspec_jax.gamma import CostModel, choose_gamma, drafting_can_pay
 from qspec_jax.sampling import accept_greedy, accept_stochastic, choose
 
 TARGET = W4A16  # the verifier's precision
@@ -106,6 +106,6 @@ def qspec_auto_loop(params, state: DecodeState, rounds: jax.Array | None, rt: Ru
     drafting could gain at most :data:`~qspec_jax.gamma.MIN_GAIN` over W4A16 steps at the state's batch
     and buffer length (drafts that read as many bytes as a W4A16 step gain nothing), it is the W4A16
     loop itself (γ = 0 every round, without a switch and a cost evaluation per step)."""
-    if costs.best_gain(gamma_max, state.lengths.shape[0], state.tokens.shape[1]) < 1 + MIN_GAIN:
+    if not drafting_can_pay(costs.best_gain(gamma_max, state.lengths.shape[0], state.tokens.shape[1])):
         return ar_loop(params, state, rounds, rt, TARGET)
     return run_loop(lambda s: auto_round(params, s, rt, gamma_max, draft, costs, accept), state, rounds)
